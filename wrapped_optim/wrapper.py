@@ -1,0 +1,266 @@
+"""The decorator base every wrapper in this package builds on.
+
+A wrapper must still *be* an optimizer: LR schedulers check ``isinstance(opt, Optimizer)``,
+checkpointers call ``state_dict``, training loops call ``step``. So :class:`OptimizerWrapper`
+subclasses :class:`torch.optim.Optimizer` without running its ``__init__``: the parameter
+groups, state and defaults stay owned by the wrapped object and are forwarded, never copied.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
+
+import torch
+
+__all__ = ["OptimizerWrapper"]
+
+T = TypeVar("T")
+
+# Instance attributes that belong to the wrapper itself and are never forwarded to the inner
+# optimizer, even when assigned (torch's Optimizer and its LR schedulers set several of these).
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
+class OptimizerWrapper(torch.optim.Optimizer):
+    """Decorates an optimizer while remaining one.
+
+    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects (reads
+    and assignments both go through), and any attribute the wrapper does not define is looked
+    up on the inner optimizer, so Megatron's API (``sharded_state_dict``,
+    ``reload_model_params``, ``get_loss_scale``, ``chained_optimizers``, ``config``, ...) works
+    through a whole stack. The inner object may be a torch optimizer, a Megatron optimizer
+    (which is not a torch ``Optimizer``) or another wrapper.
+
+    Hooks: hooks registered on a wrapper (``register_step_pre_hook``,
+    ``register_state_dict_post_hook``, ...) fire around the *whole* stack below it and receive
+    the wrapper as their optimizer argument; hooks registered on the inner optimizer keep
+    firing around the inner call only. Global optimizer hooks
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``) are not fired by wrappers:
+    they fire once per ``step`` of each torch optimizer inside, exactly as without wrappers.
+
+    Subclasses override :meth:`_step`, :meth:`_state_dict` and :meth:`_load_state_dict`
+    (the public methods add the hook handling) and :meth:`_extra_repr`.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim import OptimizerWrapper
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> opt = OptimizerWrapper(torch.optim.SGD([p], lr=0.1))
+        >>> p.grad = torch.ones(2)
+        >>> opt.step()
+        >>> p.data
+        tensor([0.9000, 0.9000])
+        >>> opt.param_groups is opt.inner.param_groups
+        True
+        >>> opt.unwrap() is opt.inner
+        True
+    """
+
+    inner: Any
+
+    def __init__(self, inner: Any) -> None:
+        # Optimizer.__init__ is deliberately not called: it would build param_groups and state
+        # of our own. Only the hook registries it would create are needed.
+        if inner is None:
+            raise TypeError(f"{type(self).__name__} needs an optimizer to wrap, got None")
+        if not hasattr(inner, "step") or not hasattr(inner, "state_dict"):
+            raise TypeError(
+                f"{type(self).__name__} wraps optimizers (objects with step and state_dict); "
+                f"got {type(inner).__name__}"
+            )
+        self.__dict__["inner"] = inner
+        self._init_hook_registries()
+
+    def _init_hook_registries(self) -> None:
+        for name in _HOOK_DICTS:
+            self.__dict__[name] = OrderedDict()
+
+    # ----------------------------------------------------------------------------------
+    # Forwarded state
+    # ----------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups (the same list object)."""
+        return cast(list[dict[str, Any]], self.inner.param_groups)
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's per-parameter state (the same mapping object)."""
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The inner optimizer's defaults; Megatron optimizers have none (AttributeError)."""
+        return cast(dict[str, Any], self.inner.defaults)
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.inner.defaults = value
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails. Never forward dunders or lookups made before
+        # ``inner`` exists (unpickling, copy), which would otherwise recurse.
+        if name.startswith("__") or "inner" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+        return getattr(self.__dict__["inner"], name)
+
+    # ----------------------------------------------------------------------------------
+    # The optimizer contract
+    # ----------------------------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Runs the wrapper's step (and hooks registered on the wrapper)."""
+        for pre_hook in self._optimizer_step_pre_hooks.values():
+            result = pre_hook(self, (closure,) if closure is not None else (), {})
+            if result is not None:
+                # torch's contract: a pre-hook may return new (args, kwargs).
+                args, kwargs = result
+                closure = args[0] if args else kwargs.get("closure")
+        loss = self._step(closure)
+        for post_hook in self._optimizer_step_post_hooks.values():
+            post_hook(self, (closure,) if closure is not None else (), {})
+        return loss
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
+        return self._inner_step(closure)
+
+    def _inner_step(self, closure: Callable[[], Any] | None) -> Any:
+        # Megatron optimizers' step() takes no closure.
+        if closure is None:
+            return self.inner.step()
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forwards to the inner optimizer."""
+        self.inner.zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Forwards to the inner optimizer."""
+        self.inner.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict (the wrapper adds nothing to the format)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self._state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            hook_result = post_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        return state_dict
+
+    def _state_dict(self) -> dict[str, Any]:
+        return cast(dict[str, Any], self.inner.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict written by this stack, another stack or the bare optimizer."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    # ----------------------------------------------------------------------------------
+    # Navigating the stack
+    # ----------------------------------------------------------------------------------
+    def layers(self) -> list[Any]:
+        """Every object of the decorator chain, outermost (this wrapper) to innermost.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim import OptimizerWrapper
+            >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+            >>> stack = OptimizerWrapper(OptimizerWrapper(sgd))
+            >>> [type(layer).__name__ for layer in stack.layers()]
+            ['OptimizerWrapper', 'OptimizerWrapper', 'SGD']
+        """
+        return list(self._iter_layers())
+
+    def _iter_layers(self) -> Iterator[Any]:
+        layer: Any = self
+        while True:
+            yield layer
+            if not isinstance(layer, OptimizerWrapper):
+                return
+            layer = layer.inner
+
+    def unwrap(self) -> Any:
+        """The innermost optimizer: the first object of the chain that is not a wrapper.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim import OptimizerWrapper
+            >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+            >>> OptimizerWrapper(OptimizerWrapper(sgd)).unwrap() is sgd
+            True
+        """
+        return self.layers()[-1]
+
+    def find(self, cls: type[T]) -> T | None:
+        """The outermost layer that is an instance of ``cls``, or ``None``.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim import OptimizerWrapper
+            >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+            >>> OptimizerWrapper(sgd).find(torch.optim.SGD) is sgd
+            True
+            >>> OptimizerWrapper(sgd).find(torch.optim.Adam) is None
+            True
+        """
+        for layer in self._iter_layers():
+            if isinstance(layer, cls):
+                return layer
+        return None
+
+    # ----------------------------------------------------------------------------------
+    # Presentation and serialisation
+    # ----------------------------------------------------------------------------------
+    def _extra_repr(self) -> str:
+        """Options shown in the repr, e.g. ``"chunk_bytes=67108864"``."""
+        return ""
+
+    def __repr__(self) -> str:
+        lines = []
+        for depth, layer in enumerate(self._iter_layers()):
+            prefix = "" if depth == 0 else "   " * (depth - 1) + "└─ "
+            if isinstance(layer, OptimizerWrapper):
+                lines.append(f"{prefix}{type(layer).__name__}({layer._extra_repr()})")
+            else:
+                groups = getattr(layer, "param_groups", None)
+                count = len(groups) if isinstance(groups, list) else "?"
+                lines.append(f"{prefix}{type(layer).__name__}(param_groups={count})")
+        return "\n".join(lines)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Hooks and an LR scheduler's instance-level ``step`` patch hold closures and weak
+        # references; torch's Optimizer drops them when pickled too.
+        state = dict(self.__dict__)
+        for name in (*_HOOK_DICTS, "step", "_opt_called"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_hook_registries()
