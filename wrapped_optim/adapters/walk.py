@@ -60,7 +60,7 @@ def _walk(obj: Any) -> Iterator[tuple[Any, Any]]:
         for child in chained:
             yield from _walk(child)
         return
-    if "optimizer" in vars(obj) or hasattr(type(obj), "optimizer"):
+    if "optimizer" in getattr(obj, "__dict__", {}) or hasattr(type(obj), "optimizer"):
         # A Megatron optimizer: the leaf is its ``.optimizer`` (None on a stub rank).
         inner = _unwrapped(obj.optimizer)
         if inner is None or isinstance(inner, torch.optim.Optimizer):
