@@ -1,4 +1,4 @@
-"""The ``wrapped-optim`` command: ``demo`` (more subcommands join as features land)."""
+"""The ``wrapped-optim`` command: ``demo``, ``bench`` and ``inspect``."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import argparse
 import io
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from wrapped_optim.wrapper import OptimizerWrapper
 
-__all__ = ["main"]
+__all__ = ["main", "run_inspect"]
 
 
 def _make(seed: int) -> tuple[torch.nn.Module, OptimizerWrapper]:
@@ -61,15 +62,75 @@ def run_demo(steps: int = 200) -> int:
     return 0 if identical else 1
 
 
+def run_inspect(path: str, *, per_param: bool = True) -> int:
+    """``wrapped-optim inspect PATH``: prints what an optimizer checkpoint holds.
+
+    Returns 0, or 2 (with the reason on stderr) when the path is not an optimizer checkpoint.
+
+    Example:
+        >>> from wrapped_optim.cli import run_inspect
+        >>> run_inspect("/no/such/file.pt")
+        2
+    """
+    from wrapped_optim.inspect import InspectError, format_report, inspect_checkpoint
+
+    try:
+        report = inspect_checkpoint(path)
+    except InspectError as error:
+        print(f"wrapped-optim inspect: error: {error}", file=sys.stderr)
+        return 2
+    print(format_report(report, per_param=per_param))
+    return 0
+
+
+def _add_bench_command(commands: Any) -> None:
+    from wrapped_optim.bench.report import add_arguments
+
+    bench = commands.add_parser(
+        "bench",
+        help="run the benchmarks, write docs/benchmarks.md and its figures",
+        description="Runs every wrapped_optim.bench topic and writes <out>/benchmarks.md "
+        "(plus PNG figures in <out>/img/ when matplotlib is installed).",
+    )
+    add_arguments(bench)
+
+
+def _add_inspect_command(commands: Any) -> None:
+    inspect = commands.add_parser(
+        "inspect",
+        help="describe an optimizer checkpoint (torch.save file or DCP directory)",
+        description="Prints each optimizer state dict in a checkpoint: its detected format, "
+        "every state tensor (dtype, shape, bytes), step counters and param groups.",
+    )
+    inspect.add_argument("path", metavar="PATH", help="a torch.save file or a DCP directory")
+    inspect.add_argument(
+        "--summary", action="store_true", help="one line per state name, no per-parameter rows"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``wrapped-optim`` command."""
+    """Entry point of the ``wrapped-optim`` command.
+
+    Example:
+        >>> from wrapped_optim.cli import main
+        >>> main(["inspect", "/no/such/checkpoint"])
+        2
+    """
     parser = argparse.ArgumentParser(prog="wrapped-optim", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train, checkpoint, resume and verify on CPU")
     demo.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    _add_bench_command(commands)
+    _add_inspect_command(commands)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run_demo(args.steps)
+    if args.command == "bench":
+        from wrapped_optim.bench.report import run_from_args
+
+        return run_from_args(args)
+    if args.command == "inspect":
+        return run_inspect(args.path, per_param=not args.summary)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

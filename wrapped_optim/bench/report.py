@@ -1,0 +1,508 @@
+"""Runs the benchmark topics and writes ``docs/benchmarks.md`` with its plots.
+
+Every module ``wrapped_optim.bench.<topic>`` (except this one and the CUDA-only ``gpu_*``
+scripts) is a topic: its ``run(quick)`` returns a Markdown section, and its optional
+``plots(out_dir)`` writes PNG figures. The report runs each topic in turn, keeps going when one
+fails (the page says which and why), and writes one page: a header with the machine, the date
+and how to reproduce, a summary table, then every topic's section with its figures. Figures are
+drawn only when matplotlib is importable (``pip install 'wrapped-optim[plots]'``).
+
+Run it as ``wrapped-optim bench`` or ``python -m wrapped_optim.bench.report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib
+import importlib.util
+import os
+import pkgutil
+import platform
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+import attrs
+import torch
+
+__all__ = [
+    "BenchReport",
+    "TopicResult",
+    "UnknownTopicError",
+    "add_arguments",
+    "discover_topics",
+    "machine_summary",
+    "main",
+    "matplotlib_available",
+    "render_report",
+    "run_benchmarks",
+]
+
+PACKAGE = "wrapped_optim.bench"
+PAGE = "benchmarks.md"
+IMAGE_DIR = "img"
+
+
+class UnknownTopicError(LookupError):
+    """A requested topic is not a benchmark module.
+
+    Example:
+        >>> from wrapped_optim.bench.report import UnknownTopicError, run_benchmarks
+        >>> try:
+        ...     run_benchmarks(only=["no_such_topic"], out_dir="/tmp/unused")
+        ... except UnknownTopicError as error:
+        ...     print(str(error).splitlines()[0])
+        unknown benchmark topic 'no_such_topic'
+    """
+
+
+@attrs.frozen
+class TopicResult:
+    """What running one topic produced.
+
+    Attributes:
+        topic: the module's short name.
+        markdown: its section as returned by ``run`` (empty when it failed).
+        seconds: wall time of ``run`` (plus ``plots``).
+        error: ``"Type: message"`` when ``run`` or ``plots`` raised, else None.
+        plots: the figures it wrote.
+
+    Example:
+        >>> from wrapped_optim.bench.report import TopicResult
+        >>> TopicResult("demo", "## Demo", 0.5, None, ()).ok
+        True
+    """
+
+    topic: str
+    markdown: str
+    seconds: float
+    error: str | None
+    plots: tuple[Path, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when the topic ran without raising."""
+        return self.error is None
+
+
+@attrs.frozen
+class BenchReport:
+    """The written page and what each topic produced.
+
+    Example:
+        >>> from pathlib import Path
+        >>> from wrapped_optim.bench.report import BenchReport, TopicResult
+        >>> failed = TopicResult("x", "", 0.1, "RuntimeError: boom", ())
+        >>> BenchReport(Path("docs/benchmarks.md"), (failed,)).ok
+        False
+    """
+
+    page: Path
+    results: tuple[TopicResult, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every topic ran."""
+        return all(r.ok for r in self.results)
+
+
+def discover_topics(package: str = PACKAGE) -> list[str]:
+    """The benchmark topics of ``package``: every module but ``report`` and ``gpu_*``.
+
+    Example:
+        >>> from wrapped_optim.bench.report import discover_topics
+        >>> "report" in discover_topics()
+        False
+    """
+    module = importlib.import_module(package)
+    return sorted(
+        info.name
+        for info in pkgutil.iter_modules(module.__path__)
+        if _is_topic_name(info.name) and not info.ispkg
+    )
+
+
+def _is_topic_name(name: str) -> bool:
+    return name != "report" and not name.startswith(("gpu_", "_"))
+
+
+def machine_summary() -> list[tuple[str, str]]:
+    """``(label, value)`` rows describing where the numbers were measured.
+
+    Example:
+        >>> from wrapped_optim.bench.report import machine_summary
+        >>> [label for label, _ in machine_summary()]
+        ['CPU', 'accelerator', 'torch', 'Python', 'OS']
+    """
+    cpu = _cpu_model() or platform.processor() or platform.machine()
+    cores = os.cpu_count() or 0
+    if torch.cuda.is_available():
+        accelerator = ", ".join(
+            torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
+        )
+    else:
+        accelerator = "none (CPU only)"
+    return [
+        ("CPU", f"{cpu} ({cores} logical cores)"),
+        ("accelerator", accelerator),
+        ("torch", f"{torch.__version__} ({torch.get_num_threads()} intra-op threads)"),
+        ("Python", platform.python_version()),
+        ("OS", platform.platform()),
+    ]
+
+
+def _cpu_model() -> str | None:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^model name\s*:\s*(.+)$", text, flags=re.MULTILINE)
+    return match.group(1).strip() if match else None
+
+
+def _load_topic(package: str, topic: str, known: Sequence[str]) -> ModuleType:
+    available = ", ".join(known) or "none"
+    if not _is_topic_name(topic):
+        raise UnknownTopicError(
+            f"unknown benchmark topic {topic!r}\n"
+            f"'report' and gpu_* modules are not topics; available: {available}"
+        )
+    name = f"{package}.{topic}"
+    if name not in sys.modules and importlib.util.find_spec(name) is None:
+        raise UnknownTopicError(f"unknown benchmark topic {topic!r}\navailable: {available}")
+    module = importlib.import_module(name)
+    if not callable(getattr(module, "run", None)):
+        raise UnknownTopicError(f"{name} has no run(quick) function\navailable: {available}")
+    return module
+
+
+def _run_topic(topic: str, module: ModuleType, quick: bool, image_dir: Path | None) -> TopicResult:
+    start = time.perf_counter()
+    markdown: str = ""
+    error: str | None = None
+    plots: tuple[Path, ...] = ()
+    try:
+        markdown = module.run(quick)
+        if not isinstance(markdown, str):
+            raise TypeError(f"run() returned a {type(markdown).__name__}, not Markdown text")
+        make_plots: Callable[[Path], Sequence[Path]] | None = getattr(module, "plots", None)
+        if image_dir is not None and make_plots is not None:
+            image_dir.mkdir(parents=True, exist_ok=True)
+            plots = tuple(Path(p) for p in make_plots(image_dir))
+    except Exception as exc:  # a failing topic is reported, the others still run
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        gc.collect()
+    return TopicResult(topic, markdown, time.perf_counter() - start, error, plots)
+
+
+def matplotlib_available() -> bool:
+    """True when matplotlib can be imported (figures are drawn only then).
+
+    Example:
+        >>> from wrapped_optim.bench.report import matplotlib_available
+        >>> isinstance(matplotlib_available(), bool)
+        True
+    """
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _runtime_plot(results: Sequence[TopicResult], image_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 1.6 + 0.4 * len(results)))
+    names = [r.topic for r in results]
+    axes.barh(names, [r.seconds for r in results], color=["C0" if r.ok else "C3" for r in results])
+    axes.invert_yaxis()
+    axes.set_xlabel("wall time of the topic's benchmark (s)")
+    axes.set_title("Benchmark run time per topic")
+    figure.tight_layout()
+    image_dir.mkdir(parents=True, exist_ok=True)
+    path = image_dir / "bench_runtime.png"
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _shift_headings(markdown: str, topic: str) -> str:
+    """Makes the section's top heading level 2 (the page owns level 1); adds one if missing."""
+    lines = markdown.strip("\n").splitlines()
+    levels: list[int] = []
+    fenced = False
+    for line in lines:
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced and (match := re.match(r"^(#{1,6}) ", line)):
+            levels.append(len(match.group(1)))
+    if not levels:
+        return f"## {topic}\n\n" + "\n".join(lines)
+    shift = max(0, 2 - min(levels))
+    out, fenced = [], False
+    for line in lines:
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif shift and not fenced and re.match(r"^#{1,6} ", line):
+            line = "#" * shift + line
+        out.append(line)
+    return "\n".join(out)
+
+
+def render_report(
+    results: Sequence[TopicResult],
+    *,
+    page_dir: Path,
+    quick: bool,
+    machine: Sequence[tuple[str, str]],
+    date: datetime.datetime,
+    plots_note: str | None = None,
+    summary_plot: Path | None = None,
+) -> str:
+    """The Markdown of ``benchmarks.md`` for ``results`` (figure links relative to ``page_dir``).
+
+    Example:
+        >>> import datetime
+        >>> from pathlib import Path
+        >>> from wrapped_optim.bench.report import TopicResult, render_report
+        >>> toy = TopicResult("toy", "# Toy\\n\\n| n | s |\\n|---|---|\\n| 1 | 2 |", 0.25, None, ())
+        >>> page = render_report(
+        ...     [toy],
+        ...     page_dir=Path("docs"), quick=True, machine=[("CPU", "test")],
+        ...     date=datetime.datetime(2026, 1, 2, 3, 4, tzinfo=datetime.timezone.utc))
+        >>> print(page.splitlines()[0])
+        # Benchmarks
+        >>> "## Toy" in page and "2026-01-02 03:04 UTC" in page
+        True
+    """
+    mode = "quick mode (`--quick`, smaller sizes)" if quick else "full mode"
+    stamp = date.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = "wrapped-optim bench" + (" --quick" if quick else "")
+    parts = [
+        "# Benchmarks",
+        "",
+        f"Generated by `{command}` on {stamp}, {mode}. Running the command again overwrites "
+        f"this page and its figures in `{IMAGE_DIR}/`; speed and memory claims in these docs "
+        "are backed by the numbers below, not by timed tests.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {label} | {_cell(value)} |" for label, value in machine),
+        "",
+        "## How to reproduce",
+        "",
+        "```bash",
+        "pip install -e '.[plots]'              # matplotlib, for the figures",
+        "wrapped-optim bench                    # every topic, full sizes",
+        "wrapped-optim bench --quick            # every topic, small sizes",
+        "wrapped-optim bench --only TOPIC       # some topics (repeatable)",
+        "python -m wrapped_optim.bench.TOPIC    # one topic, printed instead of written",
+        "```",
+        "",
+        "## Summary",
+        "",
+        "| topic | result | time (s) | reproduce |",
+        "|---|---|---:|---|",
+    ]
+    for r in results:
+        status = "ok" if r.ok else f"**failed**: {_cell(r.error or '')}"
+        parts.append(
+            f"| [{r.topic}](#{_anchor(r)}) | {status} | {r.seconds:.1f} | "
+            f"`python -m {PACKAGE}.{r.topic}` |"
+        )
+    if not results:
+        parts.append("| (no topics) | | | |")
+    parts.append("")
+    if plots_note:
+        parts += [plots_note, ""]
+    if summary_plot is not None:
+        parts += [f"![Run time per topic]({_relative(summary_plot, page_dir)})", ""]
+    for r in results:
+        if r.ok:
+            parts.append(_shift_headings(r.markdown, r.topic))
+        else:
+            parts += [f"## {r.topic}", "", f"This topic failed: `{r.error}`"]
+        for plot in r.plots:
+            link = _relative(plot, page_dir)
+            if link not in r.markdown:
+                parts += ["", f"![{r.topic}: {plot.stem}]({link})"]
+        parts.append("")
+    return "\n".join(parts).rstrip("\n") + "\n"
+
+
+def _anchor(result: TopicResult) -> str:
+    """The anchor mkdocs gives the section's first heading (its slug)."""
+    heading = result.topic
+    if result.ok:
+        for line in _shift_headings(result.markdown, result.topic).splitlines():
+            if line.startswith("## "):
+                heading = line[3:]
+                break
+    slug = re.sub(r"[^\w\s-]", "", heading.lower()).strip()
+    return re.sub(r"[\s]+", "-", slug)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _relative(path: Path, start: Path) -> str:
+    return Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())).as_posix()
+
+
+def run_benchmarks(
+    quick: bool = False,
+    only: Sequence[str] | None = None,
+    out_dir: str | os.PathLike[str] = "docs",
+    *,
+    package: str = PACKAGE,
+    plots: bool = True,
+    echo: Callable[[str], None] | None = None,
+) -> BenchReport:
+    """Runs the topics and writes ``<out_dir>/benchmarks.md`` and ``<out_dir>/img/*.png``.
+
+    ``only`` picks topics by name (all discovered ones by default); every name is checked
+    before anything runs. ``echo`` receives one progress line per topic.
+
+    Raises:
+        UnknownTopicError: a name in ``only`` is not a topic module.
+
+    Example:
+        >>> import sys, tempfile, types
+        >>> from pathlib import Path
+        >>> from wrapped_optim.bench.report import run_benchmarks
+        >>> toy = types.ModuleType("wrapped_optim.bench.toy_example")
+        >>> toy.run = lambda quick: "## Toy\\n\\nmeasured: 42 ms"
+        >>> sys.modules[toy.__name__] = toy
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     report = run_benchmarks(quick=True, only=["toy_example"], out_dir=tmp, plots=False)
+        ...     text = Path(tmp, "benchmarks.md").read_text()
+        >>> report.ok, "measured: 42 ms" in text
+        (True, True)
+        >>> del sys.modules[toy.__name__]
+    """
+    known = discover_topics(package)
+    topics = list(dict.fromkeys(only)) if only else known
+    modules = [(topic, _load_topic(package, topic, known)) for topic in topics]
+
+    out = Path(out_dir)
+    image_dir = out / IMAGE_DIR
+    draw = plots and matplotlib_available()
+    results = []
+    for topic, module in modules:
+        if echo is not None:
+            echo(f"running {topic} ...")
+        result = _run_topic(topic, module, quick, image_dir if draw else None)
+        if echo is not None:
+            status = "ok" if result.ok else f"FAILED ({result.error})"
+            echo(f"  {topic}: {status} in {result.seconds:.1f} s")
+        results.append(result)
+
+    summary_plot = _runtime_plot(results, image_dir) if draw and results else None
+    if draw:
+        note = None
+    elif plots:
+        note = (
+            "Figures were not drawn: matplotlib is not installed "
+            "(`pip install 'wrapped-optim[plots]'`)."
+        )
+    else:
+        note = "Figures were not drawn (plots turned off)."
+    page = out / PAGE
+    out.mkdir(parents=True, exist_ok=True)
+    page.write_text(
+        render_report(
+            results,
+            page_dir=out,
+            quick=quick,
+            machine=machine_summary(),
+            date=datetime.datetime.now(datetime.timezone.utc),
+            plots_note=note,
+            summary_plot=summary_plot,
+        )
+    )
+    return BenchReport(page, tuple(results))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the bench options (``--quick``, ``--only``, ``--out``, ``--no-plots``) to a parser.
+
+    Example:
+        >>> import argparse
+        >>> from wrapped_optim.bench.report import add_arguments
+        >>> parser = argparse.ArgumentParser()
+        >>> add_arguments(parser)
+        >>> args = parser.parse_args(["--quick", "--only", "a", "b", "--only", "c"])
+        >>> args.quick, args.only, args.out
+        (True, ['a', 'b', 'c'], 'docs')
+    """
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        action="extend",
+        metavar="TOPIC",
+        help="run only these topics (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--out", default="docs", help="folder for benchmarks.md and img/ (default: docs)"
+    )
+    parser.add_argument("--no-plots", action="store_true", help="do not draw figures")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Runs :func:`run_benchmarks` for parsed :func:`add_arguments` options; the exit code.
+
+    0 when every topic ran, 1 when one failed (the page says which), 2 for an unknown topic.
+
+    Example:
+        >>> import argparse
+        >>> from wrapped_optim.bench.report import run_from_args
+        >>> run_from_args(argparse.Namespace(quick=True, only=["nope"], out="/tmp/unused",
+        ...                                  no_plots=True))
+        2
+    """
+    try:
+        report = run_benchmarks(
+            quick=args.quick,
+            only=args.only,
+            out_dir=args.out,
+            plots=not args.no_plots,
+            echo=lambda line: print(line, flush=True),
+        )
+    except UnknownTopicError as error:
+        print(f"wrapped-optim bench: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {report.page}")
+    failed = [r.topic for r in report.results if not r.ok]
+    if failed:
+        print(f"failed topics: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m wrapped_optim.bench.report``: the same as ``wrapped-optim bench``.
+
+    Example:
+        >>> from wrapped_optim.bench.report import main
+        >>> main(["--only", "no_such_topic", "--out", "/tmp/unused"])
+        2
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m wrapped_optim.bench.report", description=__doc__.splitlines()[0]
+    )
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
