@@ -195,7 +195,7 @@ def test_inspect_torch_save_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
     out = capsys.readouterr().out
     assert "torch.save file" in out
-    assert "format: torch optimizer state, FP32" in out
+    assert "format: torch optimizer state; floating state FP32" in out
     assert "0      exp_avg     float32  (2, 3)  24" in out
     assert "steps: 1 (per-parameter)" in out
 

@@ -87,7 +87,7 @@ def test_torch_adamw_file_reports_every_state(tmp_path: Path) -> None:
     (opt_report,) = report.optimizers
     assert opt_report.location == ""
     assert opt_report.format is StateFormat.TORCH
-    assert opt_report.description == "torch optimizer state, FP32"
+    assert opt_report.description == "torch optimizer state; floating state FP32"
     assert opt_report.steps == (3,)
     assert opt_report.step_source == "per-parameter"
     expected = [
@@ -192,7 +192,7 @@ def test_format_report_lists_states_steps_and_groups(tmp_path: Path) -> None:
     short = format_report(report, per_param=False)
 
     assert "optimizer state at optim" in full
-    assert "format: torch optimizer state, FP32" in full
+    assert "format: torch optimizer state; floating state FP32" in full
     assert "steps: 2 (per-parameter)" in full
     assert "exp_avg_sq  4      float32  92 B" in full  # 23 params x 4 bytes
     assert "0      exp_avg     float32  (3, 4)  48" in full

@@ -195,14 +195,15 @@ class OptimizerReport:
             >>> OptimizerReport("", StateFormat.TORCH,
             ...     (StateTensor("0", "exp_avg", torch.float32, (2,), 8),),
             ...     (), "none", (), ()).description
-            'torch optimizer state, FP32'
+            'torch optimizer state; floating state FP32'
         """
         floating = {t.dtype for t in self.tensors if t.dtype.is_floating_point and t.name != "step"}
         if not floating:
             return self.format.value
         if floating == {torch.float32}:
-            return f"{self.format.value}, FP32"
-        return f"{self.format.value}, dtypes {', '.join(sorted(map(_dtype_name, floating)))}"
+            return f"{self.format.value}; floating state FP32"
+        kinds = ", ".join(sorted(map(_dtype_name, floating)))
+        return f"{self.format.value}; floating state {kinds}"
 
 
 @attrs.frozen
