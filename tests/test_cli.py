@@ -236,6 +236,20 @@ def test_inspect_dcp_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "[0] 2 params; lr=0.001" in out
 
 
+def test_inspect_trust_flag_reads_pickled_objects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    checkpoint = {"args": argparse.Namespace(lr=0.1), "optimizer": _trained_adamw().state_dict()}
+    torch.save(checkpoint, tmp_path / "megatron.pt")
+
+    assert main(["inspect", str(tmp_path / "megatron.pt")]) == 2
+    assert "argparse.Namespace" in capsys.readouterr().err
+    assert main(["inspect", "--trust", str(tmp_path / "megatron.pt")]) == 0
+    assert "optimizer state at optimizer" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("name", "message"),
     [

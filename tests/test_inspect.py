@@ -360,7 +360,23 @@ class _Custom:
         self.value = 1
 
 
-def test_arbitrary_pickles_are_not_executed(tmp_path: Path) -> None:
-    torch.save({"state": {}, "param_groups": [], "extra": _Custom()}, tmp_path / "pickle.pt")
-    with pytest.raises(InspectError, match="weights_only=True"):
+def test_arbitrary_pickles_are_only_loaded_when_trusted(tmp_path: Path) -> None:
+    sgd = torch.optim.SGD(_model().parameters(), lr=0.1)
+    torch.save({"args": _Custom(), "optimizer": sgd.state_dict()}, tmp_path / "pickle.pt")
+
+    with pytest.raises(InspectError, match=r"_Custom object.*--trust"):
         inspect_checkpoint(tmp_path / "pickle.pt")
+
+    (opt_report,) = inspect_checkpoint(tmp_path / "pickle.pt", trusted=True).optimizers
+    assert opt_report.location == "optimizer" and opt_report.format is StateFormat.EMPTY
+
+
+def test_legacy_non_zip_files_are_read(tmp_path: Path) -> None:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    _train(model, opt, 1)
+    torch.save(opt.state_dict(), tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+
+    (opt_report,) = inspect_checkpoint(tmp_path / "legacy.pt").optimizers
+
+    assert opt_report.format is StateFormat.TORCH and opt_report.steps == (1,)

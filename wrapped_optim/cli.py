@@ -62,7 +62,7 @@ def run_demo(steps: int = 200) -> int:
     return 0 if identical else 1
 
 
-def run_inspect(path: str, *, per_param: bool = True) -> int:
+def run_inspect(path: str, *, per_param: bool = True, trusted: bool = False) -> int:
     """``wrapped-optim inspect PATH``: prints what an optimizer checkpoint holds.
 
     Returns 0, or 2 (with the reason on stderr) when the path is not an optimizer checkpoint.
@@ -75,7 +75,7 @@ def run_inspect(path: str, *, per_param: bool = True) -> int:
     from wrapped_optim.inspect import InspectError, format_report, inspect_checkpoint
 
     try:
-        report = inspect_checkpoint(path)
+        report = inspect_checkpoint(path, trusted=trusted)
     except InspectError as error:
         print(f"wrapped-optim inspect: error: {error}", file=sys.stderr)
         return 2
@@ -106,6 +106,12 @@ def _add_inspect_command(commands: Any) -> None:
     inspect.add_argument(
         "--summary", action="store_true", help="one line per state name, no per-parameter rows"
     )
+    inspect.add_argument(
+        "--trust",
+        action="store_true",
+        help="the file is trusted: unpickle objects other than tensors and containers "
+        "(runs code from the file; needed e.g. for Megatron checkpoints holding args)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_from_args(args)
     if args.command == "inspect":
-        return run_inspect(args.path, per_param=not args.summary)
+        return run_inspect(args.path, per_param=not args.summary, trusted=args.trust)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -9,6 +9,8 @@ A DCP directory is described from its metadata alone (dtypes and shapes are reco
 only the few small values a report shows — scalar step counters and param-group options — are
 read from its data files. A ``torch.save`` file is opened memory-mapped with
 ``weights_only=True``: nothing in it is executed and tensor data is paged in only when read.
+Checkpoints that pickle other objects (Megatron's ``args`` namespace, RNG states) need
+``trusted=True`` (``--trust`` on the command line), which lets torch unpickle them.
 
 Detected formats (see :class:`StateFormat`):
 
@@ -282,16 +284,20 @@ def _no_fetch(keys: Sequence[str]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- public API
 
 
-def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
+def inspect_checkpoint(path: str | os.PathLike[str], *, trusted: bool = False) -> CheckpointReport:
     """Describes the optimizer state in a ``torch.save`` file or a DCP checkpoint directory.
 
     Every optimizer state dict in the checkpoint is reported — at the top level or inside
     containers such as ``{"model": ..., "optim": ...}`` — with its detected format, every
     per-parameter state tensor (dtype, shape, bytes), its step counters and its param groups.
 
+    By default nothing pickled in the checkpoint is executed (``weights_only=True``); pass
+    ``trusted=True`` for a checkpoint you trust that pickles other objects.
+
     Raises:
         InspectError: the path does not exist, is neither a ``torch.save`` file nor a DCP
-            directory, cannot be read safely (``weights_only``), or holds no optimizer state
+            directory, cannot be read with ``weights_only`` (and ``trusted`` is off), or holds
+            no optimizer state
             dict (a mapping with ``state`` and ``param_groups``).
 
     Example:
@@ -314,10 +320,10 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
     if not path.exists():
         raise InspectError(f"{path}: no such file or directory")
     if path.is_dir():
-        tree, fetch, kind = _read_dcp(path), _dcp_fetcher(path), "dcp"
+        tree, fetch, kind = _read_dcp(path), _dcp_fetcher(path, trusted), "dcp"
         file_bytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     elif path.is_file():
-        tree, fetch, kind = _read_torch_save(path), _no_fetch, "torch.save"
+        tree, fetch, kind = _read_torch_save(path, trusted), _no_fetch, "torch.save"
         file_bytes = path.stat().st_size
     else:
         raise InspectError(f"{path}: neither a regular file nor a directory")
@@ -404,9 +410,9 @@ def format_report(report: CheckpointReport, *, per_param: bool = True) -> str:
 # --------------------------------------------------------------------------- readers
 
 
-def _read_torch_save(path: Path) -> Any:
+def _read_torch_save(path: Path, trusted: bool) -> Any:
     def load(mmap: bool) -> Any:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return torch.load(path, map_location="cpu", weights_only=not trusted, mmap=mmap)
 
     try:
         try:
@@ -423,7 +429,8 @@ def _read_torch_save(path: Path) -> Any:
         if found:
             raise InspectError(
                 f"{path}: holds a {found.group(1)} object, which cannot be loaded with "
-                "weights_only=True (inspection never executes pickled code)"
+                "weights_only=True; inspection runs no pickled code unless told the file is "
+                "trusted (--trust, or trusted=True)"
             ) from error
         detail = re.search(r"WeightsUnpickler error:\s*(.+)", text)
         reason = detail.group(1).strip() if detail else text.strip().splitlines()[0]
@@ -480,7 +487,7 @@ def _lists_from_int_keys(node: Any) -> Any:
     return converted
 
 
-def _dcp_fetcher(path: Path) -> Fetch:
+def _dcp_fetcher(path: Path, trusted: bool) -> Fetch:
     def fetch(keys: Sequence[str]) -> dict[str, Any]:
         if not keys:
             return {}
@@ -496,7 +503,7 @@ def _dcp_fetcher(path: Path) -> Fetch:
             # execute code from a checkpoint. (dcp.load hands the planner a copy of the dict,
             # so objects are collected here; tensors are filled in place.)
             def load_bytes(self, read_item: Any, value: Any) -> None:
-                read_objects[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+                read_objects[read_item.dest_index.fqn] = torch.load(value, weights_only=not trusted)
 
         reader = FileSystemReader(str(path))
         metadata = reader.read_metadata()
