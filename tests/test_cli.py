@@ -75,6 +75,7 @@ def test_bench_only_runs_the_topic_and_writes_the_page(
     assert "| 1M | 4.2 |" in page
     assert "plots turned off" in page
     assert "running toy" in capsys.readouterr().out
+    assert not (tmp_path / "bench").exists()  # quick runs leave the per-topic pages alone
 
 
 def test_bench_runs_every_discovered_topic_and_survives_a_failure(
@@ -96,6 +97,9 @@ def test_bench_runs_every_discovered_topic_and_survives_a_failure(
     assert "This topic failed: `RuntimeError: out of bananas`" in page
     assert "## Toy topic" not in page and "## Beta topic" in page
     assert page.index("## alpha") < page.index("## Beta topic")
+    # A full run refreshes the pages of the topics that ran, verbatim.
+    assert (tmp_path / "bench" / "beta.md").read_text().startswith("# Beta topic\n")
+    assert not (tmp_path / "bench" / "alpha.md").exists()
 
 
 def test_bench_rejects_unknown_topics_before_running_anything(

@@ -46,6 +46,7 @@ __all__ = [
 PACKAGE = "wrapped_optim.bench"
 PAGE = "benchmarks.md"
 IMAGE_DIR = "img"
+TOPIC_DIR = "bench"
 
 
 class UnknownTopicError(LookupError):
@@ -370,7 +371,9 @@ def run_benchmarks(
     """Runs the topics and writes ``<out_dir>/benchmarks.md`` and ``<out_dir>/img/*.png``.
 
     ``only`` picks topics by name (all discovered ones by default); every name is checked
-    before anything runs. ``echo`` receives one progress line per topic.
+    before anything runs. ``echo`` receives one progress line per topic. A full (not quick)
+    run also refreshes each successful topic's own page, ``<out_dir>/bench/<topic>.md``;
+    a quick run leaves those pages alone.
 
     Raises:
         UnknownTopicError: a name in ``only`` is not a topic module.
@@ -404,6 +407,9 @@ def run_benchmarks(
         if echo is not None:
             status = "ok" if result.ok else f"FAILED ({result.error})"
             echo(f"  {topic}: {status} in {result.seconds:.1f} s")
+        if result.ok and not quick:
+            (out / TOPIC_DIR).mkdir(parents=True, exist_ok=True)
+            (out / TOPIC_DIR / f"{topic}.md").write_text(result.markdown.strip("\n") + "\n")
         results.append(result)
 
     summary_plot = _runtime_plot(results, image_dir) if draw and results else None
