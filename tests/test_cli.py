@@ -240,16 +240,24 @@ def test_inspect_dcp_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "[0] 2 params; lr=0.001" in out
 
 
+class RunArguments:
+    """Stands for what Megatron pickles beside its state (its args namespace, RNG states).
+
+    (argparse.Namespace itself would not do: importing megatron-core allowlists it.)
+    """
+
+    def __init__(self) -> None:
+        self.lr = 0.1
+
+
 def test_inspect_trust_flag_reads_pickled_objects(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import argparse
-
-    checkpoint = {"args": argparse.Namespace(lr=0.1), "optimizer": _trained_adamw().state_dict()}
+    checkpoint = {"args": RunArguments(), "optimizer": _trained_adamw().state_dict()}
     torch.save(checkpoint, tmp_path / "megatron.pt")
 
     assert main(["inspect", str(tmp_path / "megatron.pt")]) == 2
-    assert "argparse.Namespace" in capsys.readouterr().err
+    assert "RunArguments object" in capsys.readouterr().err
     assert main(["inspect", "--trust", str(tmp_path / "megatron.pt")]) == 0
     assert "optimizer state at optimizer" in capsys.readouterr().out
 

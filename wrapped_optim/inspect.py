@@ -301,14 +301,15 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, trusted: bool = False) -
             dict (a mapping with ``state`` and ``param_groups``).
 
     Example:
-        >>> import tempfile, torch
+        >>> import tempfile, torch, warnings
         >>> import torch.distributed.checkpoint as dcp
         >>> from wrapped_optim.inspect import inspect_checkpoint
         >>> p = torch.nn.Parameter(torch.zeros(2, 3))
         >>> opt = torch.optim.AdamW([p])
         >>> p.grad = torch.ones(2, 3)
         >>> opt.step()
-        >>> with tempfile.TemporaryDirectory() as tmp:
+        >>> with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")  # DCP notes that it runs without a process group
         ...     _ = dcp.save(opt.state_dict(), checkpoint_id=tmp, no_dist=True)
         ...     report = inspect_checkpoint(tmp)
         >>> report.kind, report.optimizers[0].steps
@@ -319,6 +320,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, trusted: bool = False) -
     path = Path(path)
     if not path.exists():
         raise InspectError(f"{path}: no such file or directory")
+    kind: Literal["torch.save", "dcp"]
     if path.is_dir():
         tree, fetch, kind = _read_dcp(path), _dcp_fetcher(path, trusted), "dcp"
         file_bytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
@@ -336,7 +338,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, trusted: bool = False) -
         )
     _resolve_needed_values(found, fetch)
     optimizers = tuple(_analyse(location, osd) for location, osd in found)
-    return CheckpointReport(path=path, kind=kind, file_bytes=file_bytes, optimizers=optimizers)  # type: ignore[arg-type]
+    return CheckpointReport(path=path, kind=kind, file_bytes=file_bytes, optimizers=optimizers)
 
 
 def format_report(report: CheckpointReport, *, per_param: bool = True) -> str:
