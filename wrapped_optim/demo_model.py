@@ -94,7 +94,7 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
     Example:
         >>> model = TinyGPT(vocab=64, width=16, depth=1, heads=2, context=32)
-        >>> float(lm_loss(model, batch_for_step(0))) > 0
+        >>> float(lm_loss(model, batch_for_step(0)).detach()) > 0
         True
     """
     logits = model(tokens[:, :-1]).float()
