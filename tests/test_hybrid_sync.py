@@ -115,6 +115,8 @@ def test_reload_model_params_is_the_explicit_model_only_sync(pretrained):
     ref_losses, ref_weights = reference_finetune(pretrained, 3)
     assert train(model, opt, 3) == ref_losses
     assert_same(weights(model), ref_weights)
+    with pytest.raises(ValueError, match="Megatron optimizer"):
+        opt.reload_model_params(pretrained)
 
 
 def test_on_stale_raise_really_raises_and_steps_nothing(pretrained):

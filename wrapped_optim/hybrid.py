@@ -165,6 +165,12 @@ class HybridSyncOptimizer(OptimizerWrapper):
         reload = getattr(self.inner, "reload_model_params", None)
         if callable(reload):
             reload() if state_dict is None else reload(state_dict)
+        elif state_dict is not None:
+            raise ValueError(
+                "reload_model_params(state_dict) reloads main params from a model checkpoint "
+                "through a Megatron optimizer; this stack has none — load the weights into the "
+                "model and call reload_model_params()"
+            )
         for entry in hybrid_master_copies(self.inner):
             entry.refresh_from_weight()
         self._guard_armed = False
