@@ -560,3 +560,16 @@ def test_real_hdo_inside_the_distributed_double(real_hdo_class, pretrained):
             dist.optimizer.param_to_fp32_param[dist._optimizer_param(p)],
             p.detach().view(-1).float(),
         )
+
+
+def test_wrapped_stack_deepcopies_with_its_guard_state():
+    model = make_model(0)
+    opt = HybridSyncOptimizer(hybrid(model), on_stale="raise")
+    train(model, opt, 2)
+    twin = copy.deepcopy(opt)
+    assert twin.on_stale == "raise" and not twin.guard_armed
+    twin_inner = twin.unwrap()
+    twin_params = [p for g in twin_inner.param_groups for p in g["params"]]
+    assert len(twin_params) == 4
+    assert all(twin_inner.param_to_inner_param[p] is not None for p in twin_params)
+    assert hybrid_master_copies(twin)[0].weight is twin_params[0]
