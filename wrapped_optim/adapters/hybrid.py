@@ -290,12 +290,13 @@ def hybrid_master_copies(stack: Any) -> list[MasterCopies]:
 
 
 def push_state_to_sub_optimizers(stack: Any) -> None:
-    """Makes each Megatron HybridDeviceOptimizer's sub-optimizers hold its current state.
+    """Makes each hybrid optimizer's sub-optimizers step the state it exposes.
 
-    Megatron's loaders write restored state into the HDO's ``state`` (keyed by its params);
-    the sub-optimizers step their own ``state`` (keyed by the copies). This re-links each
-    sub-optimizer entry to the HDO's dict, moved to the copy's device. Optimizers that list
-    their copies themselves (:class:`HybridOffloadHolder`) keep these consistent already.
+    Megatron's loaders write restored state into the hybrid optimizer's ``state`` (keyed by
+    its params, possibly on the wrong device: some of its loaders skip the device fix-up); the
+    sub-optimizers step their own ``state`` (keyed by the copies). This moves every state
+    tensor but ``step`` to its copy's device and re-links each sub-optimizer entry to the
+    exposed dict.
 
     Example:
         >>> import torch
@@ -303,7 +304,7 @@ def push_state_to_sub_optimizers(stack: Any) -> None:
     """
     for leaf in _hybrid_leaves(stack):
         hdo = leaf.optimizer
-        if not _is_megatron_hdo(hdo) or isinstance(hdo, HybridOffloadHolder):
+        if not _is_megatron_hdo(hdo):
             continue
         orig_of = getattr(hdo, "inner_param_to_orig_param", {})
         for sub in hdo.sub_optimizers:
@@ -311,12 +312,17 @@ def push_state_to_sub_optimizers(stack: Any) -> None:
                 for copy in group["params"]:
                     orig = orig_of.get(copy, copy)
                     state = hdo.state.get(orig)
-                    if not state or sub.state.get(copy) is state:
+                    if not state:
                         continue
                     for key, value in list(state.items()):
-                        if isinstance(value, torch.Tensor) and key != "step":
+                        if (
+                            isinstance(value, torch.Tensor)
+                            and key != "step"
+                            and value.device != copy.device
+                        ):
                             state[key] = value.to(copy.device)
-                    sub.state[copy] = state
+                    if sub.state.get(copy) is not state:
+                        sub.state[copy] = state
 
 
 def restore_omitted_state(state_dict: Any) -> Any:
