@@ -380,3 +380,68 @@ def test_legacy_non_zip_files_are_read(tmp_path: Path) -> None:
     (opt_report,) = inspect_checkpoint(tmp_path / "legacy.pt").optimizers
 
     assert opt_report.format is StateFormat.TORCH and opt_report.steps == (1,)
+
+
+# ------------------------------------------------------------ real portable optimizers
+
+
+@pytest.mark.parametrize(
+    ("options", "expected", "master"),
+    [
+        (
+            {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
+            StateFormat.PRECISION_AWARE,
+            None,
+        ),
+        (
+            {"master_weights": True, "exp_avg_dtype": torch.uint8},
+            StateFormat.PRECISION_AWARE,
+            torch.float32,
+        ),
+        (
+            {"master_weights": True, "store_param_remainders": True},
+            StateFormat.REMAINDER_MASTERS,
+            torch.int16,
+        ),
+    ],
+)
+def test_precision_aware_adamw_checkpoints(
+    options: dict[str, Any],
+    expected: StateFormat,
+    master: torch.dtype | None,
+    tmp_path: Path,
+) -> None:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    model = _model().to(torch.bfloat16) if master is torch.int16 else _model()
+    opt = PrecisionAwareAdamW(model.parameters(), lr=1e-3, **options)
+    _train(model, opt, 3)
+    torch.save({"optimizer": opt.state_dict()}, tmp_path / "pa.pt")
+    _dcp_save({"optimizer": opt.state_dict()}, tmp_path / "pa_dcp")
+
+    for path in (tmp_path / "pa.pt", tmp_path / "pa_dcp"):
+        (opt_report,) = inspect_checkpoint(path).optimizers
+        assert opt_report.format is expected, path
+        assert opt_report.steps == (3,) and opt_report.step_source == "param_groups"
+        assert opt_report.notes == ()
+        moments = [t for t in opt_report.tensors if t.name in ("exp_avg", "exp_avg_sq")]
+        assert moments and all(t.dtype == torch.float32 for t in moments)  # FP32 expansions
+        masters = {t.dtype for t in opt_report.tensors if t.name == "master_param"}
+        assert masters == ({master} if master is not None else set())
+
+
+def test_hybrid_offload_checkpoint_is_torch_state_with_masters(tmp_path: Path) -> None:
+    from wrapped_optim.optimizers import HybridOffloadOptimizer
+
+    model = _model().to(torch.bfloat16)
+    opt = HybridOffloadOptimizer(model.parameters(), offload_fraction=0.5, lr=1e-3)
+    _train(model, opt, 2)
+    torch.save(opt.state_dict(), tmp_path / "hybrid.pt")
+
+    (opt_report,) = inspect_checkpoint(tmp_path / "hybrid.pt").optimizers
+
+    assert opt_report.format is StateFormat.TORCH
+    assert opt_report.steps == (2,) and opt_report.step_source == "per-parameter"
+    masters = [t for t in opt_report.tensors if t.name == "master_param"]
+    assert len(masters) == 4 and all(t.dtype == torch.float32 for t in masters)
+    assert any("master_param present" in note for note in opt_report.notes)
