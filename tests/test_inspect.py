@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from wrapped_optim.inspect import (
+from wrapped_optim.inspection import (
     InspectError,
     StateFormat,
     format_report,

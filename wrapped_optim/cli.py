@@ -72,7 +72,7 @@ def run_inspect(path: str, *, per_param: bool = True, trusted: bool = False) -> 
         >>> run_inspect("/no/such/file.pt")
         2
     """
-    from wrapped_optim.inspect import InspectError, format_report, inspect_checkpoint
+    from wrapped_optim.inspection import InspectError, format_report, inspect_checkpoint
 
     try:
         report = inspect_checkpoint(path, trusted=trusted)

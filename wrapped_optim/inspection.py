@@ -63,7 +63,7 @@ class InspectError(ValueError):
     directory that is not a DCP checkpoint, and a checkpoint without an optimizer state dict.
 
     Example:
-        >>> from wrapped_optim.inspect import InspectError, inspect_checkpoint
+        >>> from wrapped_optim.inspection import InspectError, inspect_checkpoint
         >>> try:
         ...     inspect_checkpoint("/no/such/checkpoint.pt")
         ... except InspectError as error:
@@ -76,7 +76,7 @@ class StateFormat(enum.Enum):
     """The layout an optimizer state dict was written in.
 
     Example:
-        >>> from wrapped_optim.inspect import StateFormat
+        >>> from wrapped_optim.inspection import StateFormat
         >>> StateFormat.PRECISION_AWARE.value
         'precision-aware FP32-expanded state (TE FusedAdam portable format)'
     """
@@ -100,7 +100,7 @@ class StateTensor:
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.inspect import StateTensor
+        >>> from wrapped_optim.inspection import StateTensor
         >>> StateTensor("0", "exp_avg", torch.bfloat16, (4, 8), 64).nbytes
         64
     """
@@ -122,7 +122,7 @@ class ParamGroupReport:
         options: every other entry as ``(name, repr(value))``, in saved order.
 
     Example:
-        >>> from wrapped_optim.inspect import ParamGroupReport
+        >>> from wrapped_optim.inspection import ParamGroupReport
         >>> group = ParamGroupReport(0, 2, (("lr", "0.001"),))
         >>> group.option("lr")
         '0.001'
@@ -136,7 +136,7 @@ class ParamGroupReport:
         """The repr of option ``name``, or None when the group has no such option.
 
         Example:
-            >>> from wrapped_optim.inspect import ParamGroupReport
+            >>> from wrapped_optim.inspection import ParamGroupReport
             >>> print(ParamGroupReport(0, 1, (("lr", "0.1"),)).option("eps"))
             None
         """
@@ -160,7 +160,7 @@ class OptimizerReport:
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.inspect import OptimizerReport, StateFormat, StateTensor
+        >>> from wrapped_optim.inspection import OptimizerReport, StateFormat, StateTensor
         >>> report = OptimizerReport(
         ...     location="", format=StateFormat.TORCH,
         ...     tensors=(StateTensor("0", "exp_avg", torch.float32, (2,), 8),),
@@ -193,7 +193,7 @@ class OptimizerReport:
 
         Example:
             >>> import torch
-            >>> from wrapped_optim.inspect import OptimizerReport, StateFormat, StateTensor
+            >>> from wrapped_optim.inspection import OptimizerReport, StateFormat, StateTensor
             >>> OptimizerReport("", StateFormat.TORCH,
             ...     (StateTensor("0", "exp_avg", torch.float32, (2,), 8),),
             ...     (), "none", (), ()).description
@@ -221,7 +221,7 @@ class CheckpointReport:
     Example:
         >>> import tempfile, torch
         >>> from pathlib import Path
-        >>> from wrapped_optim.inspect import inspect_checkpoint
+        >>> from wrapped_optim.inspection import inspect_checkpoint
         >>> p = torch.nn.Parameter(torch.zeros(3))
         >>> opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
         >>> p.grad = torch.ones(3)
@@ -303,7 +303,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, trusted: bool = False) -
     Example:
         >>> import tempfile, torch, warnings
         >>> import torch.distributed.checkpoint as dcp
-        >>> from wrapped_optim.inspect import inspect_checkpoint
+        >>> from wrapped_optim.inspection import inspect_checkpoint
         >>> p = torch.nn.Parameter(torch.zeros(2, 3))
         >>> opt = torch.optim.AdamW([p])
         >>> p.grad = torch.ones(2, 3)
@@ -350,7 +350,7 @@ def format_report(report: CheckpointReport, *, per_param: bool = True) -> str:
     Example:
         >>> import torch
         >>> from pathlib import Path
-        >>> from wrapped_optim.inspect import (CheckpointReport, OptimizerReport,
+        >>> from wrapped_optim.inspection import (CheckpointReport, OptimizerReport,
         ...     ParamGroupReport, StateFormat, StateTensor, format_report)
         >>> opt = OptimizerReport(
         ...     location="", format=StateFormat.PRECISION_AWARE,
