@@ -473,6 +473,10 @@ def test_scheduler_config_sample_steps_and_warmup_cap() -> None:
         ),
         (lambda: SchedulerConfig(start_weight_decay=0.1, end_weight_decay=0.0), "end_weight_decay"),
         (
+            lambda: SchedulerConfig(start_weight_decay=0.1, end_weight_decay=0.2),
+            "end_weight_decay",
+        ),
+        (
             lambda: SchedulerConfig(
                 override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True
             ),

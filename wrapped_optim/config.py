@@ -888,6 +888,15 @@ class SchedulerConfig:
                     f"must be >= start_weight_decay ({self.start_weight_decay}), "
                     f"got {self.end_weight_decay}",
                 )
+            if (
+                self.weight_decay_incr_style == "constant"
+                and self.end_weight_decay != self.start_weight_decay
+            ):
+                # megatron-core's scheduler asserts this on its first step.
+                raise ConfigError(
+                    "end_weight_decay",
+                    "must equal start_weight_decay with weight_decay_incr_style='constant'",
+                )
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ConfigError(
                 "override_opt_param_scheduler",

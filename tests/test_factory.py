@@ -1,0 +1,316 @@
+"""The factory: setup_optimizer's Megatron wiring, build_optimizer, wrap()."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from wrapped_optim.config import ConfigError, SchedulerConfig
+from wrapped_optim.factory import (
+    OptimizerConfigOverrideProvider,
+    OptimizerConfigOverrideProviderContext,
+    setup_optimizer,
+)
+from wrapped_optim.fsdp import FSDPAwareOptimizer
+from wrapped_optim.wrapper import OptimizerWrapper
+
+core = pytest.importorskip("megatron.core.optimizer")
+scheduler_module = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+muon_module = pytest.importorskip("megatron.core.optimizer.muon")
+
+
+# ----------------------------------------------------------------------------------------
+# setup_optimizer: what Megatron's builder and scheduler receive
+# ----------------------------------------------------------------------------------------
+class Chunk(torch.nn.Module):
+    """A model chunk as Megatron hands it over: a module with .config (and .ddp_config)."""
+
+    def __init__(self, use_mup: bool = False, ddp_config: Any = None) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.config = SimpleNamespace(use_mup=use_mup, mup_width_mult=4.0)
+        self.ddp_config = ddp_config or SimpleNamespace(use_megatron_fsdp=False)
+
+
+def megatron_config(**kwargs: Any) -> Any:
+    values: dict[str, Any] = {"optimizer": "adam", "lr": 1e-3, "min_lr": 1e-5, "weight_decay": 0.1}
+    values.update(kwargs)
+    return core.OptimizerConfig(**values)
+
+
+def scheduler_config(**kwargs: Any) -> SchedulerConfig:
+    values: dict[str, Any] = {
+        "lr_decay_style": "cosine",
+        "lr_warmup_iters": 2,
+        "lr_warmup_init": 1e-6,
+    }
+    values.update(kwargs)
+    return SchedulerConfig(**values).with_steps(train_iters=10, global_batch_size=1)
+
+
+class Recorder:
+    """Stands in for a Megatron builder: records its keyword arguments, returns an AdamW."""
+
+    def __init__(self, chunks: list[Chunk]) -> None:
+        self.chunks = chunks
+        self.calls: list[dict[str, Any]] = []
+        self.built: list[torch.optim.Optimizer] = []
+
+    def __call__(self, **kwargs: Any) -> torch.optim.Optimizer:
+        self.calls.append(kwargs)
+        params = [p for chunk in self.chunks for p in chunk.parameters()]
+        self.built.append(torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1))
+        return self.built[-1]
+
+
+@pytest.fixture
+def scheduler_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, dict[str, Any]]]:
+    calls: list[tuple[Any, dict[str, Any]]] = []
+    real = scheduler_module.OptimizerParamScheduler
+
+    class Recording(real):  # type: ignore[misc, valid-type]
+        def __init__(self, optimizer: Any, **kwargs: Any) -> None:
+            calls.append((optimizer, kwargs))
+            super().__init__(optimizer, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "OptimizerParamScheduler", Recording)
+    return calls
+
+
+def test_setup_optimizer_calls_megatron_builder_and_scheduler_with_bridge_arguments(
+    monkeypatch: pytest.MonkeyPatch, scheduler_calls: list[tuple[Any, dict[str, Any]]]
+) -> None:
+    chunks = [Chunk()]
+    builder = Recorder(chunks)
+    monkeypatch.setattr(core, "get_megatron_optimizer", builder)
+    monkeypatch.setattr(muon_module, "get_megatron_muon_optimizer", _must_not_be_called)
+    optimizer_config = megatron_config()
+    sched_config = scheduler_config(
+        start_weight_decay=0.05, end_weight_decay=0.2, weight_decay_incr_style="linear"
+    )
+    pg = object()
+
+    optimizer, scheduler = setup_optimizer(optimizer_config, sched_config, chunks, pg_collection=pg)
+
+    (call,) = builder.calls
+    overrides = call.pop("config_overrides")
+    assert call == {
+        "config": optimizer_config,
+        "model_chunks": chunks,
+        "use_gloo_process_groups": True,
+        "pg_collection": pg,
+    }
+    # Bridge's default provider: megatron-core's standard overrides (no wd on biases / 1-D).
+    assert [(key.name, override) for key, override in overrides.items()] == [
+        ("*.bias", {"wd_mult": 0.0})
+    ]
+    assert optimizer is builder.built[0]  # nothing derived for a non-distributed FP32 Adam
+    ((scheduled, kwargs),) = scheduler_calls
+    assert scheduled is optimizer
+    assert kwargs == {
+        "init_lr": 1e-6,
+        "max_lr": 1e-3,
+        "min_lr": 1e-5,
+        "lr_warmup_steps": 2,
+        "lr_decay_steps": 10,
+        "lr_decay_style": "cosine",
+        "start_wd": 0.05,
+        "end_wd": 0.2,
+        "wd_incr_steps": 10,
+        "wd_incr_style": "linear",
+        "use_checkpoint_opt_param_scheduler": False,
+        "override_opt_param_scheduler": False,
+        "wsd_decay_steps": None,
+        "lr_wsd_decay_style": "exponential",
+    }
+    # The real scheduler drives the (wrapped) optimizer's groups.
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-6)
+    scheduler.step(2)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+    scheduler.step(8)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-5)
+
+
+def _must_not_be_called(**kwargs: Any) -> Any:
+    raise AssertionError(f"unexpected builder call {kwargs}")
+
+
+def test_weight_decay_defaults_to_the_optimizer_config(
+    monkeypatch: pytest.MonkeyPatch, scheduler_calls: list[tuple[Any, dict[str, Any]]]
+) -> None:
+    chunk = Chunk()
+    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    setup_optimizer(megatron_config(weight_decay=0.3), scheduler_config(), chunk)
+    kwargs = scheduler_calls[0][1]
+    assert (kwargs["start_wd"], kwargs["end_wd"]) == (0.3, 0.3)
+
+
+def test_custom_provider_then_mup_overrides_on_top(monkeypatch: pytest.MonkeyPatch) -> None:
+    chunks = [Chunk(use_mup=True), Chunk()]
+    builder = Recorder(chunks)
+    monkeypatch.setattr(core, "get_megatron_optimizer", builder)
+    mup_calls: list[dict[str, Any]] = []
+
+    def get_mup_config_overrides(**kwargs: Any) -> dict[str, Any]:
+        mup_calls.append(kwargs)
+        return {"shared": {"max_lr": 0.25}, "hidden": {"max_lr": 0.5}}
+
+    monkeypatch.setattr(core, "get_mup_config_overrides", get_mup_config_overrides, raising=False)
+    contexts: list[Any] = []
+
+    class Provider:
+        def build_config_overrides(self, context: Any) -> dict[str, Any]:
+            contexts.append(context)
+            return {"shared": {"wd_mult": 0.0}, "bias": {"wd_mult": 0.0}}
+
+    optimizer_config = megatron_config()
+    sched = scheduler_config()
+    setup_optimizer(optimizer_config, sched, chunks, False, None, Provider())
+
+    (context,) = contexts
+    assert context == OptimizerConfigOverrideProviderContext(sched, optimizer_config, chunks)
+    assert mup_calls == [
+        {"config": optimizer_config, "mup_width_mult": 4.0, "optimizer_type": "adam"}
+    ]
+    (call,) = builder.calls
+    assert call["config_overrides"] == {
+        "shared": {"max_lr": 0.25},
+        "bias": {"wd_mult": 0.0},
+        "hidden": {"max_lr": 0.5},
+    }
+    assert call["use_gloo_process_groups"] is False
+
+
+def test_mup_with_no_overrides_keeps_the_provider_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    chunk = Chunk(use_mup=True)
+    builder = Recorder([chunk])
+    monkeypatch.setattr(core, "get_megatron_optimizer", builder)
+    monkeypatch.setattr(core, "get_mup_config_overrides", lambda **_: {}, raising=False)
+    provided = {"k": {"wd_mult": 0.0}}
+
+    class Provider:
+        def build_config_overrides(self, context: Any) -> dict[str, Any]:
+            return provided
+
+    setup_optimizer(megatron_config(), scheduler_config(), chunk, True, None, Provider())
+    assert builder.calls[0]["config_overrides"] is provided
+
+
+def test_mup_without_megatron_support_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(core, "get_mup_config_overrides", raising=False)
+    monkeypatch.setattr(core, "get_megatron_optimizer", _must_not_be_called)
+    with pytest.raises(ImportError, match="get_mup_config_overrides"):
+        setup_optimizer(megatron_config(), scheduler_config(), Chunk(use_mup=True))
+
+
+def test_provide_hook_replaces_the_builders(monkeypatch: pytest.MonkeyPatch) -> None:
+    chunk = Chunk()
+    recorder = Recorder([chunk])
+    monkeypatch.setattr(core, "get_megatron_optimizer", _must_not_be_called)
+    monkeypatch.setattr(muon_module, "get_megatron_muon_optimizer", _must_not_be_called)
+
+    @dataclasses.dataclass
+    class ProvidingConfig(core.OptimizerConfig):  # type: ignore[misc, name-defined]
+        def provide(self, **kwargs: Any) -> Any:
+            return recorder(**kwargs)
+
+    optimizer_config = ProvidingConfig(optimizer="muon", lr=1e-3, min_lr=0.0)
+    optimizer, _ = setup_optimizer(optimizer_config, scheduler_config(), chunk)
+    (call,) = recorder.calls
+    assert set(call) == {
+        "model_chunks",
+        "config_overrides",
+        "use_gloo_process_groups",
+        "pg_collection",
+    }
+    assert call["model_chunks"] is chunk
+    assert optimizer.param_groups[0]["params"][0] is chunk.linear.weight
+
+
+@pytest.mark.parametrize(
+    ("name", "layer_wise"), [("muon", False), ("dist_muon", True), ("soap", False)]
+)
+def test_muon_and_soap_use_the_muon_builder(
+    monkeypatch: pytest.MonkeyPatch, name: str, layer_wise: bool
+) -> None:
+    chunk = Chunk()
+    builder = Recorder([chunk])
+    monkeypatch.setattr(core, "get_megatron_optimizer", _must_not_be_called)
+    monkeypatch.setattr(muon_module, "get_megatron_muon_optimizer", builder)
+    optimizer_config = SimpleNamespace(
+        optimizer=name,
+        lr=1e-3,
+        min_lr=0.0,
+        weight_decay=0.0,
+        apply_wd_to_qk_layernorm=False,
+        decoupled_lr=None,
+        decoupled_min_lr=None,
+    )
+    setup_optimizer(optimizer_config, scheduler_config(), chunk, pg_collection="pg")
+    (call,) = builder.calls
+    assert call["layer_wise_distributed_optimizer"] is layer_wise
+    assert call["config"] is optimizer_config
+    assert call["use_gloo_process_groups"] is True
+    assert call["pg_collection"] == "pg"
+
+
+def test_setup_optimizer_wraps_from_the_megatron_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    chunk = Chunk(ddp_config=SimpleNamespace(use_megatron_fsdp=True))
+    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    optimizer, scheduler = setup_optimizer(megatron_config(), scheduler_config(), chunk)
+    assert isinstance(optimizer, FSDPAwareOptimizer)
+    assert optimizer.precision_aware is False
+    assert isinstance(optimizer.inner, torch.optim.AdamW)
+    assert scheduler.optimizer is optimizer
+    # Explicit settings override derived ones; an explicit ddp_config wins over the model's.
+    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    plain, _ = setup_optimizer(megatron_config(), scheduler_config(), chunk, stack={"fsdp": False})
+    assert isinstance(plain, torch.optim.AdamW)
+    bare, _ = setup_optimizer(
+        megatron_config(),
+        scheduler_config(),
+        chunk,
+        ddp_config=SimpleNamespace(use_megatron_fsdp=False),
+    )
+    assert not isinstance(bare, OptimizerWrapper)
+
+
+def test_setup_optimizer_with_bridge_style_scheduler_object(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    chunk = Chunk()
+    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    import attrs
+
+    bridge_like = SimpleNamespace(**attrs.asdict(scheduler_config(lr_decay_style="linear")))
+    _, scheduler = setup_optimizer(megatron_config(), bridge_like, chunk)
+    assert scheduler.lr_decay_style == "linear"
+
+
+@pytest.mark.parametrize(
+    ("optimizer_kwargs", "sched", "field"),
+    [
+        ({}, SchedulerConfig(), "scheduler_config.lr_decay_steps"),
+        ({"min_lr": None}, None, "optimizer_config.min_lr"),
+    ],
+)
+def test_setup_optimizer_errors_name_the_field(
+    monkeypatch: pytest.MonkeyPatch, optimizer_kwargs: dict[str, Any], sched: Any, field: str
+) -> None:
+    chunk = Chunk()
+    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    with pytest.raises(ConfigError) as info:
+        setup_optimizer(megatron_config(**optimizer_kwargs), sched or scheduler_config(), chunk)
+    assert info.value.field == field
+
+
+def test_default_provider_is_megatron_standard_overrides() -> None:
+    config = megatron_config(decoupled_lr=0.5)
+    overrides = OptimizerConfigOverrideProvider().build_config_overrides(
+        OptimizerConfigOverrideProviderContext(None, config, [])
+    )
+    assert {override.get("max_lr") for override in overrides.values()} == {None, 0.5}
