@@ -8,11 +8,16 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from wrapped_optim.config import ConfigError, SchedulerConfig
+from wrapped_optim.config import ConfigError, LRScheduleConfig, OptimizerSpec, SchedulerConfig
 from wrapped_optim.factory import (
     OptimizerConfigOverrideProvider,
     OptimizerConfigOverrideProviderContext,
+    _lr_scheduler,
+    build_optimizer,
+    resolve_optimizer_class,
     setup_optimizer,
 )
 from wrapped_optim.fsdp import FSDPAwareOptimizer
@@ -314,3 +319,157 @@ def test_default_provider_is_megatron_standard_overrides() -> None:
         OptimizerConfigOverrideProviderContext(None, config, [])
     )
     assert {override.get("max_lr") for override in overrides.values()} == {None, 0.5}
+
+
+# ----------------------------------------------------------------------------------------
+# build_optimizer: names, parameters, schedules
+# ----------------------------------------------------------------------------------------
+NO_STACK = {"staged": False, "hybrid": False, "fsdp": False}
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("adamw", torch.optim.AdamW),
+        ("AdamW", torch.optim.AdamW),
+        ("sgd", torch.optim.SGD),
+        ("torch.optim:Adagrad", torch.optim.Adagrad),
+    ],
+)
+def test_optimizers_by_name(name: str, cls: type) -> None:
+    assert resolve_optimizer_class(name) is cls
+    model = torch.nn.Linear(2, 2)
+    optimizer, scheduler = build_optimizer(
+        model, {"optimizer": {"name": name, "lr": 0.1}, **NO_STACK}
+    )
+    assert type(optimizer) is cls
+    assert scheduler is None
+    assert optimizer.param_groups[0]["params"] == list(model.parameters())
+
+
+def test_portable_optimizer_by_name_with_class_options() -> None:
+    from wrapped_optim.optimizers import HybridOffloadOptimizer
+
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    optimizer, _ = build_optimizer(
+        model,
+        {
+            "optimizer": {
+                "name": "hybrid_offload",
+                "lr": 0.1,
+                "offload_fraction": 1.0,
+                "cpu_optimizer_cls": "sgd",
+            },
+            **NO_STACK,
+        },
+    )
+    assert isinstance(optimizer, HybridOffloadOptimizer)
+    assert all(isinstance(sub, torch.optim.SGD) for sub in optimizer.sub_optimizers)
+
+
+def test_build_optimizer_parameters_and_groups() -> None:
+    model = torch.nn.Linear(3, 3)
+    model.bias.requires_grad_(False)
+    optimizer, _ = build_optimizer(model, {"optimizer": {"name": "sgd", "lr": 0.1}, **NO_STACK})
+    assert optimizer.param_groups[0]["params"] == [model.weight]
+    groups = [{"params": [model.weight], "lr": 0.5}, {"params": [model.bias]}]
+    optimizer, _ = build_optimizer(groups, {"optimizer": {"name": "sgd", "lr": 0.1}, **NO_STACK})
+    assert [g["lr"] for g in optimizer.param_groups] == [0.5, 0.1]
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        build_optimizer(3, {"optimizer": {"name": "sgd", "lr": 0.1}})
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "field", "text"),
+    [
+        ({"name": "adamx", "lr": 0.1}, "optimizer.name", "did you mean 'adamax'"),
+        ({"name": "nowhere.module:Opt"}, "optimizer.name", "cannot import"),
+        ({"name": "torch.optim:lr_scheduler"}, "optimizer.name", "not a class"),
+        ({"name": "sgd", "lr": 0.1, "momentun": 0.9}, "optimizer", "momentun"),
+        ({"name": "sgd", "lr": -1.0}, "optimizer", "Invalid learning rate"),
+        (
+            {"name": "hybrid_offload", "cpu_optimizer_cls": "adamq"},
+            "optimizer.cpu_optimizer_cls",
+            "",
+        ),
+    ],
+)
+def test_build_optimizer_errors_name_the_field(
+    optimizer: dict[str, Any], field: str, text: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_optimizer(torch.nn.Linear(2, 2), {"optimizer": optimizer, **NO_STACK})
+    assert info.value.field == field
+    assert text in str(info.value)
+
+
+def test_schedule_needs_lr_below_min_lr_check() -> None:
+    with pytest.raises(ConfigError) as info:
+        build_optimizer(
+            torch.nn.Linear(2, 2),
+            {"optimizer": {"name": "sgd", "lr": 0.1}, "schedule": {"min_lr": 0.5}, **NO_STACK},
+        )
+    assert info.value.field == "schedule.min_lr"
+
+
+def _lrs(optimizer: Any, scheduler: Any, steps: int, megatron: bool) -> list[float]:
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        if megatron:
+            scheduler.step(1)
+        else:
+            scheduler.step()
+    return lrs
+
+
+@given(
+    warmup=st.integers(0, 6),
+    span=st.integers(1, 12),
+    style=st.sampled_from(["constant", "linear", "cosine"]),
+    start=st.sampled_from([0.01, 0.25, 1.0]),
+    floor=st.sampled_from([0.0, 0.1]),
+)
+def test_torch_schedule_matches_megatron_schedule(
+    warmup: int, span: int, style: str, start: float, floor: float
+) -> None:
+    """The torch.optim.lr_scheduler assembly follows megatron-core's formulas."""
+    import warnings
+
+    curves = []
+    for backend in ("torch", "megatron"):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+        schedule = LRScheduleConfig(
+            warmup_steps=warmup,
+            warmup_start_factor=start,
+            style=style,
+            decay_steps=warmup + span,
+            min_lr=floor * 0.5,
+            backend=backend,  # type: ignore[arg-type]
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error" if backend == "torch" else "ignore")
+            scheduler = _lr_scheduler(
+                optimizer, OptimizerSpec(name="sgd", options={"lr": 0.5}), schedule
+            )
+            curves.append(_lrs(optimizer, scheduler, warmup + span + 4, backend == "megatron"))
+    torch_curve, megatron_curve = curves
+    assert torch_curve == pytest.approx(megatron_curve, rel=1e-9, abs=1e-12)
+
+
+def test_megatron_backend_keeps_group_specific_lr_and_weight_decay() -> None:
+    model = torch.nn.Linear(2, 2)
+    groups = [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0, "lr": 0.05}]
+    optimizer, scheduler = build_optimizer(
+        groups,
+        {
+            "optimizer": {"name": "adamw", "lr": 0.1, "weight_decay": 0.01},
+            "schedule": {"backend": "megatron", "style": "linear", "decay_steps": 4},
+            **NO_STACK,
+        },
+    )
+    scheduler.step(2)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert optimizer.param_groups[1]["lr"] == pytest.approx(0.025)

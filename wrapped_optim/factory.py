@@ -223,14 +223,11 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
 def _layer_options(section: str, layer: Any) -> dict[str, Any]:
     """The options an existing layer was built with, to rebuild it elsewhere in the stack."""
     defaults = {"staged": StagedConfig, "hybrid": HybridConfig, "fsdp": FSDPConfig}[section]()
-    options = {}
-    for name, default in attrs.asdict(defaults).items():
-        value = getattr(layer, name, None)
-        if value is None:
-            value = getattr(layer, f"_{name}", default)
-        options[name] = value
-    if section == "fsdp" and getattr(layer, "_refresh", None) is not None:
-        options["refresh"] = layer._refresh
+    options = {
+        name: getattr(layer, name, default) for name, default in attrs.asdict(defaults).items()
+    }
+    if section == "fsdp" and getattr(layer, "refresh", None) is not None:
+        options["refresh"] = layer.refresh
     return options
 
 
