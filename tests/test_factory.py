@@ -11,7 +11,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wrapped_optim.config import ConfigError, LRScheduleConfig, OptimizerSpec, SchedulerConfig
+from wrapped_optim.config import (
+    ConfigError,
+    LRScheduleConfig,
+    OptimizerSpec,
+    SchedulerConfig,
+    StackConfig,
+)
 from wrapped_optim.factory import (
     OptimizerConfigOverrideProvider,
     OptimizerConfigOverrideProviderContext,
@@ -19,6 +25,7 @@ from wrapped_optim.factory import (
     build_optimizer,
     resolve_optimizer_class,
     setup_optimizer,
+    wrap,
 )
 from wrapped_optim.fsdp import FSDPAwareOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
@@ -473,3 +480,249 @@ def test_megatron_backend_keeps_group_specific_lr_and_weight_decay() -> None:
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
     assert optimizer.param_groups[1]["lr"] == pytest.approx(0.025)
+
+
+# ----------------------------------------------------------------------------------------
+# wrap(): the canonical stack
+# ----------------------------------------------------------------------------------------
+def layer_names(optimizer: Any) -> list[str]:
+    layers = optimizer.layers() if isinstance(optimizer, OptimizerWrapper) else [optimizer]
+    return [type(layer).__name__ for layer in layers]
+
+
+def sgd(*params: torch.Tensor) -> torch.optim.SGD:
+    return torch.optim.SGD(list(params) or [torch.nn.Parameter(torch.ones(3))], lr=0.1)
+
+
+def test_wrap_plain_optimizer_is_identity() -> None:
+    optimizer = sgd()
+    assert wrap(optimizer) is optimizer
+    assert wrap(optimizer, StackConfig()) is optimizer
+
+
+def test_wrap_builds_canonical_order_with_options() -> None:
+    optimizer = sgd()
+    stack = wrap(
+        optimizer,
+        {
+            "staged": {"chunk_bytes": 4096, "no_copy_load": False},
+            "hybrid": {"on_stale": "raise"},
+            "fsdp": {"precision_aware": True},
+        },
+    )
+    assert layer_names(stack) == [
+        "FSDPAwareOptimizer",
+        "HybridSyncOptimizer",
+        "StagedCheckpointOptimizer",
+        "SGD",
+    ]
+    fsdp, hybrid, staged, leaf = stack.layers()
+    assert fsdp.precision_aware is True
+    assert hybrid.on_stale == "raise"
+    assert (staged.chunk_bytes, staged.stage_save, staged.no_copy_load) == (4096, True, False)
+    assert leaf is optimizer
+    assert wrap(stack) is stack
+    assert wrap(stack, {"staged": None}) is stack
+
+
+def test_wrap_derives_from_the_optimizer() -> None:
+    from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
+
+    holder = PrecisionAwareAdamW([torch.nn.Parameter(torch.ones(4))], exp_avg_dtype=torch.bfloat16)
+    assert layer_names(wrap(holder)) == ["StagedCheckpointOptimizer", "PrecisionAwareAdamW"]
+    hybrid = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))])
+    assert layer_names(wrap(hybrid)) == ["HybridSyncOptimizer", "HybridOffloadOptimizer"]
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad_dtype = torch.bfloat16
+    stack = wrap(sgd(param))
+    assert layer_names(stack) == ["FSDPAwareOptimizer", "SGD"]
+    assert stack.precision_aware is False
+    # Explicit False beats derivation.
+    assert layer_names(wrap(holder, {"staged": False})) == ["PrecisionAwareAdamW"]
+
+
+def test_wrap_derives_inside_megatron_containers() -> None:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    leaf = PrecisionAwareAdamW([torch.nn.Parameter(torch.ones(4))])  # FP32 states
+    container = SimpleNamespace(
+        optimizer=leaf,
+        config=SimpleNamespace(use_precision_aware_optimizer=False, optimizer_cpu_offload=False),
+        ddp_config=SimpleNamespace(use_megatron_fsdp=False),
+        is_stub_optimizer=False,
+        shard_fp32_from_float16_groups=[[]],
+        state_dict=lambda: {},
+        step=lambda: None,
+    )
+    chained = SimpleNamespace(
+        chained_optimizers=[container], state_dict=lambda: {}, step=lambda: None
+    )
+    stack = wrap(chained)
+    assert layer_names(stack)[0] == "StagedCheckpointOptimizer"
+    assert stack.inner is chained
+    stub = SimpleNamespace(
+        optimizer=None,
+        config=None,
+        ddp_config=None,
+        is_stub_optimizer=True,
+        state_dict=lambda: {},
+        step=lambda: None,
+    )
+    assert wrap(stub) is stub
+
+
+def test_rewrap_never_doubles_and_keeps_options() -> None:
+    from wrapped_optim.fsdp import FSDPAwareOptimizer
+    from wrapped_optim.staged import StagedCheckpointOptimizer
+
+    def refresh(group: dict[str, Any]) -> None:
+        pass
+
+    optimizer = sgd()
+    fsdp = FSDPAwareOptimizer(optimizer, precision_aware=True, refresh=refresh)
+    # Staging goes *inside* the existing FSDP layer, which keeps its options.
+    stack = wrap(fsdp, {"staged": {"chunk_bytes": 64}})
+    assert layer_names(stack) == ["FSDPAwareOptimizer", "StagedCheckpointOptimizer", "SGD"]
+    assert stack.precision_aware is True and stack.refresh is refresh
+    assert stack.inner.chunk_bytes == 64
+    # Explicit options replace an existing layer's; the layer is not doubled.
+    again = wrap(stack, {"staged": {"chunk_bytes": 128}})
+    assert layer_names(again) == layer_names(stack)
+    assert again.inner.chunk_bytes == 128
+    # False removes a layer.
+    assert layer_names(wrap(again, {"fsdp": False})) == ["StagedCheckpointOptimizer", "SGD"]
+    # A canonical layer below a foreign wrapper stays where it is, never doubled.
+    foreign = OptimizerWrapper(StagedCheckpointOptimizer(optimizer))
+    assert wrap(foreign, {"staged": True}) is foreign
+    with pytest.raises(ConfigError) as info:
+        wrap(foreign, {"staged": False})
+    assert info.value.field == "staged"
+    with pytest.raises(TypeError):
+        wrap(optimizer, 3)  # type: ignore[arg-type]
+
+
+def test_full_stack_steps_and_checkpoints_like_the_bare_optimizer() -> None:
+    def run(wrapped: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=0.1)
+        if wrapped:
+            optimizer = wrap(optimizer, {"staged": True, "hybrid": True, "fsdp": True})
+        scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 0.5, total_iters=2)
+        for step in range(3):
+            model(torch.full((1, 3), float(step))).sum().backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        return model, optimizer.state_dict()
+
+    bare_model, bare_state = run(False)
+    model, state = run(True)
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), bare_model.parameters(), strict=True)
+    )
+    assert state["param_groups"] == bare_state["param_groups"]
+    for index, entry in bare_state["state"].items():
+        assert state["state"][index].keys() == entry.keys()
+        assert all(torch.equal(state["state"][index][k], v) for k, v in entry.items())
+
+
+# ----------------------------------------------------------------------------------------
+# End to end: TOML -> build_optimizer -> train -> checkpoint -> resume, bit-identical
+# ----------------------------------------------------------------------------------------
+E2E_CASES = {
+    "adamw": ("adamw", torch.float32, "", ["StagedCheckpointOptimizer", "AdamW"]),
+    "precision_adamw": (
+        "precision_adamw",
+        torch.float32,
+        'exp_avg_dtype = "bf16"\nexp_avg_sq_dtype = "fp8"\n',
+        ["StagedCheckpointOptimizer", "PrecisionAwareAdamW"],
+    ),
+    "hybrid_offload": (
+        "hybrid_offload",
+        torch.bfloat16,
+        "offload_fraction = 0.5\n",
+        ["HybridSyncOptimizer", "StagedCheckpointOptimizer", "HybridOffloadOptimizer"],
+    ),
+}
+
+
+def _e2e_toml(name: str, extra: str) -> str:
+    return (
+        f'[optimizer]\nname = "{name}"\nlr = 0.01\nweight_decay = 0.01\nbetas = [0.9, 0.95]\n'
+        f"{extra}\n"
+        '[schedule]\nwarmup_steps = 3\nwarmup_start_factor = 0.1\nstyle = "cosine"\n'
+        "decay_steps = 10\nmin_lr = 0.001\n\n"
+        '[staged]\nchunk_bytes = "64B"\n'
+    )
+
+
+def _model(dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(
+        dtype
+    )
+
+
+def _batches(dtype: torch.dtype, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1234)
+    return [
+        (
+            torch.randn(5, 8, generator=generator).to(dtype),
+            torch.randn(5, 4, generator=generator).to(dtype),
+        )
+        for _ in range(count)
+    ]
+
+
+def _train(model: torch.nn.Module, optimizer: Any, scheduler: Any, batches: list[Any]) -> None:
+    for inputs, targets in batches:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs).float(), targets.float())
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+
+
+@pytest.mark.parametrize("case", list(E2E_CASES))
+def test_toml_build_train_checkpoint_resume_is_bit_identical(case: str, tmp_path: Any) -> None:
+    name, dtype, extra, layers = E2E_CASES[case]
+    config_path = tmp_path / "train.toml"
+    config_path.write_text(_e2e_toml(name, extra))
+    batches = _batches(dtype, 8)
+
+    model = _model(dtype, seed=0)
+    optimizer, scheduler = build_optimizer(model, config_path)
+    assert layer_names(optimizer) == layers
+    _train(model, optimizer, scheduler, batches[:4])
+    checkpoint = tmp_path / "ckpt.pt"
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+        },
+        checkpoint,
+    )
+    _train(model, optimizer, scheduler, batches[4:])
+    expected_params = [p.detach().clone() for p in model.parameters()]
+    expected_state = optimizer.state_dict()
+    expected_lr = optimizer.param_groups[0]["lr"]
+
+    resumed_model = _model(dtype, seed=1)  # different init: the checkpoint must restore it all
+    resumed, resumed_scheduler = build_optimizer(resumed_model, config_path)
+    saved = torch.load(checkpoint, weights_only=False)
+    resumed_model.load_state_dict(saved["model"])
+    resumed.load_state_dict(saved["optimizer"])
+    resumed_scheduler.load_state_dict(saved["scheduler"])
+    _train(resumed_model, resumed, resumed_scheduler, batches[4:])
+
+    for got, want in zip(resumed_model.parameters(), expected_params, strict=True):
+        assert torch.equal(got, want)
+    assert resumed.param_groups[0]["lr"] == expected_lr
+    state = resumed.state_dict()
+    assert state["param_groups"] == expected_state["param_groups"]
+    for index, entry in expected_state["state"].items():
+        for key, value in entry.items():
+            got = state["state"][index][key]
+            assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value

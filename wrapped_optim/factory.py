@@ -91,17 +91,13 @@ def _derive_section(section: str, base: Any) -> Any:
     leaves = list(walk_leaves(base))
     if section == "staged":
         from wrapped_optim.adapters.precision import is_precision_aware_holder
+        from wrapped_optim.staging import no_copy_decisions
 
-        for leaf in leaves:
-            if leaf.is_stub:
-                continue
-            if is_precision_aware_holder(leaf.optimizer):
-                return StagedConfig()
-            if leaf.container is not None and hasattr(
-                leaf.container, "shard_fp32_from_float16_groups"
-            ):
-                # A Megatron distributed optimizer: FP32 state can be adopted without copies.
-                return StagedConfig()
+        if any(not leaf.is_stub and is_precision_aware_holder(leaf.optimizer) for leaf in leaves):
+            return StagedConfig()
+        if any(decision.eligible for decision in no_copy_decisions(base)):
+            # A Megatron distributed FP32 Adam: its state can be adopted without copies.
+            return StagedConfig()
         return False
     if section == "hybrid":
         from wrapped_optim.adapters.hybrid import find_hybrid_offload
@@ -164,7 +160,7 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
 
     Example:
         >>> import torch
-        >>> from wrapped_optim import wrap
+        >>> from wrapped_optim.factory import wrap
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
         >>> wrap(sgd) is sgd          # nothing to add for a plain SGD
         True
@@ -300,10 +296,25 @@ def setup_optimizer(
     ``scheduler_config`` is a :class:`wrapped_optim.config.SchedulerConfig` with its step
     counts set (:meth:`~wrapped_optim.config.SchedulerConfig.with_steps`) or Bridge's own.
 
-    Example:
-        >>> from wrapped_optim import setup_optimizer
-        >>> callable(setup_optimizer)  # runs where megatron-core and CUDA are present
-        True
+    Example (a config with Bridge's ``provide`` hook, so it runs on a CPU):
+        >>> import torch
+        >>> from types import SimpleNamespace
+        >>> from wrapped_optim.config import SchedulerConfig
+        >>> from wrapped_optim.factory import setup_optimizer
+        >>> model = torch.nn.Linear(2, 2)
+        >>> model.config = SimpleNamespace(use_mup=False)
+        >>> optimizer_config = SimpleNamespace(
+        ...     optimizer="adam", lr=0.1, min_lr=0.0, weight_decay=0.0,
+        ...     apply_wd_to_qk_layernorm=False, decoupled_lr=None, decoupled_min_lr=None,
+        ...     provide=lambda model_chunks, **_: torch.optim.AdamW(model_chunks.parameters()))
+        >>> steps = SchedulerConfig(lr_warmup_iters=1)
+        >>> steps = steps.with_steps(train_iters=4, global_batch_size=1)
+        >>> optimizer, scheduler = setup_optimizer(optimizer_config, steps, model)
+        >>> optimizer.param_groups[0]["lr"]
+        0.0
+        >>> scheduler.step(1)
+        >>> optimizer.param_groups[0]["lr"]
+        0.1
     """
     core = megatron_optimizer_module()
     from megatron.core.utils import get_model_config
@@ -504,7 +515,7 @@ def build_optimizer(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim import build_optimizer
+        >>> from wrapped_optim.factory import build_optimizer
         >>> model = torch.nn.Linear(2, 1)
         >>> opt, sched = build_optimizer(model, {
         ...     "optimizer": {"name": "adamw", "lr": 0.1},
