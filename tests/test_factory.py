@@ -291,6 +291,31 @@ def test_setup_optimizer_wraps_from_the_megatron_configs(monkeypatch: pytest.Mon
     assert not isinstance(bare, OptimizerWrapper)
 
 
+def test_setup_optimizer_stages_precision_aware_megatron_optimizers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    chunk = Chunk()
+    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    # megatron-core 0.16.1 refuses use_precision_aware_optimizer=True without TE: a look-alike.
+    look_alike = {**vars(megatron_config()), "use_precision_aware_optimizer": True}
+    look_alike["use_distributed_optimizer"] = True
+    look_alike["exp_avg_dtype"] = torch.bfloat16
+    precision_aware = SimpleNamespace(**look_alike)
+    optimizer, _ = setup_optimizer(precision_aware, scheduler_config(), chunk)
+    assert layer_names(optimizer) == ["StagedCheckpointOptimizer", "AdamW"]
+    assert (optimizer.stage_save, optimizer.no_copy_load, optimizer.chunked_load) == (
+        True,
+        False,
+        True,
+    )
+    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    distributed = megatron_config(use_distributed_optimizer=True)
+    optimizer, _ = setup_optimizer(
+        distributed, scheduler_config(), chunk, stack={"staged": {"chunk_bytes": 8}}
+    )
+    assert (optimizer.chunk_bytes, optimizer.stage_save, optimizer.no_copy_load) == (8, False, True)
+
+
 def test_setup_optimizer_with_bridge_style_scheduler_object(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -591,6 +616,15 @@ def test_rewrap_never_doubles_and_keeps_options() -> None:
     assert again.inner.chunk_bytes == 128
     # False removes a layer.
     assert layer_names(wrap(again, {"fsdp": False})) == ["StagedCheckpointOptimizer", "SGD"]
+    # A hand-built stack out of canonical order is put in order, options kept.
+    from wrapped_optim.hybrid import HybridSyncOptimizer
+
+    hand_built = StagedCheckpointOptimizer(
+        HybridSyncOptimizer(optimizer, on_stale="ignore"), chunk_bytes=32
+    )
+    ordered = wrap(hand_built)
+    assert layer_names(ordered) == ["HybridSyncOptimizer", "StagedCheckpointOptimizer", "SGD"]
+    assert ordered.on_stale == "ignore" and ordered.inner.chunk_bytes == 32
     # A canonical layer below a foreign wrapper stays where it is, never doubled.
     foreign = OptimizerWrapper(StagedCheckpointOptimizer(optimizer))
     assert wrap(foreign, {"staged": True}) is foreign

@@ -153,10 +153,11 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
     anywhere in the stack -> staging; a hybrid offload optimizer -> hybrid sync; params whose
     ``grad_dtype`` differs from their dtype -> FSDP-aware.
 
-    Re-wrapping never doubles a layer: canonical layers already on top are reused, and when
-    nothing changes the same object is returned. When layers must change, the canonical
-    layers are rebuilt around the bare optimizer (hooks registered on the replaced wrapper
-    objects are not carried over). A canonical layer below a foreign wrapper is left alone.
+    Re-wrapping never doubles a layer: canonical layers already on top are kept, and when
+    nothing changes the same object is returned. When layers must change (or a hand-built
+    stack is out of canonical order), the canonical layers are rebuilt around the bare
+    optimizer with their options (hooks registered on the replaced wrapper objects are not
+    carried over). A canonical layer below a foreign wrapper is left where it is.
 
     Example:
         >>> import torch
@@ -200,10 +201,11 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
             continue
         wanted[section] = _options(choice)
 
-    reused_all = all(wanted.get(s) is layer for s, layer in existing.items()) and all(
+    unchanged = all(wanted.get(s) is layer for s, layer in existing.items()) and all(
         not isinstance(v, dict) for v in wanted.values()
     )
-    if reused_all and set(wanted) == set(existing):
+    canonical = [s for s in _LAYERS if s in existing] == list(existing)
+    if unchanged and canonical and set(wanted) == set(existing):
         return optimizer
 
     stack = base
