@@ -28,6 +28,7 @@ from wrapped_optim.factory import (
     wrap,
 )
 from wrapped_optim.fsdp import FSDPAwareOptimizer
+from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
 
 core = pytest.importorskip("megatron.core.optimizer")
@@ -597,9 +598,6 @@ def test_wrap_derives_inside_megatron_containers() -> None:
 
 
 def test_rewrap_never_doubles_and_keeps_options() -> None:
-    from wrapped_optim.fsdp import FSDPAwareOptimizer
-    from wrapped_optim.staged import StagedCheckpointOptimizer
-
     def refresh(group: dict[str, Any]) -> None:
         pass
 
@@ -723,13 +721,40 @@ def test_toml_build_train_checkpoint_resume_is_bit_identical(case: str, tmp_path
     name, dtype, extra, layers = E2E_CASES[case]
     config_path = tmp_path / "train.toml"
     config_path.write_text(_e2e_toml(name, extra))
-    batches = _batches(dtype, 8)
+    _check_resume(config_path, dtype, layers, split=4, total=8, directory=tmp_path)
 
+
+@given(
+    case=st.sampled_from(list(E2E_CASES)),
+    split=st.integers(1, 7),
+    chunk=st.sampled_from(["4B", "64B", "1MiB"]),
+)
+def test_resume_after_any_step_with_any_chunk_size(case: str, split: int, chunk: str) -> None:
+    import tempfile
+    from pathlib import Path
+
+    name, dtype, extra, layers = E2E_CASES[case]
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path = Path(tmp) / "train.toml"
+        config_path.write_text(_e2e_toml(name, extra).replace('"64B"', f'"{chunk}"'))
+        _check_resume(config_path, dtype, layers, split=split, total=8, directory=Path(tmp))
+
+
+def _check_resume(
+    config_path: Any,
+    dtype: torch.dtype,
+    layers: list[str],
+    *,
+    split: int,
+    total: int,
+    directory: Any,
+) -> None:
+    batches = _batches(dtype, total)
     model = _model(dtype, seed=0)
     optimizer, scheduler = build_optimizer(model, config_path)
     assert layer_names(optimizer) == layers
-    _train(model, optimizer, scheduler, batches[:4])
-    checkpoint = tmp_path / "ckpt.pt"
+    _train(model, optimizer, scheduler, batches[:split])
+    checkpoint = directory / "ckpt.pt"
     torch.save(
         {
             "model": model.state_dict(),
@@ -738,7 +763,10 @@ def test_toml_build_train_checkpoint_resume_is_bit_identical(case: str, tmp_path
         },
         checkpoint,
     )
-    _train(model, optimizer, scheduler, batches[4:])
+    staged = optimizer.find(StagedCheckpointOptimizer)
+    if "PrecisionAwareAdamW" in layers:  # compressed state really went through the stager
+        assert staged.last_stats.staged_holders == 1 and staged.last_stats.chunked_reads > 0
+    _train(model, optimizer, scheduler, batches[split:])
     expected_params = [p.detach().clone() for p in model.parameters()]
     expected_state = optimizer.state_dict()
     expected_lr = optimizer.param_groups[0]["lr"]
@@ -749,7 +777,7 @@ def test_toml_build_train_checkpoint_resume_is_bit_identical(case: str, tmp_path
     resumed_model.load_state_dict(saved["model"])
     resumed.load_state_dict(saved["optimizer"])
     resumed_scheduler.load_state_dict(saved["scheduler"])
-    _train(resumed_model, resumed, resumed_scheduler, batches[4:])
+    _train(resumed_model, resumed, resumed_scheduler, batches[split:])
 
     for got, want in zip(resumed_model.parameters(), expected_params, strict=True):
         assert torch.equal(got, want)
