@@ -239,20 +239,17 @@ class ChainedOptimizerDouble:
             o.load_state_dict(s)
 
 
-class _HiddenChunkApi:
-    """Mixin: hides the chunk API so a holder looks like TE FusedAdam (whole tensors only)."""
-
-    _hidden = frozenset({"read_unscaled_state_chunk", "write_scaled_state_chunked"})
-
-    def __getattribute__(self, name: str) -> Any:
-        if name in _HiddenChunkApi._hidden:
-            raise AttributeError(name)
-        return super().__getattribute__(name)
-
-
 def te_style(holder_cls: type) -> type:
-    """A subclass of ``holder_cls`` with TE FusedAdam's surface: no chunk API."""
-    return type(f"TEStyle{holder_cls.__name__}", (_HiddenChunkApi, holder_cls), {})
+    """A subclass of ``holder_cls`` with TE FusedAdam's surface: no chunk API.
+
+    The chunk methods are set to ``None`` on the class, the protocol convention for "not
+    offered", so ``supports_chunked_state`` and the staging engine see a whole-tensor holder.
+    """
+    return type(
+        f"TEStyle{holder_cls.__name__}",
+        (holder_cls,),
+        {"read_unscaled_state_chunk": None, "write_scaled_state_chunked": None},
+    )
 
 
 def te_fp16_bug(holder_cls: type) -> type:

@@ -20,7 +20,11 @@ from staged_doubles import (
     te_style,
 )
 
-from wrapped_optim.probe import DeviceMemoryProbe, device_ledger
+from wrapped_optim.adapters.precision import supports_chunked_state
+from wrapped_optim.bench import gpu_staged
+from wrapped_optim.bench import staged as bench_staged
+from wrapped_optim.optimizers import PrecisionAwareAdamW as Holder
+from wrapped_optim.probe import DeviceMemoryProbe, count_unstaged_expansions, device_ledger
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.staging import (
     StagingStats,
@@ -31,14 +35,10 @@ from wrapped_optim.staging import (
     staging_decisions,
 )
 
-try:
-    from wrapped_optim.optimizers import PrecisionAwareAdamW as Holder
-except ImportError:  # pragma: no cover - interim until issue3 lands
-    from _interim_holder import InterimPrecisionAdamW as Holder
-
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 PATCHED = ("get_unscaled_state", "set_scaled_state", "load_state_dict")
-COMPRESSED = [BF16, FP16]
+FP8 = torch.uint8  # E4M3, as TE spells it
+COMPRESSED = [BF16, FP16, FP8]
 
 # ----------------------------------------------------------------------------------------
 # helpers
@@ -182,7 +182,7 @@ def test_whole_tensor_staging_for_holders_without_chunk_api(
     shapes: list[tuple[int, ...]], seed: int, chunk_bytes: int
 ) -> None:
     opt, params = make_holder(shapes, seed=seed, cls=te_style(Holder), master=True)
-    assert not hasattr(opt, "read_unscaled_state_chunk")
+    assert not supports_chunked_state(opt)
     bare = opt.state_dict()
     staged = StagedCheckpointOptimizer(opt, chunk_bytes=chunk_bytes)
     with DeviceMemoryProbe() as probe:
@@ -194,6 +194,55 @@ def test_whole_tensor_staging_for_holders_without_chunk_api(
     assert stats.direct_reads == len(params)  # fp32 master_param
     # one whole expansion alive at a time: the largest tensor, not the sum
     assert probe.peak_extra_bytes == 4 * max(p.numel() for p in params)
+    assert_unpatched(opt)
+
+
+def test_remainder_master_goes_to_host_as_int16() -> None:
+    params = make_params([(33,), (4, 4)], 1, BF16)
+    opt = Holder(
+        params,
+        lr=1e-2,
+        master_weights=True,
+        store_param_remainders=True,
+        exp_avg_dtype=FP8,
+        exp_avg_sq_dtype=BF16,
+    )
+    train(opt, params, 2, 1)
+    bare = opt.state_dict()
+    staged = StagedCheckpointOptimizer(opt, chunk_bytes=16)
+    result = staged.state_dict()
+    assert_same(result, bare, host=True)
+    assert result["state"][0]["master_param"].dtype == torch.int16
+    assert staged.last_stats.direct_reads == 2 and staged.last_stats.chunked_reads == 4
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = Holder(
+        fresh_params,
+        lr=1e-2,
+        master_weights=True,
+        store_param_remainders=True,
+        exp_avg_dtype=FP8,
+        exp_avg_sq_dtype=BF16,
+    )
+    StagedCheckpointOptimizer(fresh, chunk_bytes=16).load_state_dict(result)
+    assert_storage_equal(fresh, opt)
+    assert_unpatched(opt, fresh)
+
+
+def test_holder_whose_chunk_api_reenters_the_patched_accessors() -> None:
+    class Reentrant(Holder):  # type: ignore[misc, valid-type]
+        def read_unscaled_state_chunk(self, param: Any, name: str, start: int, out: Any) -> None:
+            out.copy_(self.get_unscaled_state(param, name).view(-1)[start : start + out.numel()])
+
+        def write_scaled_state_chunked(self, param: Any, name: str, source: Any, n: int) -> None:
+            self.set_scaled_state(param, name, source)
+
+    opt, _ = make_holder([(30,)], cls=Reentrant)
+    bare = opt.state_dict()
+    staged = StagedCheckpointOptimizer(opt, chunk_bytes=8)
+    assert_same(staged.state_dict(), bare)
+    staged.load_state_dict(bare)
+    assert staged.last_stats.chunked_writes == 2
+    assert_same(opt.state_dict(), bare)
     assert_unpatched(opt)
 
 
@@ -451,7 +500,7 @@ class Injected(Exception):
 def faulty(cls: type, counter: dict[str, int]) -> type:
     """Subclass whose accessors count calls and raise at call number ``counter['fail_at']``."""
     names = ["get_unscaled_state", "set_scaled_state"]
-    if hasattr(cls, "read_unscaled_state_chunk") and not cls.__name__.startswith("TEStyle"):
+    if getattr(cls, "read_unscaled_state_chunk", None) is not None:
         names += ["read_unscaled_state_chunk", "write_scaled_state_chunked"]
 
     def wrap(name: str) -> Callable[..., Any]:
@@ -754,3 +803,21 @@ def test_wrapper_is_transparent_for_training_and_pickles() -> None:
     clone = pickle.loads(pickle.dumps(stack))
     assert clone.chunk_bytes == 1024
     assert_same(clone.state_dict(), stack.state_dict())
+
+
+def test_unstaged_baseline_counter_sees_every_expansion() -> None:
+    opt, params = make_holder([(20,), (3, 4)], exp_avg=BF16, exp_avg_sq=FP8, master=True)
+    with DeviceMemoryProbe() as probe, count_unstaged_expansions(opt):
+        sd = opt.state_dict()
+    assert probe.peak_extra_bytes == 2 * 4 * sum(p.numel() for p in params)
+    del sd
+    assert_unpatched(opt)
+
+
+def test_benchmark_and_gpu_script_code_paths_on_cpu() -> None:
+    row = bench_staged.measure(30_000, chunk_bytes=4096, reps=1)
+    assert row["save_peak"]["unstaged"] == 8 * row["params"]
+    assert row["save_peak"]["whole"] == 4 * row["largest"]
+    assert row["save_peak"]["chunked"] <= 4096 and row["load_peak"]["chunked"] <= 4096
+    text = gpu_staged._run("cpu", [40_000], 4096)
+    assert "| 0M | 0 (" in text and "| 1 |" in text  # one adoption in the no-copy row

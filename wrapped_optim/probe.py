@@ -10,13 +10,18 @@ on every CPU test run, with the same code path the GPU runs.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
 import torch
 
-__all__ = ["DeviceMemoryProbe", "device_ledger"]
+from wrapped_optim.patching import patch_attribute
+
+__all__ = ["DeviceMemoryProbe", "count_unstaged_expansions", "device_ledger"]
 
 
 class _DeviceLedger:
@@ -136,3 +141,60 @@ class DeviceMemoryProbe:
             "peak_extra_bytes": self.peak_extra_bytes,
             "ledger_peak_bytes": self.ledger_peak_bytes,
         }
+
+
+def _counting_reader(holder: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    def get_unscaled_state(param: torch.Tensor, state_name: str) -> Any:
+        value = original(param, state_name)
+        mapping = getattr(holder, "name_to_dtype_map", {})
+        if isinstance(value, torch.Tensor) and mapping.get(state_name) != torch.float32:
+            nbytes = value.numel() * value.element_size()
+            device_ledger.allocate(nbytes)
+            weakref.finalize(value, device_ledger.release, nbytes)
+        return value
+
+    return get_unscaled_state
+
+
+def _counting_writer(original: Callable[..., Any]) -> Callable[..., Any]:
+    def set_scaled_state(param: torch.Tensor, state_name: str, unscaled_state: Any) -> Any:
+        numel = unscaled_state.numel() if isinstance(unscaled_state, torch.Tensor) else 0
+        device_ledger.allocate(numel * 4)
+        try:
+            return original(param, state_name, unscaled_state)
+        finally:
+            device_ledger.release(numel * 4)
+
+    return set_scaled_state
+
+
+@contextlib.contextmanager
+def count_unstaged_expansions(stack: Any) -> Iterator[None]:
+    """Puts an *unstaged* checkpoint call of ``stack`` on the ledger, for baselines on CPU.
+
+    Inside the block every expansion a precision-aware holder's ``get_unscaled_state``
+    returns for a compressed state is recorded for as long as the tensor is alive (a bare
+    state dict keeps all of them), and every ``set_scaled_state`` call records one whole
+    FP32 tensor on the device for its duration -- the least a whole-tensor quantization of
+    a host checkpoint needs. CUDA probes measure instead; this is for CPU runs.
+
+    Example:
+        >>> import torch
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> with DeviceMemoryProbe() as probe, count_unstaged_expansions(sgd):
+        ...     _ = sgd.state_dict()
+        >>> probe.peak_extra_bytes
+        0
+    """
+    from wrapped_optim.staging import staging_decisions  # the engine imports this module
+
+    with contextlib.ExitStack() as patches:
+        for decision in staging_decisions(stack):
+            if not decision.eligible:
+                continue
+            holder = decision.optimizer
+            reader = _counting_reader(holder, holder.get_unscaled_state)
+            writer = _counting_writer(holder.set_scaled_state)
+            patches.enter_context(patch_attribute(holder, "get_unscaled_state", reader))
+            patches.enter_context(patch_attribute(holder, "set_scaled_state", writer))
+        yield

@@ -33,6 +33,7 @@ import attrs
 import torch
 
 from wrapped_optim.adapters.megatron import config_flag
+from wrapped_optim.adapters.precision import supports_chunked_state
 from wrapped_optim.adapters.walk import LeafContext, walk_leaves
 from wrapped_optim.patching import patch_attribute
 from wrapped_optim.probe import device_ledger
@@ -88,6 +89,7 @@ class StagingStats:
     chunked_reads: int = 0
     whole_tensor_reads: int = 0
     direct_reads: int = 0
+    passthrough_reads: int = 0
     chunked_writes: int = 0
     protected_writes: int = 0
     adoptions: int = 0
@@ -104,9 +106,12 @@ def _compressed(obj: Any) -> bool:
 
 
 def _supports_chunks(obj: Any) -> bool:
-    return callable(getattr(obj, "read_unscaled_state_chunk", None)) and callable(
-        getattr(obj, "write_scaled_state_chunked", None)
-    )
+    return supports_chunked_state(obj)
+
+
+def _is_dtensor(t: Any) -> bool:
+    # DTensor states are sharded views of a global tensor; they are handed through unstaged.
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
 def _save_gate(leaf: LeafContext) -> str | None:
@@ -280,6 +285,9 @@ def _staged_reader(
         compressed = mapping.get(state_name, _FP32) != _FP32
         if busy:
             return original(param, state_name)
+        if _is_dtensor(param):
+            stats.passthrough_reads += 1
+            return original(param, state_name)
         if compressed and chunked:
             stored = _stored_state(holder, param, state_name)
             if stored is not None:
@@ -376,6 +384,7 @@ def _chunked_writer(
         nonlocal busy
         if (
             busy
+            or _is_dtensor(param)
             or not isinstance(unscaled_state, torch.Tensor)
             or unscaled_state.numel() != param.numel()
             or unscaled_state.dtype not in (_FP32, torch.int16)
