@@ -381,3 +381,71 @@ def test_init_optimizer_state_creates_state_without_side_effects() -> None:
     assert torch.equal(param, before) and param.grad is None
     assert optimizer.param_groups[0]["lr"] == 0.1
     assert compat.init_optimizer_state(optimizer) is False
+
+
+# ----------------------------------------------------------------------------------------
+# Bridge's checkpoint flow through Megatron-shaped containers (issue5's structural doubles)
+# ----------------------------------------------------------------------------------------
+def _megatron_hybrid(seed: int) -> tuple[torch.nn.Module, Any]:
+    from hybrid_doubles import ChainedOptimizerDouble, DistributedOptimizerDouble
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)).to(torch.bfloat16)
+    distributed = DistributedOptimizerDouble(
+        model,
+        lambda groups: HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=1e-2),
+        precision_aware=False,
+    )
+    return model, ChainedOptimizerDouble([distributed])
+
+
+def _steps(model: torch.nn.Module, optimizer: Any, count: int) -> None:
+    for step in range(count):
+        optimizer.zero_grad()
+        model(torch.full((3, 4), 0.1 * (step + 1), dtype=torch.bfloat16)).float().sum().backward()
+        optimizer.step()
+
+
+def test_bridge_resume_and_finetune_flow_on_megatron_containers() -> None:
+    import copy
+
+    model, chained = _megatron_hybrid(0)
+    from wrapped_optim.factory import wrap
+    from wrapped_optim.hybrid import HybridSyncOptimizer
+
+    derived = wrap(chained)  # derivation sees the hybrid optimizer inside the containers
+    assert type(derived) is HybridSyncOptimizer and derived.inner is chained
+    _steps(model, chained, 2)
+    weights = copy.deepcopy(model.state_dict())
+    payload = copy.deepcopy(chained.state_dict())
+
+    # Resume: Megatron's loader wants per-parameter step/master_param the payload omits.
+    resumed_model, resumed = _megatron_hybrid(1)
+    resumed_model.load_state_dict(weights)
+    with pytest.raises(KeyError):
+        resumed.load_state_dict(copy.deepcopy(payload))
+    resumed_model, resumed = _megatron_hybrid(1)
+    resumed_model.load_state_dict(weights)
+    with compat.hybrid_optimizer_state_loading(resumed) as prepared:
+        assert prepared == 1
+        resumed.load_state_dict(copy.deepcopy(payload))
+    (distributed,) = resumed.chained_optimizers
+    assert "_set_main_param_and_optimizer_states" not in vars(distributed)
+    _steps(model, chained, 2)
+    _steps(resumed_model, resumed, 2)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.parameters(), resumed_model.parameters(), strict=True)
+    )
+
+    # Fine-tune from weights only: every master level, including the distributed optimizer's
+    # FP32 main shards (level 1), takes the loaded weights.
+    tuned_model, tuned = _megatron_hybrid(2)
+    tuned_model.load_state_dict(weights)
+    (tuned_distributed,) = tuned.chained_optimizers
+    mains = tuned_distributed.shard_fp32_from_float16_groups[0]
+    halves = tuned_distributed.model_float16_groups[0]
+    assert not all(torch.equal(m, p.float().view(-1)) for m, p in zip(mains, halves, strict=True))
+    assert compat.sync_hybrid_device_optimizer_fp32_master_copies(tuned) is True
+    assert all(torch.equal(m, p.float().view(-1)) for m, p in zip(mains, halves, strict=True))
+    assert not any(entry.stale_levels() for entry in hybrid_master_copies(tuned))
