@@ -608,10 +608,13 @@ def test_rewrap_never_doubles_and_keeps_options() -> None:
     assert layer_names(stack) == ["FSDPAwareOptimizer", "StagedCheckpointOptimizer", "SGD"]
     assert stack.precision_aware is True and stack.refresh is refresh
     assert stack.inner.chunk_bytes == 64
+    # Explicit options equal to the existing layer's keep the very same stack.
+    assert wrap(stack, {"staged": {"chunk_bytes": 64}, "fsdp": {"precision_aware": True}}) is stack
     # Explicit options replace an existing layer's; the layer is not doubled.
-    again = wrap(stack, {"staged": {"chunk_bytes": 128}})
+    again = wrap(stack, {"staged": {"chunk_bytes": 128}, "fsdp": {"precision_aware": False}})
     assert layer_names(again) == layer_names(stack)
     assert again.inner.chunk_bytes == 128
+    assert again.precision_aware is False and again.refresh is refresh  # refresh carried over
     # False removes a layer.
     assert layer_names(wrap(again, {"fsdp": False})) == ["StagedCheckpointOptimizer", "SGD"]
     # A hand-built stack out of canonical order is put in order, options kept.

@@ -153,8 +153,9 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
     anywhere in the stack -> staging; a hybrid offload optimizer -> hybrid sync; params whose
     ``grad_dtype`` differs from their dtype -> FSDP-aware.
 
-    Re-wrapping never doubles a layer: canonical layers already on top are kept, and when
-    nothing changes the same object is returned. When layers must change (or a hand-built
+    Re-wrapping never doubles a layer: canonical layers already on top are kept (also when an
+    explicit section repeats their options), and when nothing changes the same object is
+    returned. When layers must change (or a hand-built
     stack is out of canonical order), the canonical layers are rebuilt around the bare
     optimizer with their options (hooks registered on the replaced wrapper objects are not
     carried over). A canonical layer below a foreign wrapper is left where it is.
@@ -199,7 +200,15 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
             choice = _derive_section(section, base)
         if choice is False:
             continue
-        wanted[section] = _options(choice)
+        options = _options(choice)
+        if section in existing:
+            current = _layer_options(section, existing[section])
+            if {k: current[k] for k in options} == options:
+                wanted[section] = existing[section]  # already built this way: keep it
+                continue
+            if "refresh" in current:  # not a config option: carried over
+                options["refresh"] = current["refresh"]
+        wanted[section] = options
 
     unchanged = all(wanted.get(s) is layer for s, layer in existing.items()) and all(
         not isinstance(v, dict) for v in wanted.values()
