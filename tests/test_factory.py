@@ -31,9 +31,21 @@ from wrapped_optim.fsdp import FSDPAwareOptimizer
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
 
-core = pytest.importorskip("megatron.core.optimizer")
-scheduler_module = pytest.importorskip("megatron.core.optimizer_param_scheduler")
-muon_module = pytest.importorskip("megatron.core.optimizer.muon")
+
+# megatron-core is optional: only the tests that take these fixtures need it.
+@pytest.fixture
+def core() -> Any:
+    return pytest.importorskip("megatron.core.optimizer")
+
+
+@pytest.fixture
+def scheduler_module() -> Any:
+    return pytest.importorskip("megatron.core.optimizer_param_scheduler")
+
+
+@pytest.fixture
+def muon_module() -> Any:
+    return pytest.importorskip("megatron.core.optimizer.muon")
 
 
 # ----------------------------------------------------------------------------------------
@@ -52,7 +64,7 @@ class Chunk(torch.nn.Module):
 def megatron_config(**kwargs: Any) -> Any:
     values: dict[str, Any] = {"optimizer": "adam", "lr": 1e-3, "min_lr": 1e-5, "weight_decay": 0.1}
     values.update(kwargs)
-    return core.OptimizerConfig(**values)
+    return pytest.importorskip("megatron.core.optimizer").OptimizerConfig(**values)
 
 
 def scheduler_config(**kwargs: Any) -> SchedulerConfig:
@@ -81,7 +93,9 @@ class Recorder:
 
 
 @pytest.fixture
-def scheduler_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, dict[str, Any]]]:
+def scheduler_calls(
+    monkeypatch: pytest.MonkeyPatch, scheduler_module: Any
+) -> list[tuple[Any, dict[str, Any]]]:
     calls: list[tuple[Any, dict[str, Any]]] = []
     real = scheduler_module.OptimizerParamScheduler
 
@@ -95,7 +109,10 @@ def scheduler_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, dict[str
 
 
 def test_setup_optimizer_calls_megatron_builder_and_scheduler_with_bridge_arguments(
-    monkeypatch: pytest.MonkeyPatch, scheduler_calls: list[tuple[Any, dict[str, Any]]]
+    monkeypatch: pytest.MonkeyPatch,
+    scheduler_calls: list[tuple[Any, dict[str, Any]]],
+    core: Any,
+    muon_module: Any,
 ) -> None:
     chunks = [Chunk()]
     builder = Recorder(chunks)
@@ -153,7 +170,7 @@ def _must_not_be_called(**kwargs: Any) -> Any:
 
 
 def test_weight_decay_defaults_to_the_optimizer_config(
-    monkeypatch: pytest.MonkeyPatch, scheduler_calls: list[tuple[Any, dict[str, Any]]]
+    monkeypatch: pytest.MonkeyPatch, scheduler_calls: list[tuple[Any, dict[str, Any]]], core: Any
 ) -> None:
     chunk = Chunk()
     monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
@@ -162,7 +179,9 @@ def test_weight_decay_defaults_to_the_optimizer_config(
     assert (kwargs["start_wd"], kwargs["end_wd"]) == (0.3, 0.3)
 
 
-def test_custom_provider_then_mup_overrides_on_top(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_custom_provider_then_mup_overrides_on_top(
+    monkeypatch: pytest.MonkeyPatch, core: Any
+) -> None:
     chunks = [Chunk(use_mup=True), Chunk()]
     builder = Recorder(chunks)
     monkeypatch.setattr(core, "get_megatron_optimizer", builder)
@@ -198,7 +217,9 @@ def test_custom_provider_then_mup_overrides_on_top(monkeypatch: pytest.MonkeyPat
     assert call["use_gloo_process_groups"] is False
 
 
-def test_mup_with_no_overrides_keeps_the_provider_result(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mup_with_no_overrides_keeps_the_provider_result(
+    monkeypatch: pytest.MonkeyPatch, core: Any
+) -> None:
     chunk = Chunk(use_mup=True)
     builder = Recorder([chunk])
     monkeypatch.setattr(core, "get_megatron_optimizer", builder)
@@ -213,14 +234,18 @@ def test_mup_with_no_overrides_keeps_the_provider_result(monkeypatch: pytest.Mon
     assert builder.calls[0]["config_overrides"] is provided
 
 
-def test_mup_without_megatron_support_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mup_without_megatron_support_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, core: Any
+) -> None:
     monkeypatch.delattr(core, "get_mup_config_overrides", raising=False)
     monkeypatch.setattr(core, "get_megatron_optimizer", _must_not_be_called)
     with pytest.raises(ImportError, match="get_mup_config_overrides"):
         setup_optimizer(megatron_config(), scheduler_config(), Chunk(use_mup=True))
 
 
-def test_provide_hook_replaces_the_builders(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_provide_hook_replaces_the_builders(
+    monkeypatch: pytest.MonkeyPatch, core: Any, muon_module: Any
+) -> None:
     chunk = Chunk()
     recorder = Recorder([chunk])
     monkeypatch.setattr(core, "get_megatron_optimizer", _must_not_be_called)
@@ -248,7 +273,7 @@ def test_provide_hook_replaces_the_builders(monkeypatch: pytest.MonkeyPatch) -> 
     ("name", "layer_wise"), [("muon", False), ("dist_muon", True), ("soap", False)]
 )
 def test_muon_and_soap_use_the_muon_builder(
-    monkeypatch: pytest.MonkeyPatch, name: str, layer_wise: bool
+    monkeypatch: pytest.MonkeyPatch, name: str, layer_wise: bool, core: Any, muon_module: Any
 ) -> None:
     chunk = Chunk()
     builder = Recorder([chunk])
@@ -271,7 +296,9 @@ def test_muon_and_soap_use_the_muon_builder(
     assert call["pg_collection"] == "pg"
 
 
-def test_setup_optimizer_wraps_from_the_megatron_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_setup_optimizer_wraps_from_the_megatron_configs(
+    monkeypatch: pytest.MonkeyPatch, core: Any
+) -> None:
     chunk = Chunk(ddp_config=SimpleNamespace(use_megatron_fsdp=True))
     monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
     optimizer, scheduler = setup_optimizer(megatron_config(), scheduler_config(), chunk)
@@ -293,7 +320,7 @@ def test_setup_optimizer_wraps_from_the_megatron_configs(monkeypatch: pytest.Mon
 
 
 def test_setup_optimizer_stages_precision_aware_megatron_optimizers(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, core: Any
 ) -> None:
     chunk = Chunk()
     monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
@@ -318,7 +345,7 @@ def test_setup_optimizer_stages_precision_aware_megatron_optimizers(
 
 
 def test_setup_optimizer_with_bridge_style_scheduler_object(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, core: Any
 ) -> None:
     chunk = Chunk()
     monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
@@ -337,7 +364,11 @@ def test_setup_optimizer_with_bridge_style_scheduler_object(
     ],
 )
 def test_setup_optimizer_errors_name_the_field(
-    monkeypatch: pytest.MonkeyPatch, optimizer_kwargs: dict[str, Any], sched: Any, field: str
+    monkeypatch: pytest.MonkeyPatch,
+    optimizer_kwargs: dict[str, Any],
+    sched: Any,
+    field: str,
+    core: Any,
 ) -> None:
     chunk = Chunk()
     monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
@@ -470,6 +501,8 @@ def test_torch_schedule_matches_megatron_schedule(
     """The torch.optim.lr_scheduler assembly follows megatron-core's formulas."""
     import warnings
 
+    pytest.importorskip("megatron.core.optimizer_param_scheduler")
+
     curves = []
     for backend in ("torch", "megatron"):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
@@ -492,6 +525,7 @@ def test_torch_schedule_matches_megatron_schedule(
 
 
 def test_megatron_backend_keeps_group_specific_lr_and_weight_decay() -> None:
+    pytest.importorskip("megatron.core.optimizer_param_scheduler")
     model = torch.nn.Linear(2, 2)
     groups = [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0, "lr": 0.05}]
     optimizer, scheduler = build_optimizer(
@@ -791,3 +825,19 @@ def _check_resume(
         for key, value in entry.items():
             got = state["state"][index][key]
             assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
+
+
+def test_without_megatron_core_the_errors_say_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    for name in ("megatron.core.optimizer", "megatron.core.optimizer_param_scheduler"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match=r"wrapped-optim\[megatron\]"):
+        setup_optimizer(object(), object(), torch.nn.Linear(2, 2))
+    with pytest.raises(ImportError, match=r"wrapped-optim\[megatron\]"):
+        build_optimizer(
+            torch.nn.Linear(2, 2),
+            {"optimizer": {"name": "sgd", "lr": 0.1}, "schedule": {"backend": "megatron"}},
+        )
