@@ -3,16 +3,45 @@
 Public API only; see the README and docs/ for the concepts.
 """
 
+from wrapped_optim.config import (
+    BuildConfig,
+    ConfigError,
+    FSDPConfig,
+    HybridConfig,
+    LRScheduleConfig,
+    OptimizerSpec,
+    SchedulerConfig,
+    StackConfig,
+    StagedConfig,
+)
+from wrapped_optim.factory import build_optimizer, setup_optimizer, wrap
+from wrapped_optim.fsdp import FSDPAwareOptimizer, init_optimizer_state
 from wrapped_optim.hybrid import HybridSyncOptimizer, StaleMasterError
 from wrapped_optim.patching import patch_attribute
+from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BuildConfig",
+    "ConfigError",
+    "FSDPAwareOptimizer",
+    "FSDPConfig",
+    "HybridConfig",
     "HybridSyncOptimizer",
+    "LRScheduleConfig",
+    "OptimizerSpec",
     "OptimizerWrapper",
+    "SchedulerConfig",
+    "StackConfig",
+    "StagedCheckpointOptimizer",
+    "StagedConfig",
     "StaleMasterError",
     "__version__",
+    "build_optimizer",
+    "init_optimizer_state",
     "patch_attribute",
+    "setup_optimizer",
+    "wrap",
 ]

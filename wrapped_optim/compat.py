@@ -1,0 +1,237 @@
+"""The seed systems' own entry points, on wrapped_optim's machinery.
+
+Code written against Megatron-Bridge (``megatron.bridge.training.optim`` /
+``checkpointing``) or Megatron-FSDP (``megatron_fsdp.experimental``) switches by changing an
+import::
+
+    # from megatron.bridge.training.optim import memory_efficient_fp32_optimizer_state_loading
+    from wrapped_optim.compat import memory_efficient_fp32_optimizer_state_loading
+
+Each function runs the engine the corresponding wrapper uses (the staging engine of
+:class:`~wrapped_optim.staged.StagedCheckpointOptimizer`, the master-copy adapter of
+:class:`~wrapped_optim.hybrid.HybridSyncOptimizer`, :class:`~wrapped_optim.fsdp.FSDPAwareOptimizer`)
+and yields / returns what the reference does. Differences, all deliberate:
+
+* eligibility is decided by structure (protocols, Megatron config flags) on every leaf of the
+  stack, so the portable optimizers qualify as well as TE's FusedAdam, and wrapped stacks
+  work;
+* save staging reads compressed state chunk by chunk when the holder can (one chunk of
+  expansion on the device instead of one whole tensor);
+* :func:`fully_shard_optimizer` *returns* a decorated optimizer instead of registering step
+  hooks in place (use the result), so a failing step still restores the grads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from wrapped_optim.adapters.walk import walk_leaves
+from wrapped_optim.patching import patch_attribute
+
+__all__ = [
+    "fully_shard_optimizer",
+    "hybrid_optimizer_state_loading",
+    "init_optimizer_state",
+    "memory_efficient_fp32_optimizer_state_loading",
+    "memory_efficient_precision_aware_optimizer_state_checkpointing",
+    "sync_hybrid_device_optimizer_fp32_master_copies",
+]
+
+
+@contextmanager
+def memory_efficient_precision_aware_optimizer_state_checkpointing(
+    optimizer: Any, *, enabled: bool, chunk_bytes: int = 64 << 20
+) -> Iterator[int]:
+    """Bridge's save staging: expanded precision-aware state goes to the host as it is read.
+
+    Wrap ``state_dict()`` / ``sharded_state_dict(...)`` / ``load_state_dict(...)`` in it.
+    Yields the number of precision-aware holders staged (0 when ``enabled`` is false, the
+    optimizer is ``None`` or nothing qualifies); every holder is restored on exit, also when
+    the block raises. A holder whose ``get_unscaled_state`` returns a non-tensor raises
+    ``TypeError``; one without a callable accessor ``RuntimeError``.
+
+    Example:
+        >>> import torch
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> with memory_efficient_precision_aware_optimizer_state_checkpointing(
+        ...         sgd, enabled=True) as staged:
+        ...     staged
+        0
+    """
+    if not enabled or optimizer is None:
+        yield 0
+        return
+    from wrapped_optim.staging import staged_save
+
+    with staged_save(optimizer, chunk_bytes=chunk_bytes) as stats:
+        yield stats.staged_holders
+
+
+@contextmanager
+def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
+    """Bridge's FP32 no-copy load: distributed FP32 Adams adopt the loader's tensors.
+
+    Yields the number of eligible optimizers (a distributed optimizer's standard FusedAdam-like
+    leaf with FP32 moments and params, not precision-aware, not offloaded, not Megatron-FSDP).
+    Inside the block their ``load_state_dict`` takes torch's base loader for a state holding
+    exactly FP32 ``exp_avg``/``exp_avg_sq``; anything else goes to their own loader. Restored
+    on exit (also on error), after which the CUDA allocator cache is released if anything was
+    adopted.
+
+    Example:
+        >>> import torch
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> with memory_efficient_fp32_optimizer_state_loading(sgd) as patched:
+        ...     patched
+        0
+    """
+    if optimizer is None:
+        yield 0
+        return
+    from wrapped_optim.staging import fp32_no_copy_load, no_copy_decisions
+
+    eligible = sum(1 for decision in no_copy_decisions(optimizer) if decision.eligible)
+    with fp32_no_copy_load(optimizer):
+        yield eligible
+
+
+@contextmanager
+def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
+    """Bridge's hybrid state loading: payloads may omit per-parameter ``step``/``master_param``.
+
+    Inside the block, hybrid offload optimizers load checkpoints that keep Adam's step in the
+    group metadata only, or drop the ``master_param`` alias (fully reshardable payloads):
+    Megatron DistributedOptimizers around one supply the saved group step and the checkpoint's
+    FP32 param to their per-parameter loader; a hybrid optimizer loaded directly gets the
+    entries put back into (a copy of) the torch-format state dict. Yields the number of
+    optimizers prepared; everything is restored on exit, also on error. Call
+    :func:`sync_hybrid_device_optimizer_fp32_master_copies` after a model-only load.
+
+    Example:
+        >>> import torch
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> with hybrid_optimizer_state_loading(sgd) as prepared:
+        ...     prepared
+        0
+    """
+    if optimizer is None:
+        yield 0
+        return
+    from wrapped_optim.adapters.hybrid import (
+        is_hybrid_offload,
+        restore_omitted_state,
+        restoring_omitted_megatron_state,
+    )
+
+    with ExitStack() as scopes:
+        prepared = scopes.enter_context(restoring_omitted_megatron_state(optimizer))
+        seen: set[int] = set()
+        for leaf in walk_leaves(optimizer):
+            hybrid = leaf.optimizer
+            if leaf.is_stub or not is_hybrid_offload(hybrid) or id(hybrid) in seen:
+                continue
+            seen.add(id(hybrid))
+            if leaf.container is not None and hasattr(
+                leaf.container, "_set_main_param_and_optimizer_states"
+            ):
+                continue  # prepared by restoring_omitted_megatron_state
+            original = hybrid.load_state_dict
+
+            def load_state_dict(state_dict: Any, _original: Any = original) -> Any:
+                return _original(restore_omitted_state(state_dict))
+
+            scopes.enter_context(patch_attribute(hybrid, "load_state_dict", load_state_dict))
+            prepared += 1
+        yield prepared
+
+
+def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
+    """Bridge's model-only sync: every FP32 master level takes the model weights' value.
+
+    After loading *weights only* into a model trained with a hybrid offload optimizer
+    (Megatron's HybridDeviceOptimizer, alone or under a DistributedOptimizer/ChainedOptimizer,
+    or the portable HybridOffloadOptimizer), the distributed optimizer's FP32 shards, the host
+    clones and the FP32 working copies still hold the old values; the first step would write
+    them into the model. Returns ``True`` when the stack has a hybrid offload optimizer
+    (synced), ``False`` (doing nothing) otherwise or for ``None``. Do not call it after a full
+    optimizer-state resume: that would drop the restored masters' low bits.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+        >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+        >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1)
+        >>> with torch.no_grad():
+        ...     _ = p.fill_(2.0)
+        >>> sync_hybrid_device_optimizer_fp32_master_copies(opt)
+        True
+        >>> opt.gpu_params_map_cpu_copy[p].tolist()
+        [2.0, 2.0]
+    """
+    if optimizer is None:
+        return False
+    from wrapped_optim.adapters.hybrid import find_hybrid_offload, hybrid_master_copies
+
+    if not find_hybrid_offload(optimizer):
+        return False
+    for entry in hybrid_master_copies(optimizer):
+        entry.refresh_from_weight()
+    return True
+
+
+def fully_shard_optimizer(optimizer: Any, *, precision_aware: bool = False) -> Any:
+    """Megatron-FSDP's optimizer adapter, as a decorating wrapper: use the returned optimizer.
+
+    The result steps sharded parameters whose grad dtype differs from their data dtype (grads
+    cast for the step unless ``precision_aware``, originals put back afterwards, also when the
+    step raises) and refreshes compute weights after each step. The layer goes on top (it is
+    the outermost of the canonical stack); an optimizer that already has it is returned as it
+    is, or with the top layer rebuilt when ``precision_aware`` differs (never a doubled layer).
+
+    Example:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> p.grad_dtype = torch.bfloat16
+        >>> opt = fully_shard_optimizer(torch.optim.SGD([p], lr=0.5))
+        >>> (p * 2).sum().backward()
+        >>> opt.step()
+        >>> p.tolist()
+        [0.0, 0.0]
+    """
+    from wrapped_optim.fsdp import FSDPAwareOptimizer
+    from wrapped_optim.wrapper import OptimizerWrapper
+
+    precision_aware = bool(precision_aware)
+    existing = (
+        optimizer.find(FSDPAwareOptimizer) if isinstance(optimizer, OptimizerWrapper) else None
+    )
+    if existing is None:
+        return FSDPAwareOptimizer(optimizer, precision_aware=precision_aware)
+    if existing.precision_aware == precision_aware:
+        return optimizer
+    if existing is optimizer:
+        return FSDPAwareOptimizer(
+            optimizer.inner, precision_aware=precision_aware, refresh=optimizer.refresh
+        )
+    raise ValueError(
+        "the optimizer already has an FSDPAwareOptimizer layer with precision_aware="
+        f"{existing.precision_aware} below another wrapper; rebuild the stack instead"
+    )
+
+
+def init_optimizer_state(optimizer: Any) -> bool:
+    """Creates the state a DCP load fills, without touching weights, grads or hyper-parameters.
+
+    See :func:`wrapped_optim.fsdp.init_optimizer_state`; returns ``True`` when it created state.
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        >>> init_optimizer_state(opt), sorted(opt.state_dict()["state"][0])
+        (True, ['exp_avg', 'exp_avg_sq', 'step'])
+    """
+    from wrapped_optim.fsdp import init_optimizer_state as initialise
+
+    return initialise(optimizer)
