@@ -148,11 +148,13 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             if device_params:
                 device_groups.append({**options, "params": device_params})
                 self._device_group_index.append(group_index)
+        # The defaults also go in as constructor keywords, as Megatron's HybridDeviceOptimizer
+        # does: options such as PrecisionAwareAdamW's exp_avg_dtype are constructor-only.
         self.cpu_optimizers: list[torch.optim.Optimizer] = (
-            [self.cpu_optimizer_cls(host_groups)] if host_groups else []
+            [self.cpu_optimizer_cls(host_groups, **self.defaults)] if host_groups else []
         )
         self.gpu_optimizer: torch.optim.Optimizer | None = (
-            self.gpu_optimizer_cls(device_groups) if device_groups else None
+            self.gpu_optimizer_cls(device_groups, **self.defaults) if device_groups else None
         )
         self._built = True
 
