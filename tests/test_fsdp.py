@@ -448,7 +448,8 @@ def test_init_through_stacks_and_containers_restores_group_counters() -> None:
     )
     stack = OptimizerWrapper(FSDPAwareOptimizer(torch.optim.SGD(make_params([(2,)], None))))
     assert init_optimizer_state(chained) is True
-    assert "step" not in first.param_groups[0]  # as an untouched FusedAdam-like optimizer
+    # a group counter stays, at 0: the next step is step 1, as on an untouched optimizer
+    assert first.param_groups[0]["step"] == 0
     assert set(first.state[a]) == {"m"} and set(second.state[b]) == {"momentum_buffer"}
     assert init_optimizer_state(stack) is False  # plain SGD without momentum has no state
 
@@ -472,3 +473,66 @@ def test_init_respects_a_precision_aware_stack() -> None:
     inner = RecordingSGD(params, lr=0.1, momentum=0.9)
     assert init_optimizer_state(FSDPAwareOptimizer(inner, precision_aware=True))
     assert inner.seen[0][0][0] == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------
+# with PrecisionAwareAdamW (TE FusedAdam's precision-aware state, portable)
+# ----------------------------------------------------------------------------------------
+PA_CONFIGS = [
+    # (param dtype, grad dtype, optimizer options)
+    (torch.float32, torch.bfloat16, {"exp_avg_dtype": torch.bfloat16}),
+    (torch.float32, torch.bfloat16, {"exp_avg_sq_dtype": torch.uint8}),
+    (
+        torch.bfloat16,
+        torch.bfloat16,
+        {"master_weights": True, "store_param_remainders": True, "exp_avg_sq_dtype": torch.float16},
+    ),
+]
+
+
+def make_pa(params: list[torch.nn.Parameter], options: dict[str, Any]) -> Any:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    return PrecisionAwareAdamW(params, lr=1e-2, weight_decay=0.1, **options)
+
+
+def make_typed(dtype: torch.dtype, grad_dtype: torch.dtype, seed: int) -> list[torch.nn.Parameter]:
+    params = [
+        torch.nn.Parameter(p.detach().to(dtype)) for p in make_params([(6, 5), (5,)], None, seed)
+    ]
+    for p in params:
+        p.grad_dtype = grad_dtype
+    return params
+
+
+@pytest.mark.parametrize("precision_aware", [True, False])
+@pytest.mark.parametrize(("dtype", "grad_dtype", "options"), PA_CONFIGS)
+def test_precision_aware_adamw_init_load_and_continue_bitwise(
+    dtype: torch.dtype, grad_dtype: torch.dtype, options: dict[str, Any], precision_aware: bool
+) -> None:
+    params = make_typed(dtype, grad_dtype, seed=3)
+    opt = FSDPAwareOptimizer(make_pa(params, options), precision_aware=precision_aware)
+    for step in range(3):
+        give_grads(params, seed=step)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p in resumed:
+        p.grad_dtype = grad_dtype
+    opt2 = FSDPAwareOptimizer(make_pa(resumed, options), precision_aware=precision_aware)
+    before = [bits(p) for p in resumed]
+    assert init_optimizer_state(opt2) is True
+    assert [torch.equal(bits(p), b) for p, b in zip(resumed, before, strict=True)] == [True] * 2
+    assert opt2.param_groups[0]["step"] == 0 and all(p.grad is None for p in resumed)
+    opt2.load_state_dict(saved)
+    for step in range(3, 5):
+        give_grads(params, seed=step)
+        give_grads(resumed, seed=step)
+        opt.step()
+        opt2.step()
+    for p, q in zip(params, resumed, strict=True):
+        assert_bitwise(p.data, q.data)
+        for name, value in opt.state[p].items():
+            assert_bitwise(value, opt2.state[q][name])
+            assert_bitwise(opt.get_unscaled_state(p, name), opt2.get_unscaled_state(q, name))
