@@ -67,7 +67,7 @@ def _same_layout(buffer: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -
         return False
     if getattr(buffer, "placements", None) != getattr(grad, "placements", None):
         return False
-    if getattr(buffer, "device_mesh", None) is not getattr(grad, "device_mesh", None):
+    if getattr(buffer, "device_mesh", None) != getattr(grad, "device_mesh", None):
         return False
     local_buffer, local_grad = local_tensor(buffer), local_tensor(grad)
     return local_buffer.shape == local_grad.shape and local_buffer.device == local_grad.device

@@ -15,7 +15,8 @@ import torch
 
 from .conftest import Launcher, mismatches, requantized_fp8_mismatches, run_in_this_process
 
-pytestmark = pytest.mark.distributed
+# One xdist worker per module (with --dist loadgroup): its tests share module-scoped spawns.
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("fsdp2")]
 
 CHECKPOINT_STEP = 3
 CONTINUE_STEPS = 3

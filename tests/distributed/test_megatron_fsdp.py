@@ -22,7 +22,8 @@ import torch
 
 from .conftest import Launcher, mismatches, requantized_fp8_mismatches, run_in_this_process
 
-pytestmark = pytest.mark.distributed
+# One xdist worker per module (with --dist loadgroup): its tests share module-scoped spawns.
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("megatron_fsdp")]
 if importlib.util.find_spec("megatron_fsdp") is None:
     pytest.skip("megatron-fsdp is not installed", allow_module_level=True)
 
@@ -244,6 +245,7 @@ def train_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, 
         out[f"{name}/fsdp_groups"] = len(fsdp_groups(ours_model))
         out[f"{name}/compute_follows_main"] = compute_weights_follow_main(ours_model)
         out[f"{name}/cast_buffer_bytes"] = ours.cast_buffer_bytes
+        out[f"{name}/cast_buffer_allocations"] = ours._cast_buffers.allocations
 
         # -- the checkpoint ---------------------------------------------------------------
         path = f"{checkpoint_root}/{name}"
@@ -389,6 +391,11 @@ def test_wrapper_matches_upstream_adapter_bitwise(trained: list[dict[str, Any]],
     # reads the bf16 grads directly.
     expected = 0 if PRECISION_AWARE[name] else 4 * (8 * 16 + 16 + 16 * 4 + 4)
     assert sum(rank[f"{name}/cast_buffer_bytes"] for rank in trained) == expected
+    # allocated on the first step only, one DTensor buffer per parameter, then reused
+    expected_allocations = 0 if PRECISION_AWARE[name] else 4
+    assert [rank[f"{name}/cast_buffer_allocations"] for rank in trained] == [
+        expected_allocations
+    ] * len(trained)
 
 
 @pytest.mark.parametrize("name", [n for n in OPTIMIZERS if not PRECISION_AWARE[n]])
