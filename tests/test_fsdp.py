@@ -536,3 +536,41 @@ def test_precision_aware_adamw_init_load_and_continue_bitwise(
         for name, value in opt.state[p].items():
             assert_bitwise(value, opt2.state[q][name])
             assert_bitwise(opt.get_unscaled_state(p, name), opt2.get_unscaled_state(q, name))
+
+
+def test_upstream_hooks_fire_twice_for_a_subclass_while_the_wrapper_steps_once() -> None:
+    """REFERENCE §4: hooks registered on a subclass instance fire again in super().step()."""
+    experimental = pytest.importorskip("megatron_fsdp.experimental")
+
+    class SubclassedAdamW(torch.optim.AdamW):
+        def step(self, closure: Any = None) -> Any:
+            return super().step(closure)
+
+    # Any plain AdamW created before makes torch wrap AdamW.step with the hook-firing profiler
+    # wrapper; SubclassedAdamW.step is wrapped too, so hooks fire in both.
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    owner = SimpleNamespace(sync_model_weight_from_main_weight=lambda: None)
+
+    def owned_params() -> list[torch.nn.Parameter]:
+        params = make_params([(4, 3), (3,)], torch.bfloat16)
+        for p in params:
+            p._mfsdp_parameter_group = owner  # structural double of Megatron-FSDP's group
+        give_grads(params, seed=0)
+        return params
+
+    upstream_params = owned_params()
+    upstream = SubclassedAdamW(upstream_params, lr=1e-2)
+    experimental.fully_shard_optimizer(upstream)
+    with pytest.raises(AssertionError):
+        upstream.step()
+    assert upstream_params[0].grad.dtype == torch.float32  # and it is left cast
+
+    ours_params = owned_params()
+    reference = clone_params(ours_params)
+    for p, q in zip(ours_params, reference, strict=True):
+        q.grad = p.grad.float()
+    FSDPAwareOptimizer(SubclassedAdamW(ours_params, lr=1e-2)).step()
+    torch.optim.AdamW(reference, lr=1e-2).step()
+    for p, q in zip(ours_params, reference, strict=True):
+        assert_bitwise(p.data, q.data)
+        assert p.grad.dtype == torch.bfloat16
