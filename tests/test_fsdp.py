@@ -70,6 +70,7 @@ class RecordingSGD(torch.optim.SGD):
     def __init__(self, params: Any, **kw: Any) -> None:
         super().__init__(params, **kw)
         self.seen: list[list[tuple[torch.dtype, int]]] = []
+        self.hyper: list[tuple[Any, float, float]] = []  # (lr object, lr value, weight decay)
         self.fail_next = False
 
     def step(self, closure: Any = None) -> Any:
@@ -81,6 +82,8 @@ class RecordingSGD(torch.optim.SGD):
                 if p.grad is not None
             ]
         )
+        group = self.param_groups[0]
+        self.hyper.append((group["lr"], float(group["lr"]), float(group["weight_decay"])))
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected failure inside the step")
@@ -574,3 +577,43 @@ def test_upstream_hooks_fire_twice_for_a_subclass_while_the_wrapper_steps_once()
     for p, q in zip(ours_params, reference, strict=True):
         assert_bitwise(p.data, q.data)
         assert p.grad.dtype == torch.bfloat16
+
+
+def test_init_steps_with_zero_lr_and_weight_decay_keeping_a_tensor_lr_object() -> None:
+    params = make_params([(3,)], torch.bfloat16)
+    lr = torch.tensor(0.25)
+    inner = RecordingSGD(params, lr=lr, momentum=0.9, weight_decay=0.5)
+    assert init_optimizer_state(inner)
+    assert inner.hyper == [(lr, 0.0, 0.0)]  # the same tensor, zeroed in place
+    assert inner.param_groups[0]["lr"] is lr and lr.item() == 0.25
+    assert inner.param_groups[0]["weight_decay"] == 0.5
+
+
+finite_or_special = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+
+@given(
+    values=st.lists(finite_or_special, min_size=1, max_size=12),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    optimizer=st.sampled_from(["adamw", "sgd", "precision_aware"]),
+)
+def test_init_leaves_any_weights_bit_identical(
+    values: list[float], dtype: torch.dtype, optimizer: str
+) -> None:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    param = torch.nn.Parameter(torch.tensor(values).to(dtype))
+    param.grad_dtype = torch.bfloat16
+    before = bits(param)
+    inner: Any
+    if optimizer == "adamw":
+        inner = torch.optim.AdamW([param], lr=0.1, weight_decay=0.1)
+    elif optimizer == "sgd":
+        inner = torch.optim.SGD([param], lr=0.1, momentum=0.9, weight_decay=0.1)
+    else:
+        inner = PrecisionAwareAdamW(
+            [param], lr=0.1, weight_decay=0.1, master_weights=dtype == torch.bfloat16
+        )
+    assert init_optimizer_state(FSDPAwareOptimizer(inner))
+    assert torch.equal(bits(param), before)
+    assert param.grad is None and param.grad_dtype == torch.bfloat16
