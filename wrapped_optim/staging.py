@@ -297,8 +297,6 @@ def _staged_reader(
                     return _read_chunked(holder, param, state_name, stored, scratch)
                 finally:
                     busy = False
-        if compressed:
-            scratch.close()  # a whole expansion is coming: no scratch alive beside it
         value = _check_tensor(holder, "get_unscaled_state", state_name, original(param, state_name))
         if not compressed:
             # FP32 state (or an int16 remainder): the live tensor, copied straight to the host.
