@@ -233,15 +233,17 @@ def encode_into(
         >>> out
         tensor([1., 2.], dtype=torch.bfloat16)
     """
-    _check_dtype(dtype)
     if out.dtype != dtype:
+        _check_dtype(dtype)
         raise ValueError(f"storage tensor has dtype {out.dtype}, expected {dtype}")
-    if x.numel() != out.numel():
-        raise ValueError(f"encode_into: {x.numel()} values for {out.numel()} storage elements")
-    x = x.reshape(out.shape)
-    if not is_scaled(dtype):
-        out.copy_(x)
+    if x.shape != out.shape:
+        if x.numel() != out.numel():
+            raise ValueError(f"encode_into: {x.numel()} values for {out.numel()} storage elements")
+        x = x.reshape(out.shape)
+    if dtype == torch.float32 or dtype == torch.bfloat16:
+        out.copy_(x)  # bf16: torch's cast is round-to-nearest-even
         return
+    _check_dtype(dtype)
     if scale is None:
         raise ValueError(f"encoding into {dtype} needs the tensor's scale")
     mult = encode_multiplier(scale.to(device=out.device, dtype=torch.float32), dtype)
@@ -271,14 +273,21 @@ def decode_into(storage: Tensor, out: Tensor, dtype: torch.dtype, scale: Tensor 
         >>> out
         tensor([0.5000, 1.0000])
     """
-    _check_dtype(dtype)
     if storage.dtype != dtype:
+        _check_dtype(dtype)
         raise ValueError(f"storage tensor has dtype {storage.dtype}, expected {dtype}")
     if out.dtype != torch.float32:
         raise ValueError(f"decode_into writes float32, got an output of dtype {out.dtype}")
-    if storage.numel() != out.numel():
+    if out.shape == storage.shape:
+        view = out
+    elif storage.numel() != out.numel():
         raise ValueError(f"decode_into: {storage.numel()} stored values for {out.numel()} outputs")
-    view = out.view(storage.shape) if out.is_contiguous() else out.reshape(storage.shape)
+    else:
+        view = out.view(storage.shape) if out.is_contiguous() else out.reshape(storage.shape)
+    if dtype == torch.float32 or dtype == torch.bfloat16:
+        view.copy_(storage)
+        return
+    _check_dtype(dtype)
     if dtype == FP8_E4M3:
         view.copy_(storage.view(_E4M3))
     else:

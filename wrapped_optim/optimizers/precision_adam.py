@@ -23,6 +23,8 @@ from wrapped_optim import codecs
 __all__ = ["PrecisionAwareAdamW"]
 
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
+# Devices with torch's fused (single-pass) Adam/AdamW kernels.
+_FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu")
 _MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 
 _DTENSOR_TYPES: tuple[type, ...]
@@ -95,6 +97,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         use_decoupled_grad: bool = False,
         store_param_remainders: bool = False,
         chunk_numel: int = 1 << 15,
+        fused: bool | None = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError("PrecisionAwareAdamW (like FusedAdam) does not support AMSGrad.")
@@ -155,6 +158,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             store_param_remainders and master_weights and master_weight_dtype == torch.float32
         )
         self.chunk_numel = chunk_numel
+        self.fused = fused
         self._scales: dict[Tensor, dict[str, Tensor]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -434,6 +438,26 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 elif grad is not None:
                     grad.zero_()
 
+    def _fused_math(
+        self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, group: dict[str, Any], step: Tensor
+    ) -> None:
+        """torch's single-pass AdamW (L2 Adam without ``adam_w_mode``) kernel on flat views."""
+        beta1, beta2 = group["betas"]
+        fused = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
+        fused(
+            [p], [g], [m], [v], [], [step],
+            lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+            eps=group["eps"], amsgrad=False, maximize=False,
+        )  # fmt: skip
+
+    def _use_fused(self, device: torch.device, group: dict[str, Any]) -> bool:
+        if self.fused is False or not group["bias_correction"]:
+            return False
+        supported = device.type in _FUSED_DEVICES
+        if self.fused and not supported:
+            raise RuntimeError(f"fused=True, but torch has no fused AdamW kernel for {device}")
+        return supported
+
     def _grad_of(self, param: Tensor) -> Tensor | None:
         if self.use_decoupled_grad:
             grad: Tensor | None = getattr(param, "decoupled_grad", None)
@@ -519,20 +543,52 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 mode[name] = "chunk"
         fp32_param = param.dtype == torch.float32
         master = None if fp32_param else mode.get("master_param")
+        fused_step = None
+        if self._use_fused(device, group):
+            fused_step = torch.tensor(float(step), dtype=torch.float32, device=device)
 
-        c = min(self.chunk_numel, max(n, 1))
-        scratch = [torch.empty(c, dtype=torch.float32, device=device) for _ in range(6)]
-        g_buf, m_buf, v_buf, p_buf, t1, t2 = scratch
+        if (
+            fused_step is not None
+            and master is None
+            and param.dtype == torch.bfloat16
+            and mode["exp_avg"] == mode["exp_avg_sq"] == "chunk"
+            and g_flat.dtype == torch.bfloat16
+            and g_flat.device == device
+        ):
+            # bf16 param, grad and moments, no master: torch's fused kernel loads each value
+            # to FP32, updates and stores with round-to-nearest-even in one pass, which is
+            # exactly decode -> FP32 update -> encode.
+            m_flat, v_flat = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+            self._fused_math(p_flat, g_flat, m_flat, v_flat, group, fused_step)
+            if not contiguous:
+                p_local.copy_(p_work)
+            return
 
-        def fp32_view(name: str, s: int, e: int, buf: Tensor) -> Tensor:
-            kind = mode[name]
+        # Nothing to convert per slice (all FP32 views, FP32 grad): one pass over the tensor.
+        direct = (
+            all(mode[name] in ("live", "whole") for name in ("exp_avg", "exp_avg_sq"))
+            and (master in ("live", "whole") or (master is None and fp32_param))
+            and g_flat.dtype == torch.float32
+            and g_flat.device == device
+        )
+        c = max(n, 1) if direct else min(self.chunk_numel, max(n, 1))
+        scratch = [torch.empty(0 if direct else c, device=device) for _ in range(4)]
+        g_buf, m_buf, v_buf, p_buf = scratch
+        if fused_step is None:
+            t1, t2 = (torch.empty(c, dtype=torch.float32, device=device) for _ in range(2))
+
+        flat = {name: state[name].view(-1) for name in mode}
+        dtypes = self.name_to_dtype_map
+        m_mode, v_mode = mode["exp_avg"], mode["exp_avg_sq"]
+        master_flat = flat.get("master_param")
+
+        def fp32_view(name: str, kind: str, s: int, e: int, buf: Tensor) -> Tensor:
             if kind == "live":
-                view: Tensor = state[name].view(-1)[s:e]
-                return view
+                return flat[name][s:e]
             if kind == "whole":
                 return whole[name][s:e]
             out = buf[: e - s]
-            codecs.decode_into(state[name].view(-1)[s:e], out, self.name_to_dtype_map[name], None)
+            codecs.decode_into(flat[name][s:e], out, dtypes[name], None)
             return out
 
         for s, e in codecs.chunk_bounds(n, c):
@@ -540,39 +596,40 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             g = g_flat[s:e]
             if g.dtype != torch.float32 or g.device != device:
                 g = g_buf[:k].copy_(g)
-            m = fp32_view("exp_avg", s, e, m_buf)
-            v = fp32_view("exp_avg_sq", s, e, v_buf)
+            m = fp32_view("exp_avg", m_mode, s, e, m_buf)
+            v = fp32_view("exp_avg_sq", v_mode, s, e, v_buf)
             if master is None:
                 p32 = p_flat[s:e] if fp32_param else p_buf[:k].copy_(p_flat[s:e])
             elif master == "remainder":
-                p32 = codecs.join_master(p_flat[s:e], state["master_param"].view(-1)[s:e])
+                assert master_flat is not None
+                p32 = codecs.join_master(p_flat[s:e], master_flat[s:e])
             else:
-                p32 = fp32_view("master_param", s, e, p_buf)
+                p32 = fp32_view("master_param", master, s, e, p_buf)
 
-            if not self.adam_w_mode and wd != 0:
-                g = torch.add(g, p32, alpha=wd, out=t1[:k])  # never into the caller's grad
-            m.mul_(beta1).add_(g, alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = torch.div(v, bc2, out=t1[:k]).sqrt_().add_(eps)
-            update = torch.div(m, bc1, out=t2[:k]).div_(denom)
-            if self.adam_w_mode and wd != 0:
-                update.add_(p32, alpha=wd)
-            p32.sub_(update.mul_(lr))
+            if fused_step is not None:
+                self._fused_math(p32, g, m, v, group, fused_step)
+            else:
+                if not self.adam_w_mode and wd != 0:
+                    g = torch.add(g, p32, alpha=wd, out=t1[:k])  # never into the caller's grad
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = torch.div(v, bc2, out=t1[:k]).sqrt_().add_(eps)
+                update = torch.div(m, bc1, out=t2[:k]).div_(denom)
+                if self.adam_w_mode and wd != 0:
+                    update.add_(p32, alpha=wd)
+                p32.sub_(update.mul_(lr))
 
-            for name, buf in (("exp_avg", m), ("exp_avg_sq", v)):
-                if mode[name] == "chunk":
-                    dtype = self.name_to_dtype_map[name]
-                    codecs.encode_into(buf, state[name].view(-1)[s:e], dtype, None)
+            if m_mode == "chunk":
+                codecs.encode_into(m, flat["exp_avg"][s:e], dtypes["exp_avg"])
+            if v_mode == "chunk":
+                codecs.encode_into(v, flat["exp_avg_sq"][s:e], dtypes["exp_avg_sq"])
             if master == "remainder":
+                assert master_flat is not None
                 hi, rem = codecs.split_master(p32)
                 p_flat[s:e].copy_(hi)
-                state["master_param"].view(-1)[s:e].copy_(rem)
-            elif master is not None:
-                if mode["master_param"] == "chunk":  # pragma: no cover - bf16 masters rejected
-                    raise AssertionError
-                p_flat[s:e].copy_(p32)
+                master_flat[s:e].copy_(rem)
             elif not fp32_param:
-                p_flat[s:e].copy_(p32)
+                p_flat[s:e].copy_(p32)  # round-to-nearest-even into the bf16/fp16 param
 
         if fp32_param and "master_param" in state:
             # TE leaves an fp32 parameter's master untouched; we keep it equal to the param.
