@@ -160,11 +160,14 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self.chunk_numel = chunk_numel
         self.fused = fused
         self._scales: dict[Tensor, dict[str, Tensor]] = {}
+        self._scratch: dict[torch.device, Tensor] = {}  # step workspace, never saved
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's Optimizer pickles only defaults/state/param_groups; our configuration and
         # scales are part of the optimizer too (copy.deepcopy and pickle must keep them).
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        state["_scratch"] = {}
+        return state
 
     # ------------------------------------------------------------------ format helpers
 
@@ -468,6 +471,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             raise RuntimeError(f"fused=True, but torch has no fused AdamW kernel for {device}")
         return supported
 
+    def _scratch_for(self, device: torch.device, numel: int) -> Tensor:
+        buf = self._scratch.get(device)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+            self._scratch[device] = buf
+        return buf[:numel]
+
     def _grad_of(self, param: Tensor) -> Tensor | None:
         if self.use_decoupled_grad:
             grad: Tensor | None = getattr(param, "decoupled_grad", None)
@@ -603,11 +613,10 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             and g_flat.device == device
         )
         c = max(n, 1) if direct else min(self.chunk_numel, max(n, 1))
-        size = 0 if direct else c
-        g_buf, m_buf, v_buf, p_buf = (torch.empty(size, device=device) for _ in range(4))
-        bits_buf = torch.empty(c if master == "remainder" else 0, dtype=torch.int32, device=device)
-        if fused_step is None:
-            t1, t2 = (torch.empty(c, dtype=torch.float32, device=device) for _ in range(2))
+        # Six FP32 slice buffers, kept between steps: allocating them afresh costs page faults.
+        scratch = self._scratch_for(device, 6 * (1 if direct else c))
+        g_buf, m_buf, v_buf, p_buf, t1, t2 = scratch.view(6, -1).unbind(0)
+        bits_buf = t1.view(torch.int32)  # only the remainder split uses it, t1 is free then
 
         def fp32_view(name: str, kind: str, s: int, e: int, buf: Tensor) -> Tensor:
             if kind == "live":
