@@ -614,8 +614,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         )
         c = max(n, 1) if direct else min(self.chunk_numel, max(n, 1))
         # Six FP32 slice buffers, kept between steps: allocating them afresh costs page faults.
-        scratch = self._scratch_for(device, 6 * (1 if direct else c))
-        g_buf, m_buf, v_buf, p_buf, t1, t2 = scratch.view(6, -1).unbind(0)
+        b = 0 if direct else c  # slice buffers
+        t = c if fused_step is None or master == "remainder" else 0  # temporaries
+        scratch = self._scratch_for(device, 4 * b + 2 * t)
+        g_buf, m_buf, v_buf, p_buf = (scratch[i * b : (i + 1) * b] for i in range(4))
+        t1, t2 = scratch[4 * b : 4 * b + t], scratch[4 * b + t :]
         bits_buf = t1.view(torch.int32)  # only the remainder split uses it, t1 is free then
 
         def fp32_view(name: str, kind: str, s: int, e: int, buf: Tensor) -> Tensor:
