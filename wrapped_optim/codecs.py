@@ -461,7 +461,7 @@ def split_master_into(
     bits = master.contiguous().view(torch.int32).reshape(remainder.shape)
     remainder.copy_(bits)  # int32 -> int16 keeps the low 16 bits
     high = torch.sub(bits, remainder, out=scratch.view(bits.shape) if scratch is not None else None)
-    high.bitwise_right_shift_(16)
+    torch.bitwise_right_shift(high, 16, out=high)  # the out= form is the vectorized one
     param.view(torch.int16).copy_(high.view(param.shape))
 
 
@@ -486,7 +486,7 @@ def join_master(param: Tensor, remainder: Tensor, out: Tensor | None = None) -> 
     if out is not None and out.is_contiguous() and out.dtype == torch.float32:
         bits = out.view(torch.int32).view(param.shape)
         bits.copy_(param.view(torch.int16))
-        bits.bitwise_left_shift_(16)
+        torch.bitwise_left_shift(bits, 16, out=bits)  # the out= form is the vectorized one
         bits.add_(remainder.reshape(bits.shape))
         return out
     bits = torch.bitwise_left_shift(param.contiguous().view(torch.int16).to(torch.int32), 16)

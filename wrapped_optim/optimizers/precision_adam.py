@@ -347,8 +347,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             tensor([1., 3.], dtype=torch.bfloat16)
         """
         local = self._check_source(param, state_name, unscaled_state, "unscaled_state")
-        flat = local.reshape(-1)
-        self._encode_from(param, state_name, flat, max(flat.numel(), 1))
+        # Slices bound the temporaries; the result does not depend on the slice size.
+        self._encode_from(param, state_name, local.reshape(-1), max(self.chunk_numel, 1 << 20))
 
     def read_unscaled_state_chunk(
         self, param: Tensor, state_name: str, start: int, out: Tensor
