@@ -640,7 +640,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if master is None:
                 p32 = p_flat[s:e] if fp32_param else p_buf[:k].copy_(p_flat[s:e])
             elif master == "remainder":
-                p32 = codecs.join_master(p_flat[s:e], flat["master_param"][s:e], out=p_buf[:k])
+                p32 = codecs.join_master(
+                    p_flat[s:e], flat["master_param"][s:e], out=p_buf[:k], scratch=t2[:k]
+                )
             else:
                 p32 = fp32_view("master_param", master, s, e, p_buf)
 
