@@ -366,11 +366,18 @@ def _model_state(model: Any) -> dict[str, Any]:
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-def _check_models(expected: Any, actual: Any, headline: str, names: tuple[str, str]) -> None:
-    differences = state_dict_differences(_model_state(expected), _model_state(actual), names=names)
-    if differences:
-        renamed = [attrs.evolve(d, path=("model", *d.path)) for d in differences]
-        raise StateMismatchError(headline, renamed)
+def _run_differences(
+    expected: tuple[Any, Any], actual: tuple[Any, Any], names: tuple[str, str], ignore_device: bool
+) -> list[Difference]:
+    # Optimizer state first: it says which param and state went wrong; the model follows.
+    (expected_model, expected_opt), (actual_model, actual_opt) = expected, actual
+    optimizer = state_dict_differences(
+        expected_opt.state_dict(), actual_opt.state_dict(), ignore_device=ignore_device, names=names
+    )
+    model = state_dict_differences(
+        _model_state(expected_model), _model_state(actual_model), names=names
+    )
+    return optimizer + [attrs.evolve(d, path=("model", *d.path)) for d in model]
 
 
 def assert_resume_equivalent(
@@ -432,26 +439,19 @@ def assert_resume_equivalent(
     _train(resumed_model, resumed, range(steps_before, total), loss_fn, seed)
 
     where = f"after {steps_before} + {steps_after} steps"
-    names = ("uninterrupted", "checkpointed")
-    _check_models(
-        reference_model, saver_model, f"taking a checkpoint changed training {where}", names
+    reference_run = (reference_model, reference)
+    differences = _run_differences(
+        reference_run, (saver_model, saver), ("uninterrupted", "checkpointed"), ignore_device
     )
-    assert_state_dict_equal(
-        reference.state_dict(),
-        saver.state_dict(),
-        ignore_device=ignore_device,
-        names=names,
-        headline=f"taking a checkpoint changed the optimizer state {where}",
+    if differences:
+        raise StateMismatchError(f"taking a checkpoint changed training {where}", differences)
+    differences = _run_differences(
+        reference_run, (resumed_model, resumed), ("uninterrupted", "resumed"), ignore_device
     )
-    names = ("uninterrupted", "resumed")
-    _check_models(reference_model, resumed_model, f"resumed model differs {where}", names)
-    assert_state_dict_equal(
-        reference.state_dict(),
-        resumed.state_dict(),
-        ignore_device=ignore_device,
-        names=names,
-        headline=f"resumed optimizer state differs {where}",
-    )
+    if differences:
+        raise StateMismatchError(
+            f"the resumed run differs from the uninterrupted one {where}", differences
+        )
 
 
 def assert_transparent(stack: Any, *, ignore_device: bool = True) -> None:
