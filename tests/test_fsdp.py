@@ -1,0 +1,474 @@
+"""Single-process tests of FSDPAwareOptimizer, init_optimizer_state and the sharded-param adapter.
+
+Parameters with ``Tensor.grad_dtype`` behave on a CPU exactly as Megatron-FSDP's sharded
+parameters do (FP32 data, bf16 grads); the multi-process DTensor cases live in
+tests/distributed.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from wrapped_optim.adapters.megatron_fsdp import (
+    fsdp_parameter_group_of,
+    grad_dtype_of,
+    iter_params,
+    needs_grad_cast,
+    swap_grad,
+)
+from wrapped_optim.fsdp import FSDPAwareOptimizer, init_optimizer_state
+from wrapped_optim.wrapper import OptimizerWrapper
+
+LOW = [torch.bfloat16, torch.float16]
+
+
+def make_params(
+    shapes: list[tuple[int, ...]], grad_dtype: torch.dtype | None, seed: int = 0
+) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        param = torch.nn.Parameter(torch.randn(shape, generator=generator))
+        if grad_dtype is not None:
+            param.grad_dtype = grad_dtype
+        params.append(param)
+    return params
+
+
+def give_grads(params: list[torch.nn.Parameter], seed: int) -> None:
+    """Fresh grad objects in each param's grad dtype, as a backward pass would produce."""
+    generator = torch.Generator().manual_seed(seed)
+    for param in params:
+        grad = torch.randn(param.shape, generator=generator).to(grad_dtype_of(param))
+        param.grad = grad
+
+
+def clone_params(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8).clone()
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(bits(a), bits(b))
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that records what its step saw (grad dtypes and storage addresses)."""
+
+    def __init__(self, params: Any, **kw: Any) -> None:
+        super().__init__(params, **kw)
+        self.seen: list[list[tuple[torch.dtype, int]]] = []
+        self.fail_next = False
+
+    def step(self, closure: Any = None) -> Any:
+        self.seen.append(
+            [
+                (p.grad.dtype, p.grad.data_ptr())
+                for g in self.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            ]
+        )
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("injected failure inside the step")
+        return super().step(closure)
+
+
+# ----------------------------------------------------------------------------------------
+# adapter
+# ----------------------------------------------------------------------------------------
+def test_grad_dtype_of_follows_grad_dtype_then_grad_then_data() -> None:
+    p = torch.nn.Parameter(torch.zeros(2))
+    assert grad_dtype_of(p) == torch.float32
+    p.grad_dtype = torch.bfloat16
+    assert grad_dtype_of(p) == torch.bfloat16
+    p.grad_dtype = None  # "any dtype": the current grad decides
+    assert grad_dtype_of(p) == torch.float32
+    p.grad = torch.zeros(2, dtype=torch.float16)
+    assert grad_dtype_of(p) == torch.float16
+
+
+def test_needs_grad_cast_walks_wrapper_stacks_and_megatron_containers() -> None:
+    plain, low = make_params([(2,)], None) + make_params([(3,)], torch.bfloat16)
+    assert not needs_grad_cast(OptimizerWrapper(torch.optim.SGD([plain])))
+    chained = SimpleNamespace(
+        chained_optimizers=[
+            SimpleNamespace(optimizer=torch.optim.SGD([plain])),
+            SimpleNamespace(optimizer=torch.optim.SGD([low])),
+        ]
+    )
+    assert needs_grad_cast(chained)
+    assert [p is q for p, q in zip(iter_params(chained), [plain, low], strict=True)] == [True] * 2
+
+
+def test_swap_grad_installs_a_grad_of_another_dtype_and_back() -> None:
+    (p,) = make_params([(3,)], torch.bfloat16)
+    original = torch.ones(3, dtype=torch.bfloat16)
+    p.grad = original
+    with pytest.raises(RuntimeError, match="grad_dtype"):
+        p.grad = torch.ones(3)  # what the adapter exists to get around
+    swap_grad(p, torch.ones(3), torch.float32)
+    assert p.grad.dtype == torch.float32
+    swap_grad(p, original, torch.bfloat16)
+    assert p.grad is original and p.grad_dtype == torch.bfloat16
+
+
+def test_megatron_fsdp_owner_is_found_from_the_param_and_synced_once() -> None:
+    pytest.importorskip("megatron_fsdp.experimental.parameter_group")
+    # A structural double of an FsdpParameterGroup, attached the way Megatron-FSDP attaches
+    # its real groups (the real ones are exercised in tests/distributed).
+    calls: list[str] = []
+    owner = SimpleNamespace(sync_model_weight_from_main_weight=lambda: calls.append("sync"))
+    a, b, c = make_params([(2,), (2,), (2,)], torch.bfloat16)
+    for p in (a, b):
+        p._mfsdp_parameter_group = owner
+    assert fsdp_parameter_group_of(a) is owner and fsdp_parameter_group_of(c) is None
+    refreshed: list[int] = []
+    opt = FSDPAwareOptimizer(
+        torch.optim.SGD([{"params": [a]}, {"params": [b, c]}], lr=0.1),
+        refresh=lambda group: refreshed.append(len(group["params"])),
+    )
+    give_grads([a, b, c], seed=1)
+    opt.step()
+    assert calls == ["sync"]  # one FSDP group spanning two optimizer groups: one sync
+    assert refreshed == [2]  # only the optimizer group holding a non-FSDP param
+
+
+# ----------------------------------------------------------------------------------------
+# FSDPAwareOptimizer
+# ----------------------------------------------------------------------------------------
+def test_unwrapped_adamw_fails_on_low_precision_grads_as_upstream_reports() -> None:
+    params = make_params([(4, 3)], torch.bfloat16)
+    give_grads(params, seed=0)
+    with pytest.raises(RuntimeError, match="expected dtype"):
+        torch.optim.AdamW(params, lr=1e-2).step()
+
+
+@pytest.mark.parametrize("grad_dtype", LOW)
+def test_wrapped_adamw_equals_adamw_on_cast_grads_bitwise(grad_dtype: torch.dtype) -> None:
+    shapes = [(5, 3), (7,), (2, 2, 2)]
+    params = make_params(shapes, grad_dtype)
+    reference = clone_params(params)
+    opt = FSDPAwareOptimizer(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1))
+    ref_opt = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1)
+    for step in range(4):
+        give_grads(params, seed=step)
+        originals = [p.grad for p in params]
+        for p, q in zip(params, reference, strict=True):
+            q.grad = p.grad.to(torch.float32)
+        opt.step()
+        ref_opt.step()
+        for p, q, g in zip(params, reference, originals, strict=True):
+            assert_bitwise(p.data, q.data)
+            assert p.grad is g and p.grad.dtype == grad_dtype and p.grad_dtype == grad_dtype
+    for p, q in zip(params, reference, strict=True):
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert_bitwise(opt.state[p][name], ref_opt.state[q][name])
+
+
+def test_cast_buffers_are_reused_across_steps() -> None:
+    params = make_params([(64, 32), (32,)], torch.bfloat16)
+    inner = RecordingSGD(params, lr=0.01, momentum=0.9)
+    opt = FSDPAwareOptimizer(inner)
+    for step in range(5):
+        give_grads(params, seed=step)  # new grad objects every step, like backward
+        opt.step()
+    addresses = [[ptr for _, ptr in seen] for seen in inner.seen]
+    assert all(dtype == torch.float32 for seen in inner.seen for dtype, _ in seen)
+    assert all(a == addresses[0] for a in addresses), "a step allocated new cast buffers"
+    assert opt._cast_buffers.allocations == len(params)
+    assert opt.cast_buffer_bytes == sum(p.numel() * 4 for p in params)
+    opt.release_cast_buffers()
+    assert opt.cast_buffer_bytes == 0
+
+
+def test_a_raising_step_puts_original_grads_back_and_does_not_refresh() -> None:
+    params = make_params([(3, 2), (4,)], torch.bfloat16)
+    inner = RecordingSGD(params, lr=0.1)
+    refreshed: list[Any] = []
+    opt = FSDPAwareOptimizer(inner, refresh=refreshed.append)
+    give_grads(params, seed=0)
+    originals = [p.grad for p in params]
+    before = [bits(p) for p in params]
+    inner.fail_next = True
+    with pytest.raises(RuntimeError, match="injected failure"):
+        opt.step()
+    assert inner.seen[-1][0][0] == torch.float32  # the step did see cast grads
+    for p, g, b in zip(params, originals, before, strict=True):
+        assert p.grad is g and p.grad_dtype == torch.bfloat16
+        assert torch.equal(bits(p), b)
+    assert refreshed == []
+    opt.step()  # and the next step works normally
+    assert len(refreshed) == 1 and refreshed[0] is inner.param_groups[0]
+
+
+def test_refresh_is_called_once_per_param_group_after_each_step() -> None:
+    a, b, c = make_params([(2,), (2,), (2,)], torch.bfloat16)
+    calls: list[int] = []
+    opt = FSDPAwareOptimizer(
+        torch.optim.SGD([{"params": [a, b]}, {"params": [c]}], lr=0.1),
+        refresh=lambda group: calls.append(len(group["params"])),
+    )
+    for step in range(3):
+        give_grads([a, b, c], seed=step)
+        opt.step()
+    assert calls == [2, 1] * 3
+
+
+def test_precision_aware_passes_low_precision_grads_through() -> None:
+    params = make_params([(3,)], torch.bfloat16)
+    inner = RecordingSGD(params, lr=0.1)
+    opt = FSDPAwareOptimizer(inner, precision_aware=True)
+    give_grads(params, seed=0)
+    grad = params[0].grad
+    # SGD itself accepts the mixed dtypes; a precision-aware optimizer would too.
+    opt.step()
+    assert inner.seen == [[(torch.bfloat16, grad.data_ptr())]]
+    assert opt.cast_buffer_bytes == 0
+
+
+def test_closure_is_rejected_clearly_when_a_cast_is_needed() -> None:
+    params = make_params([(3,)], None) + make_params([(2, 2)], torch.bfloat16)
+    opt = FSDPAwareOptimizer(torch.optim.SGD(params, lr=0.1))
+    give_grads(params, seed=0)
+    grads = [p.grad for p in params]
+    before = [bits(p) for p in params]
+    called: list[bool] = []
+    with pytest.raises(NotImplementedError, match=r"parameter #1 \(shape \(2, 2\)"):
+        opt.step(lambda: called.append(True))
+    assert called == []
+    assert all(p.grad is g for p, g in zip(params, grads, strict=True))
+    assert all(torch.equal(bits(p), b) for p, b in zip(params, before, strict=True))
+
+
+def test_closure_passes_through_when_nothing_needs_a_cast() -> None:
+    (p,) = make_params([(3,)], None)
+    opt = FSDPAwareOptimizer(torch.optim.SGD([p], lr=0.5))
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (p * 2).sum()
+        loss.backward()
+        return loss
+
+    before = p.detach().clone()
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor)
+    assert torch.equal(p.data, before - 1.0)
+
+
+def test_wrapper_is_a_transparent_no_op_without_mixed_grads() -> None:
+    params = make_params([(4, 4), (4,)], None)
+    reference = clone_params(params)
+    opt = FSDPAwareOptimizer(torch.optim.AdamW(params, lr=1e-2))
+    ref_opt = torch.optim.AdamW(reference, lr=1e-2)
+    for step in range(3):
+        give_grads(params, seed=step)
+        give_grads(reference, seed=step)
+        grads = [p.grad for p in params]
+        opt.step()
+        ref_opt.step()
+        assert all(p.grad is g for p, g in zip(params, grads, strict=True))
+    for p, q in zip(params, reference, strict=True):
+        assert_bitwise(p.data, q.data)
+        assert_bitwise(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"])
+    assert opt.cast_buffer_bytes == 0
+
+
+def test_constructor_validates_refresh_and_repr_shows_options() -> None:
+    sgd = torch.optim.SGD(make_params([(1,)], None), lr=0.1)
+    with pytest.raises(TypeError, match="refresh must be a callable"):
+        FSDPAwareOptimizer(sgd, refresh=3)  # type: ignore[arg-type]
+    assert "precision_aware=True" in repr(FSDPAwareOptimizer(sgd, precision_aware=True))
+
+
+def test_pickling_drops_the_cast_buffers() -> None:
+    params = make_params([(8,)], torch.bfloat16)
+    opt = FSDPAwareOptimizer(torch.optim.SGD(params, lr=0.1))
+    give_grads(params, seed=0)
+    opt.step()
+    assert opt.cast_buffer_bytes > 0
+    clone = pickle.loads(pickle.dumps(opt))
+    assert clone.cast_buffer_bytes == 0 and clone.precision_aware is False
+
+
+@given(
+    shapes=st.lists(
+        st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple), min_size=1, max_size=3
+    ),
+    grad_dtype=st.sampled_from([*LOW, torch.float32]),
+    steps=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_state_dict_round_trip_continues_bitwise(
+    shapes: list[tuple[int, ...]], grad_dtype: torch.dtype, steps: int, seed: int
+) -> None:
+    """Save after some steps, load into a fresh wrapped optimizer, continue: identical."""
+    params = make_params(shapes, grad_dtype, seed=seed)
+    opt = FSDPAwareOptimizer(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01))
+    for step in range(steps):
+        give_grads(params, seed=seed + step)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p in resumed:
+        p.grad_dtype = grad_dtype
+    opt2 = FSDPAwareOptimizer(torch.optim.AdamW(resumed, lr=1e-2, weight_decay=0.01))
+    assert init_optimizer_state(opt2)
+    opt2.load_state_dict(saved)
+    for step in range(steps, steps + 2):
+        give_grads(params, seed=seed + step)
+        give_grads(resumed, seed=seed + step)
+        opt.step()
+        opt2.step()
+    for p, q in zip(params, resumed, strict=True):
+        assert_bitwise(p.data, q.data)
+    for key, state in opt.state_dict()["state"].items():
+        for name, value in state.items():
+            assert_bitwise(value, opt2.state_dict()["state"][key][name])
+
+
+# ----------------------------------------------------------------------------------------
+# init_optimizer_state
+# ----------------------------------------------------------------------------------------
+def test_torch_dcp_initialiser_rejects_the_grad_as_upstream_reports() -> None:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = torch.nn.Linear(3, 2)
+    for p in model.parameters():
+        p.grad_dtype = torch.bfloat16
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError, match="grad_dtype"):
+        get_optimizer_state_dict(model, opt)
+    fixed = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert init_optimizer_state(FSDPAwareOptimizer(fixed))
+    state = get_optimizer_state_dict(model, FSDPAwareOptimizer(fixed))["state"]
+    assert set(state) == {"weight", "bias"} and state["weight"]["step"].item() == 0
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_init_creates_state_and_leaves_everything_else_untouched(tensor_lr: bool) -> None:
+    params = make_params([(4, 3), (3,)], torch.bfloat16)
+    special = torch.tensor([-0.0, float("nan"), float("inf")])
+    with torch.no_grad():
+        params[1].copy_(special)
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    lr: Any = torch.tensor(0.01) if tensor_lr else 0.01
+    opt = torch.optim.AdamW(
+        [{"params": params}, {"params": [frozen]}], lr=lr, weight_decay=0.5, foreach=False
+    )
+    lr_value = float(lr)
+    existing = torch.full((3,), 2.0, dtype=torch.bfloat16)
+    params[1].grad = existing
+    before = [bits(p) for p in params]
+    groups_before = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+    assert init_optimizer_state(opt) is True
+
+    assert [torch.equal(bits(p), b) for p, b in zip(params, before, strict=True)] == [True] * 2
+    assert params[0].grad is None and params[1].grad is existing
+    assert all(p.grad_dtype == torch.bfloat16 for p in params)
+    for p in params:
+        assert opt.state[p]["step"].item() == 0
+        assert not opt.state[p]["exp_avg"].any()
+    assert frozen not in opt.state
+    for group, snapshot in zip(opt.param_groups, groups_before, strict=True):
+        assert group.keys() - {"params"} == snapshot.keys()
+        assert group["lr"] is snapshot["lr"]  # a tensor lr stays the same object
+        assert float(group["lr"]) == lr_value and group["weight_decay"] == 0.5
+
+
+def test_init_then_training_equals_an_untouched_optimizer() -> None:
+    params = make_params([(3, 3), (5,)], torch.bfloat16)
+    untouched = clone_params(params)
+    for p in untouched:
+        p.grad_dtype = torch.bfloat16
+    opt = FSDPAwareOptimizer(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1))
+    ref = FSDPAwareOptimizer(torch.optim.AdamW(untouched, lr=1e-2, weight_decay=0.1))
+    assert init_optimizer_state(opt)
+    for step in range(3):
+        give_grads(params, seed=step)
+        give_grads(untouched, seed=step)
+        opt.step()
+        ref.step()
+    for p, q in zip(params, untouched, strict=True):
+        assert_bitwise(p.data, q.data)
+        assert_bitwise(opt.state[p]["step"], ref.state[q]["step"])
+
+
+def test_init_is_a_no_op_when_state_exists() -> None:
+    params = make_params([(3,)], torch.bfloat16)
+    opt = FSDPAwareOptimizer(torch.optim.AdamW(params, lr=1e-2))
+    give_grads(params, seed=0)
+    opt.step()
+    snapshot = copy.deepcopy(opt.state_dict())
+    grad = params[0].grad
+    assert init_optimizer_state(opt) is False
+    assert params[0].grad is grad
+    assert opt.state[params[0]]["step"].item() == 1
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], snapshot["state"][0]["exp_avg"])
+
+
+class GroupStepAdam(torch.optim.Optimizer):
+    """Keeps its step counter in the parameter group, as TE's FusedAdam does."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                state = self.state[p]
+                state.setdefault("m", torch.zeros_like(p))
+                state["m"].mul_(0.9).add_(p.grad)
+                p.add_(state["m"], alpha=-group["lr"])
+
+
+def test_init_through_stacks_and_containers_restores_group_counters() -> None:
+    a, b = make_params([(2,), (3,)], torch.bfloat16)
+    first = GroupStepAdam([a])
+    second = torch.optim.SGD([b], lr=0.1, momentum=0.9)
+    chained = SimpleNamespace(
+        chained_optimizers=[SimpleNamespace(optimizer=first), SimpleNamespace(optimizer=second)]
+    )
+    stack = OptimizerWrapper(FSDPAwareOptimizer(torch.optim.SGD(make_params([(2,)], None))))
+    assert init_optimizer_state(chained) is True
+    assert "step" not in first.param_groups[0]  # as an untouched FusedAdam-like optimizer
+    assert set(first.state[a]) == {"m"} and set(second.state[b]) == {"momentum_buffer"}
+    assert init_optimizer_state(stack) is False  # plain SGD without momentum has no state
+
+
+def test_init_failure_drops_new_state_and_restores_everything() -> None:
+    params = make_params([(3,)], torch.bfloat16)
+    lr = torch.tensor(0.5)
+    inner = RecordingSGD(params, lr=lr, momentum=0.9)
+    inner.fail_next = True
+    before = bits(params[0])
+    with pytest.raises(RuntimeError, match="injected failure"):
+        init_optimizer_state(FSDPAwareOptimizer(inner))
+    assert not inner.state and params[0].grad is None
+    assert inner.param_groups[0]["lr"] is lr and lr.item() == 0.5
+    assert torch.equal(bits(params[0]), before)
+    assert inner.seen == [[(torch.float32, inner.seen[0][0][1])]]  # the step saw cast grads
+
+
+def test_init_respects_a_precision_aware_stack() -> None:
+    params = make_params([(3,)], torch.bfloat16)
+    inner = RecordingSGD(params, lr=0.1, momentum=0.9)
+    assert init_optimizer_state(FSDPAwareOptimizer(inner, precision_aware=True))
+    assert inner.seen[0][0][0] == torch.bfloat16

@@ -1,0 +1,420 @@
+"""Optimizers over FSDP-sharded parameters whose grads have another dtype than their weights.
+
+Megatron-FSDP gives each sharded parameter FP32 main weights and, to halve gradient memory and
+communication, bf16 main grads (``param.grad_dtype = torch.bfloat16``). Plain torch optimizers
+refuse that mix, the low-precision compute weights go stale after every step, and
+``torch.distributed.checkpoint``'s state initialiser assigns a zero grad in the *parameter*
+dtype, which such parameters reject. :class:`FSDPAwareOptimizer` fixes the first two around each
+step; :func:`init_optimizer_state` creates the state a checkpoint load needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from wrapped_optim.adapters.megatron_fsdp import (
+    fsdp_parameter_group_of,
+    grad_dtype_of,
+    iter_params,
+    local_tensor,
+    swap_grad,
+)
+from wrapped_optim.adapters.walk import walk_leaves
+from wrapped_optim.wrapper import OptimizerWrapper
+
+__all__ = ["FSDPAwareOptimizer", "init_optimizer_state"]
+
+RefreshFn = Callable[[dict[str, Any]], None]
+
+# Hyper-parameters zeroed while init_optimizer_state steps, so the step cannot move a weight
+# nor leave weight-decay traces in the new state.
+_ZEROED_HYPERPARAMETERS = ("lr", "weight_decay")
+
+
+class _CastBuffers:
+    """One persistent data-dtype grad buffer per parameter, reused while its layout holds."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.allocations = 0
+
+    def for_grad(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        entry = self._buffers.get(id(param))
+        if entry is not None and entry[0] is param and _same_layout(entry[1], grad, param.dtype):
+            return entry[1]
+        # empty_like keeps a DTensor grad's mesh and placements.
+        buffer = torch.empty_like(grad, dtype=param.dtype)
+        self._buffers[id(param)] = (param, buffer)
+        self.allocations += 1
+        return buffer
+
+    def nbytes(self) -> int:
+        return sum(
+            local_tensor(buffer).numel() * buffer.element_size()
+            for _, buffer in self._buffers.values()
+        )
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+def _same_layout(buffer: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -> bool:
+    if type(buffer) is not type(grad) or buffer.dtype != dtype or buffer.shape != grad.shape:
+        return False
+    if getattr(buffer, "placements", None) != getattr(grad, "placements", None):
+        return False
+    if getattr(buffer, "device_mesh", None) is not getattr(grad, "device_mesh", None):
+        return False
+    local_buffer, local_grad = local_tensor(buffer), local_tensor(grad)
+    return local_buffer.shape == local_grad.shape and local_buffer.device == local_grad.device
+
+
+def _restore_grads(swapped: list[tuple[torch.Tensor, torch.Tensor | None, Any]]) -> None:
+    # Every parameter is restored even if one fails; the first failure is re-raised.
+    failure: BaseException | None = None
+    for param, grad, grad_dtype in reversed(swapped):
+        try:
+            swap_grad(param, grad, grad_dtype)
+        except BaseException as error:
+            failure = failure or error
+    swapped.clear()
+    if failure is not None:
+        raise failure
+
+
+@contextmanager
+def _grads_in_data_dtype(params: Iterable[torch.Tensor], buffers: _CastBuffers) -> Iterator[int]:
+    """Swaps every grad whose dtype differs from its parameter's for a cast copy, then back.
+
+    Yields the number of swapped grads. The original grad objects and ``grad_dtype`` values
+    are put back when the block exits, also when it raises.
+    """
+    swapped: list[tuple[torch.Tensor, torch.Tensor | None, Any]] = []
+    try:
+        for param in params:
+            grad = param.grad
+            if grad is None or grad.dtype == param.dtype:
+                continue
+            buffer = buffers.for_grad(param, grad)
+            with torch.no_grad():
+                local_tensor(buffer).copy_(local_tensor(grad))
+            swapped.append((param, grad, getattr(param, "grad_dtype", None)))
+            swap_grad(param, buffer, param.dtype)
+        yield len(swapped)
+    finally:
+        _restore_grads(swapped)
+
+
+def _describe(index: int, param: torch.Tensor) -> str:
+    return (
+        f"parameter #{index} (shape {tuple(param.shape)}, dtype {param.dtype}, "
+        f"grad dtype {grad_dtype_of(param)})"
+    )
+
+
+class FSDPAwareOptimizer(OptimizerWrapper):
+    """Steps any optimizer on sharded parameters whose grad dtype differs from their dtype.
+
+    Around each step of the wrapped stack:
+
+    1. every grad whose dtype differs from its parameter's data dtype (Megatron-FSDP's bf16
+       main grads on FP32 main weights) is swapped for a copy cast to the data dtype, unless
+       ``precision_aware`` (the optimizer consumes mixed-precision grads itself, like TE's
+       FusedAdam). The copies live in buffers kept from step to step, so a step allocates no
+       full-size grads once the first step has run;
+    2. the inner step runs;
+    3. the original grad objects (and their ``grad_dtype``) are put back — also when the step
+       raises;
+    4. after a successful step, compute weights are refreshed once per parameter group:
+       Megatron-FSDP's own ``sync_model_weight_from_main_weight()`` for parameters it owns,
+       ``refresh(param_group)`` for every optimizer parameter group holding other parameters.
+
+    Closures are passed through when no grad needs a cast (e.g. under PyTorch FSDP2, where the
+    wrapper is transparent); otherwise they are rejected, because the closure would produce
+    grads after the cast happened.
+
+    Args:
+        inner: the optimizer (or wrapper stack) to decorate.
+        precision_aware: the optimizer accepts grads in another dtype than the weights.
+        refresh: called with each optimizer parameter group that holds parameters not owned
+            by Megatron-FSDP, after every successful step (e.g. to copy FP32 masters into the
+            model's compute weights).
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.fsdp import FSDPAwareOptimizer
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> p.grad_dtype = torch.bfloat16
+        >>> (p * 3).sum().backward()
+        >>> p.grad.dtype
+        torch.bfloat16
+        >>> opt = FSDPAwareOptimizer(torch.optim.SGD([p], lr=0.5))
+        >>> opt.step()
+        >>> p.data, p.grad.dtype
+        (tensor([-0.5000, -0.5000]), torch.bfloat16)
+    """
+
+    def __init__(
+        self, inner: Any, *, precision_aware: bool = False, refresh: RefreshFn | None = None
+    ) -> None:
+        super().__init__(inner)
+        if refresh is not None and not callable(refresh):
+            raise TypeError(
+                f"refresh must be a callable taking a parameter group, got {type(refresh).__name__}"
+            )
+        self.precision_aware = bool(precision_aware)
+        self.refresh = refresh
+        self._cast_buffers = _CastBuffers()
+
+    # ----------------------------------------------------------------------------------
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
+        params = list(iter_params(self.inner))
+        if self.precision_aware:
+            loss = self._inner_step(closure)
+        else:
+            if closure is not None:
+                self._reject_closure_if_casting(params)
+            with _grads_in_data_dtype(params, self._cast_buffers):
+                loss = self._inner_step(closure)
+        # Not reached when the step raised: a refresh may be collective (Megatron-FSDP
+        # redistributes compute weights), and other ranks may not have failed.
+        self.refresh_compute_weights()
+        return loss
+
+    def _reject_closure_if_casting(self, params: list[torch.Tensor]) -> None:
+        for index, param in enumerate(params):
+            if grad_dtype_of(param) != param.dtype:
+                raise NotImplementedError(
+                    "FSDPAwareOptimizer.step does not take a closure when a grad needs a "
+                    f"dtype cast: {_describe(index, param)} gets grads the optimizer cannot "
+                    "consume, and a closure would produce them after the cast. Run "
+                    "forward/backward before step(), or pass precision_aware=True for an "
+                    "optimizer that consumes such grads itself."
+                )
+
+    def refresh_compute_weights(self) -> None:
+        """Refreshes compute weights from the (updated) main weights, once per group.
+
+        Called after every successful step; call it yourself after loading main weights
+        (e.g. a model checkpoint into Megatron-FSDP's sharded parameters) or after a step
+        that raised. Collective under Megatron-FSDP when compute and main weights are
+        placed differently: call it on every rank.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.fsdp import FSDPAwareOptimizer
+            >>> p = torch.nn.Parameter(torch.ones(1))
+            >>> seen = []
+            >>> opt = FSDPAwareOptimizer(torch.optim.SGD([p]), refresh=seen.append)
+            >>> opt.refresh_compute_weights()
+            >>> len(seen)
+            1
+        """
+        fsdp_groups: dict[int, Any] = {}
+        other_groups: list[dict[str, Any]] = []
+        for leaf in walk_leaves(self.inner):
+            if leaf.optimizer is None:
+                continue
+            for group in leaf.optimizer.param_groups:
+                has_other = False
+                for param in group["params"]:
+                    owner = fsdp_parameter_group_of(param)
+                    if owner is None:
+                        has_other = True
+                    else:
+                        fsdp_groups.setdefault(id(owner), owner)
+                if has_other:
+                    other_groups.append(group)
+        for owner in fsdp_groups.values():
+            owner.sync_model_weight_from_main_weight()
+        if self.refresh is not None:
+            for group in other_groups:
+                self.refresh(group)
+
+    def release_cast_buffers(self) -> None:
+        """Frees the kept cast buffers (the next step allocates them again).
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.fsdp import FSDPAwareOptimizer
+            >>> opt = FSDPAwareOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
+            >>> opt.release_cast_buffers()
+            >>> opt.cast_buffer_bytes
+            0
+        """
+        self._cast_buffers.clear()
+
+    @property
+    def cast_buffer_bytes(self) -> int:
+        """Rank-local bytes held by the kept cast buffers.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.fsdp import FSDPAwareOptimizer
+            >>> p = torch.nn.Parameter(torch.ones(4))
+            >>> p.grad_dtype = torch.bfloat16
+            >>> p.grad = torch.ones(4, dtype=torch.bfloat16)
+            >>> opt = FSDPAwareOptimizer(torch.optim.SGD([p]))
+            >>> opt.step()
+            >>> opt.cast_buffer_bytes
+            16
+        """
+        return self._cast_buffers.nbytes()
+
+    # ----------------------------------------------------------------------------------
+    def _extra_repr(self) -> str:
+        refresh = getattr(self.refresh, "__qualname__", repr(self.refresh))
+        return f"precision_aware={self.precision_aware}, refresh={refresh}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_cast_buffers", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._cast_buffers = _CastBuffers()
+
+
+# --------------------------------------------------------------------------------------
+# init_optimizer_state
+# --------------------------------------------------------------------------------------
+def _snapshot_group(group: dict[str, Any]) -> dict[str, tuple[Any, torch.Tensor | None]]:
+    return {
+        key: (value, value.detach().clone() if isinstance(value, torch.Tensor) else None)
+        for key, value in group.items()
+        if key != "params"
+    }
+
+
+def _restore_group(
+    group: dict[str, Any], snapshot: dict[str, tuple[Any, torch.Tensor | None]]
+) -> None:
+    for key in [key for key in group if key != "params" and key not in snapshot]:
+        del group[key]  # e.g. a group-level step counter the step created
+    for key, (value, saved) in snapshot.items():
+        unchanged_object = group.get(key) is value
+        if saved is not None and unchanged_object and isinstance(value, torch.Tensor):
+            with torch.no_grad():
+                value.copy_(saved)  # a tensor hyper-parameter stays the same object
+        else:
+            group[key] = value
+
+
+def _zero_hyperparameters(group: dict[str, Any]) -> None:
+    for key in _ZEROED_HYPERPARAMETERS:
+        value = group.get(key)
+        if isinstance(value, torch.Tensor):
+            with torch.no_grad():
+                value.zero_()
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            group[key] = type(value)(0)
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(
+        a.reshape(-1).view(torch.uint8) if a.numel() else a,
+        b.reshape(-1).view(torch.uint8) if b.numel() else b,
+    )
+
+
+def _reset_step_counters(leaf: torch.optim.Optimizer) -> None:
+    for state in leaf.state.values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, torch.Tensor):
+            with torch.no_grad():
+                step.zero_()
+        elif isinstance(step, (int, float)) and not isinstance(step, bool):
+            state["step"] = type(step)(0)
+
+
+def _stack_is_precision_aware(optimizer: Any) -> bool:
+    layer = optimizer
+    while isinstance(layer, OptimizerWrapper):
+        if isinstance(layer, FSDPAwareOptimizer):
+            return layer.precision_aware
+        layer = layer.inner
+    return False
+
+
+def _init_leaf(leaf: torch.optim.Optimizer, precision_aware: bool) -> None:
+    params = [
+        param for group in leaf.param_groups for param in group["params"] if param.requires_grad
+    ]
+    locals_before = [local_tensor(param).detach().clone() for param in params]
+    saved_grads = [(param, param.grad, getattr(param, "grad_dtype", None)) for param in params]
+    snapshots = [_snapshot_group(group) for group in leaf.param_groups]
+    succeeded = False
+    try:
+        for param in params:
+            zero = torch.zeros_like(param, dtype=grad_dtype_of(param))
+            swap_grad(param, zero, getattr(param, "grad_dtype", None))
+        for group in leaf.param_groups:
+            _zero_hyperparameters(group)
+        if precision_aware:
+            leaf.step()
+        else:
+            with _grads_in_data_dtype(params, _CastBuffers()):
+                leaf.step()
+        succeeded = True
+    finally:
+        for group, snapshot in zip(leaf.param_groups, snapshots, strict=True):
+            _restore_group(group, snapshot)
+        with torch.no_grad():
+            for param, before in zip(params, locals_before, strict=True):
+                now = local_tensor(param)
+                if not _bytes_equal(now, before):
+                    now.copy_(before)
+        _restore_grads(saved_grads)
+        if not succeeded:
+            leaf.state.clear()
+    _reset_step_counters(leaf)
+
+
+def init_optimizer_state(optimizer: Any) -> bool:
+    """Creates the optimizer state a checkpoint load fills, without changing anything else.
+
+    ``torch.distributed.checkpoint``'s ``set_optimizer_state_dict`` needs existing state
+    tensors to load into. Its own initialiser gives every parameter a zero grad in the
+    *parameter* dtype (rejected by a parameter whose ``grad_dtype`` differs, as under
+    Megatron-FSDP), swaps a tensor ``lr`` for a new float tensor and lets weight decay touch
+    the weights. This one, for every leaf optimizer of the stack that has no state yet:
+
+    - gives each trainable parameter a zero grad in its grad dtype (cast to the data dtype for
+      the step unless the stack's :class:`FSDPAwareOptimizer` is ``precision_aware``);
+    - sets ``lr`` and ``weight_decay`` to 0 for the step (a tensor is zeroed in place and
+      keeps its identity) and restores every parameter-group entry afterwards (a group step
+      counter the step created is removed again);
+    - steps the leaf optimizer itself (no compute-weight refresh, no outer wrapper logic);
+    - restores the weights bit for bit, the previous grads (or ``None``), and resets
+      per-parameter ``step`` counters to 0, which is what a fresh optimizer starts from.
+
+    If the step raises, the leaf's new state is dropped and everything else is restored.
+    Returns ``True`` when state was created; ``False`` (doing nothing) when every leaf
+    already had state.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.fsdp import init_optimizer_state
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> p.grad_dtype = torch.bfloat16
+        >>> opt = torch.optim.AdamW([p], lr=torch.tensor(0.1))
+        >>> init_optimizer_state(opt)
+        True
+        >>> sorted(opt.state[p]), opt.state[p]["step"].item(), p.grad, p.data
+        (['exp_avg', 'exp_avg_sq', 'step'], 0.0, None, tensor([1., 1.]))
+        >>> init_optimizer_state(opt)
+        False
+    """
+    precision_aware = _stack_is_precision_aware(optimizer)
+    created = False
+    for leaf in walk_leaves(optimizer):
+        if leaf.optimizer is None or leaf.optimizer.state:
+            continue
+        _init_leaf(leaf.optimizer, precision_aware)
+        created = created or bool(leaf.optimizer.state)
+    return created
