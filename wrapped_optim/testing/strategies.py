@@ -382,6 +382,7 @@ def precision_adamw_options(draw: Any) -> Options:
         "exp_avg_dtype": draw(st.sampled_from(_STATE_DTYPES)),
         "exp_avg_sq_dtype": draw(st.sampled_from(_STATE_DTYPES)),
         "master_weights": master_weights,
+        "chunk_numel": draw(st.sampled_from([3, 64, 1 << 15])),
     }
     if master_weights:
         options["master_weight_dtype"] = draw(st.sampled_from([torch.float32, torch.float16]))
@@ -455,9 +456,11 @@ def _layer_options(name: str) -> st.SearchStrategy[Options]:
 
 
 @st.composite
-def stack_configs(draw: Any, *, layers: Sequence[str] | None = None) -> StackSpec:
-    """A :class:`StackSpec`: any subset of ``layers`` (default: every available one), in
-    canonical order, each with drawn options.
+def stack_configs(
+    draw: Any, *, layers: Sequence[str] | None = None, require_all: bool = False
+) -> StackSpec:
+    """A :class:`StackSpec`: any subset of ``layers`` (default: every available one; all of
+    them with ``require_all``), in canonical order, each with drawn options.
 
     Example:
         >>> from hypothesis import find
@@ -465,7 +468,9 @@ def stack_configs(draw: Any, *, layers: Sequence[str] | None = None) -> StackSpe
         StackSpec(layers=())
     """
     layers = list(layers) if layers is not None else list(available_layers())
-    chosen = [name for name in LAYER_ORDER if name in layers and draw(st.booleans())]
+    chosen = [
+        name for name in LAYER_ORDER if name in layers and (require_all or draw(st.booleans()))
+    ]
     return StackSpec(tuple((name, draw(_layer_options(name))) for name in chosen))
 
 
