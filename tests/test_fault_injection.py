@@ -23,8 +23,8 @@ from typing import Any
 import attrs
 import pytest
 import torch
-
 from _suite_targets import TARGETS, Target
+
 from wrapped_optim.adapters.walk import walk_leaves
 from wrapped_optim.testing import (
     StateMismatchError,
@@ -226,7 +226,7 @@ def _check_one(
     with site.armed():
         try:
             operation.run(stack, argument)
-        except BaseException as error:  # noqa: BLE001 - anything may come out; checked below
+        except BaseException as error:
             raised = error
     where = f"{target.name} {operation.name}, fault at call {fail_at} of {site.label}"
     problems = []
