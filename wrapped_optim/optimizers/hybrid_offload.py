@@ -294,7 +294,8 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             fp32_param.copy_(param)
 
     def master_copies(self) -> list[MasterCopies]:
-        """Each parameter with a distinct copy: the copy this optimizer steps is its master.
+        """Each parameter with a distinct copy: the copy this optimizer steps is its master
+        (or a master a loader restored into ``state``, which the copy must then follow).
 
         Example:
             >>> import torch
@@ -307,9 +308,18 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         for group_index, group in enumerate(self.param_groups):
             for index, param in enumerate(group["params"]):
                 inner = self.param_to_inner_param[param]
-                if inner is not param:
-                    name = f"group {group_index} param {index} ({tuple(param.shape)})"
-                    entries.append(MasterCopies(name, param, inner))
+                # A loader may have put a restored master into the state (Megatron's
+                # precision-aware path does): then it is the master and the copy follows it.
+                saved = self.state[param].get("master_param") if param in self.state else None
+                if isinstance(saved, torch.Tensor) and saved is not inner and saved is not param:
+                    copies = () if inner is param else (inner,)
+                    master = saved
+                elif inner is not param:
+                    master, copies = inner, ()
+                else:
+                    continue
+                name = f"group {group_index} param {index} ({tuple(param.shape)})"
+                entries.append(MasterCopies(name, param, master, copies))
         return entries
 
     # ------------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Benchmarks: each module's ``run(quick)`` returns a Markdown section of measured numbers."""
