@@ -183,7 +183,7 @@ CATALOGUE: tuple[BadCase, ...] = (
     BadCase(
         "missing_param_groups",
         lambda sd: sd.pop("param_groups"),
-        r"param_groups",
+        r"param_groups|parameter groups",
         torch_rejects=True,
     ),
     BadCase(

@@ -198,8 +198,34 @@ OPERATIONS = {
     "load_state_dict": Operation("load_state_dict", _prepare_load, _run_load),
 }
 
-# (target name, operation) -> reason: real bugs found here, reported to the lead.
-KNOWN_BUGS: dict[tuple[str, str], str] = {}
+# Real bugs found here, reported to the lead: (target-name fragment, operation) -> why.
+KNOWN_BUG_RULES: dict[tuple[str, str], str] = {
+    ("precision_adamw[", "step"): (
+        "PrecisionAwareAdamW.step (issue 3) advances the group 'step' before updating the "
+        "params: a fault in the first state copy leaves step=2 with step-1 moments (and a "
+        "fault between params leaves some params updated), so a retry uses the wrong bias "
+        "correction"
+    ),
+    ("hybrid_offload", "step"): (
+        "HybridOffloadOptimizer.step (issue 5) steps the device sub-optimizer, then the host "
+        "one, then copies results back: a fault in the host step or in a copy-back leaves "
+        "some params/states advanced and others not"
+    ),
+    ("hybrid_offload", "load_state_dict"): (
+        "HybridOffloadOptimizer.load_state_dict (issue 5) commits (param_groups, _build, "
+        "state) before copying the masters in: a fault in a copy leaves a half-loaded state "
+        "('nothing below can fail' does not hold for tensor copies / allocation)"
+    ),
+}
+
+
+def _known_bug(target: Target, operation: str) -> str | None:
+    for (fragment, op), reason in KNOWN_BUG_RULES.items():
+        if fragment in target.name and op == operation:
+            if fragment == "precision_adamw[" and target.name.endswith("[fp32]"):
+                continue  # the fp32 path makes no copy before its update
+            return reason
+    return None
 
 
 def _fault_free(target: Target, operation: Operation) -> tuple[dict[str, Any], list[int]]:
@@ -273,7 +299,7 @@ def _cases() -> list[Any]:
     params = []
     for target in TARGETS.values():
         for name in OPERATIONS:
-            reason = KNOWN_BUGS.get((target.name, name))
+            reason = _known_bug(target, name)
             marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
             params.append(pytest.param(target, name, id=f"{target.name}-{name}", marks=marks))
     return params

@@ -49,8 +49,19 @@ _SETTINGS = settings(
 # (kind, layers) -> reason for combinations that are rejected by design.
 UNSUPPORTED: dict[tuple[str, tuple[str, ...]], str] = {}
 
-# (property, kind, layers) -> reason: real bugs found here, reported to the lead.
-KNOWN_BUGS: dict[tuple[str, str, tuple[str, ...]], str] = {}
+# Real bugs found here, reported to the lead: (property, kind, layers) -> why.
+_SYNC_INJECTS_STEP = (
+    "HybridSyncOptimizer._load_state_dict (issue 5) runs restore_omitted_state on every "
+    "payload: it adds a per-param 'step' whenever the group has one, so a PrecisionAwareAdamW "
+    "(group-level step, like FusedAdam) under it rejects its own checkpoint: "
+    "ValueError: param 0: unknown state 'step'"
+)
+
+
+def _known_bug(prop: str, kind: str, layers: tuple[str, ...]) -> str | None:
+    if kind == "precision_adamw" and "hybrid" in layers:
+        return _SYNC_INJECTS_STEP
+    return None
 
 
 def _layer_sets(*, nonempty: bool = False) -> list[tuple[str, ...]]:
@@ -72,7 +83,7 @@ def _combos(prop: str, *, nonempty: bool = False, needs: str | None = None) -> l
             if (kind, layers) in UNSUPPORTED:
                 continue
             marks = []
-            reason = KNOWN_BUGS.get((prop, kind, layers))
+            reason = _known_bug(prop, kind, layers)
             if reason is not None:
                 marks.append(pytest.mark.xfail(strict=True, reason=reason))
             label = "+".join(layers) or "bare"
@@ -84,6 +95,8 @@ def _setups(kind: str, layers: tuple[str, ...]) -> st.SearchStrategy[ws.Setup]:
     return ws.setups(
         optimizers=ws.optimizer_configs(kinds=[kind]),
         stacks=ws.stack_configs(layers=layers, require_all=True),
+        # 0-d params with fp16/FP8 state fail to step: known bug, tested on its own below.
+        allow_zero_dim=kind != "precision_adamw",
     )
 
 
@@ -237,3 +250,22 @@ def test_init_optimizer_state_keeps_sgd_dampening_updates() -> None:
         return param.detach().clone()
 
     assert torch.equal(run(False), run(True))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="PrecisionAwareAdamW: a 0-d parameter with fp16 or FP8 (uint8) moments fails on "
+    "its second step: codecs.decode_into multiplies a 0-d view by a [1]-shaped scale "
+    "multiplier in place (RuntimeError: output with shape [] doesn't match the broadcast "
+    "shape [1]) (issue 3)",
+)
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.uint8], ids=["fp16", "fp8"])
+def test_zero_dim_param_with_scaled_state_steps(state_dtype: torch.dtype) -> None:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    param = torch.nn.Parameter(torch.ones(()))
+    opt = PrecisionAwareAdamW([param], lr=0.1, exp_avg_dtype=state_dtype)
+    for _ in range(2):
+        param.grad = torch.ones(())
+        opt.step()
+    assert opt.state_dict()["state"][0]["exp_avg"].shape == ()

@@ -178,7 +178,9 @@ class ParamSetSpec:
 
 
 @st.composite
-def shapes(draw: Any, *, max_dims: int = 3, max_side: int = 4) -> tuple[int, ...]:
+def shapes(
+    draw: Any, *, min_dims: int = 0, max_dims: int = 3, max_side: int = 4
+) -> tuple[int, ...]:
     """Small tensor shapes, including 0-d ``()`` and empty ones (a zero-length side).
 
     Example:
@@ -186,7 +188,7 @@ def shapes(draw: Any, *, max_dims: int = 3, max_side: int = 4) -> tuple[int, ...
         >>> find(shapes(), lambda s: len(s) == 0)
         ()
     """
-    dims = draw(st.integers(0, max_dims))
+    dims = draw(st.integers(min_dims, max_dims))
     return tuple(draw(st.integers(0, max_side)) for _ in range(dims))
 
 
@@ -195,6 +197,7 @@ def param_specs(
     dtypes: Sequence[torch.dtype] = (torch.float32,),
     allow_frozen: bool = True,
     grad_dtypes: Sequence[torch.dtype] = (),
+    allow_zero_dim: bool = True,
 ) -> st.SearchStrategy[ParamSpec]:
     """One :class:`ParamSpec`; ``grad_dtypes`` (e.g. ``[torch.bfloat16]``) may set grad_dtype.
 
@@ -205,7 +208,7 @@ def param_specs(
     """
     return st.builds(
         ParamSpec,
-        shape=shapes(),
+        shape=shapes(min_dims=0 if allow_zero_dim else 1),
         dtype=st.sampled_from(list(dtypes)),
         frozen=st.booleans() if allow_frozen else st.just(False),
         grad_dtype=st.sampled_from([None, *grad_dtypes]) if grad_dtypes else st.none(),
@@ -242,6 +245,7 @@ def param_sets(
     max_params: int = 3,
     allow_frozen: bool = True,
     grad_dtypes: Sequence[torch.dtype] = (),
+    allow_zero_dim: bool = True,
 ) -> ParamSetSpec:
     """Parameter groups (1..max_groups, each with 1..max_params params) with own options.
 
@@ -254,7 +258,12 @@ def param_sets(
         2
     """
     options = options if options is not None else st.just({})
-    spec_strategy = param_specs(dtypes=dtypes, allow_frozen=allow_frozen, grad_dtypes=grad_dtypes)
+    spec_strategy = param_specs(
+        dtypes=dtypes,
+        allow_frozen=allow_frozen,
+        grad_dtypes=grad_dtypes,
+        allow_zero_dim=allow_zero_dim,
+    )
     groups = []
     for _ in range(draw(st.integers(1, max_groups))):
         params = tuple(draw(st.lists(spec_strategy, min_size=1, max_size=max_params)))
@@ -508,6 +517,7 @@ def setups(
     stacks: st.SearchStrategy[StackSpec] | None = None,
     max_groups: int = 2,
     max_params: int = 3,
+    allow_zero_dim: bool = True,
 ) -> Setup:
     """A :class:`Setup` whose parameter dtypes and group options suit the drawn optimizer.
 
@@ -528,6 +538,7 @@ def setups(
             max_groups=max_groups,
             max_params=max_params,
             grad_dtypes=(torch.bfloat16,) if fsdp else (),
+            allow_zero_dim=allow_zero_dim,
         )
     )
     return Setup(params, optimizer, stack)
