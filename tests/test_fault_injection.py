@@ -2,8 +2,8 @@
 
 For each stack and each operation (``step``, ``state_dict``, ``load_state_dict``), a dry run
 counts the calls made to every injection site — tensor copies, the leaf's and sub-optimizers'
-``step``/``load_state_dict``, precision-aware accessors, codec functions. Then, for the first,
-a middle and the last call of each site, the operation is repeated on a fresh stack with that
+``step``/``load_state_dict``, precision-aware accessors, codec functions. Then, for the first
+and the last call of each site, the operation is repeated on a fresh stack with that
 call raising, and afterwards:
 
 * no patch is left behind: every foreign object's instance attributes and every patched
@@ -222,7 +222,7 @@ KNOWN_BUG_RULES: dict[tuple[str, str], str] = {
 def _known_bug(target: Target, operation: str) -> str | None:
     for (fragment, op), reason in KNOWN_BUG_RULES.items():
         if fragment in target.name and op == operation:
-            if fragment == "precision_adamw[" and target.name.endswith("[fp32]"):
+            if fragment == "precision_adamw[" and "[fp32]" in target.name:
                 continue  # the fp32 path makes no copy before its update
             return reason
     return None
@@ -295,9 +295,20 @@ def _caused_by_fault(error: BaseException | None) -> bool:
     return False
 
 
+# Torch's own optimizers are not ours to fix: one of them is the baseline; the budget goes to
+# our wrappers and optimizers (two PrecisionAwareAdamW configurations cover both codec paths).
+FAULT_TARGETS = [
+    target
+    for name, target in TARGETS.items()
+    if name in ("adamw", "staged(adam)")
+    or name.startswith(("fsdp", "hybrid"))
+    or (("precision_adamw" in name) and ("remainders" in name or "fp8" in name))
+]
+
+
 def _cases() -> list[Any]:
     params = []
-    for target in TARGETS.values():
+    for target in FAULT_TARGETS:
         for name in OPERATIONS:
             reason = _known_bug(target, name)
             marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
@@ -312,7 +323,7 @@ def test_fault_at_every_internal_call(target: Target, operation_name: str) -> No
     problems: list[str] = []
     injected = 0
     for site_index, count in enumerate(calls):
-        for fail_at in sorted({1, (count + 1) // 2, count} - {0}):
+        for fail_at in sorted({1, count} - {0}):
             injected += 1
             problems += _check_one(target, operation, site_index, fail_at, clean)
     assert injected > 0, f"no injection site is reached by {target.name} {operation_name}"
@@ -324,7 +335,7 @@ def test_fault_at_every_internal_call(target: Target, operation_name: str) -> No
 def test_sites_cover_sub_optimizer_steps_and_codecs_where_present() -> None:
     """Guards against vacuous injection: the interesting sites are actually reached."""
     reached: set[str] = set()
-    for target in TARGETS.values():
+    for target in FAULT_TARGETS:
         for operation in OPERATIONS.values():
             stack, argument = operation.prepare(target)
             sites = _sites(stack)
