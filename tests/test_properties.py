@@ -39,8 +39,8 @@ from wrapped_optim.testing import strategies as ws
 KINDS = ws.available_optimizer_kinds()
 LAYERS = ws.available_layers()
 
-# Per (kind, layer set): examples per property, from the active profile (25 in "ci").
-EXAMPLES = max(2, settings().max_examples // 8)
+# Per (kind, layer set): examples per property, from the active profile (8 of "ci"'s 25).
+EXAMPLES = max(2, settings().max_examples // 3)
 _SETTINGS = settings(
     max_examples=EXAMPLES,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -59,9 +59,13 @@ _SYNC_INJECTS_STEP = (
 
 
 def _known_bug(prop: str, kind: str, layers: tuple[str, ...]) -> str | None:
-    if kind == "precision_adamw" and "hybrid" in layers:
-        return _SYNC_INJECTS_STEP
     return None
+
+
+# Combinations left out of the matrix because of a known bug, each pinned by its own small
+# strict-xfail test below (hypothesis would spend the budget shrinking the same failure).
+def _excluded(kind: str, layers: tuple[str, ...]) -> bool:
+    return kind == "precision_adamw" and "hybrid" in layers
 
 
 def _layer_sets(*, nonempty: bool = False) -> list[tuple[str, ...]]:
@@ -80,7 +84,7 @@ def _combos(prop: str, *, nonempty: bool = False, needs: str | None = None) -> l
         for layers in _layer_sets(nonempty=nonempty):
             if needs is not None and needs not in layers:
                 continue
-            if (kind, layers) in UNSUPPORTED:
+            if (kind, layers) in UNSUPPORTED or _excluded(kind, layers):
                 continue
             marks = []
             reason = _known_bug(prop, kind, layers)
@@ -210,8 +214,11 @@ def test_staged_saves_and_loads_exactly_what_unstaged_does(
 @pytest.mark.parametrize("kind", [pytest.param(k, id=k) for k in KINDS])
 def test_init_optimizer_state_does_not_change_training(kind: str) -> None:
 
+    # SGD with dampening is a known deviation, pinned by its own strict-xfail test below.
+    setups = _setups(kind, ()).filter(lambda s: not dict(s.optimizer.options).get("dampening", 0.0))
+
     @_SETTINGS
-    @given(_setups(kind, ()), st.integers(1, 2))
+    @given(setups, st.integers(1, 2))
     def check(setup: ws.Setup, steps: int) -> None:
         _, plain = setup.make()
         _, initialised = setup.make()
@@ -269,3 +276,15 @@ def test_zero_dim_param_with_scaled_state_steps(state_dtype: torch.dtype) -> Non
         param.grad = torch.ones(())
         opt.step()
     assert opt.state_dict()["state"][0]["exp_avg"].shape == ()
+
+
+@pytest.mark.xfail(strict=True, reason=_SYNC_INJECTS_STEP)
+def test_hybrid_sync_over_precision_adamw_loads_its_own_checkpoint() -> None:
+    from wrapped_optim.hybrid import HybridSyncOptimizer
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = HybridSyncOptimizer(PrecisionAwareAdamW([param], lr=0.1))
+    param.grad = torch.ones(2)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
