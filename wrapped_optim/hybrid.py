@@ -81,12 +81,33 @@ class HybridSyncOptimizer(OptimizerWrapper):
 
     @property
     def hybrid_optimizers(self) -> list[Any]:
-        """The hybrid offload optimizers this wrapper keeps in sync."""
+        """The hybrid offload optimizers this wrapper keeps in sync.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+            >>> inner = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(2))])
+            >>> HybridSyncOptimizer(inner).hybrid_optimizers == [inner]
+            True
+        """
         return find_hybrid_offload(self.inner)
 
     @property
     def guard_armed(self) -> bool:
-        """Whether the next step first checks the masters against the model weights."""
+        """Whether the next step first checks the masters against the model weights.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+            >>> p = torch.nn.Parameter(torch.ones(2))
+            >>> opt = HybridSyncOptimizer(HybridOffloadOptimizer([p]))
+            >>> opt.guard_armed
+            True
+            >>> p.grad = torch.ones(2)
+            >>> opt.step()
+            >>> opt.guard_armed
+            False
+        """
         return self._guard_armed
 
     def _extra_repr(self) -> str:
