@@ -46,20 +46,13 @@ _SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
-# (kind, layers) -> reason for combinations that are rejected by design.
-UNSUPPORTED: dict[tuple[str, tuple[str, ...]], str] = {}
-
-# Real bugs found here, reported to the lead: (property, kind, layers) -> why.
+# A real bug found here, reported to the lead.
 _SYNC_INJECTS_STEP = (
     "HybridSyncOptimizer._load_state_dict (issue 5) runs restore_omitted_state on every "
     "payload: it adds a per-param 'step' whenever the group has one, so a PrecisionAwareAdamW "
     "(group-level step, like FusedAdam) under it rejects its own checkpoint: "
     "ValueError: param 0: unknown state 'step'"
 )
-
-
-def _known_bug(prop: str, kind: str, layers: tuple[str, ...]) -> str | None:
-    return None
 
 
 # Combinations left out of the matrix because of a known bug, each pinned by its own small
@@ -84,14 +77,10 @@ def _combos(prop: str, *, nonempty: bool = False, needs: str | None = None) -> l
         for layers in _layer_sets(nonempty=nonempty):
             if needs is not None and needs not in layers:
                 continue
-            if (kind, layers) in UNSUPPORTED or _excluded(kind, layers):
+            if _excluded(kind, layers):
                 continue
-            marks = []
-            reason = _known_bug(prop, kind, layers)
-            if reason is not None:
-                marks.append(pytest.mark.xfail(strict=True, reason=reason))
             label = "+".join(layers) or "bare"
-            params.append(pytest.param(kind, layers, id=f"{kind}-{label}", marks=marks))
+            params.append(pytest.param(kind, layers, id=f"{kind}-{label}"))
     return params
 
 
