@@ -56,7 +56,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` pick the moment storage (``torch.uint8`` means
     FP8 E4M3), ``store_param_remainders`` keeps only the low 16 bits of an FP32 master beside
     a bf16 parameter, ``use_decoupled_grad`` reads ``param.decoupled_grad`` instead of
-    ``param.grad``. ``chunk_numel`` (ours) is how many elements the step processes at once.
+    ``param.grad``. Ours: ``chunk_numel`` is how many elements the step expands to FP32 at
+    once; ``fused`` picks the FP32 update: torch's fused AdamW kernel (``None``: where torch
+    has one) or TE's elementwise formula (``False``).
 
     The update is TE's: with ``adam_w_mode`` (default) ``p -= lr * (m_hat / (sqrt(v_hat) +
     eps) + weight_decay * p)``; otherwise L2 mode adds ``weight_decay * p`` to the gradient.
@@ -685,13 +687,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             p_local.copy_(p_work)
 
     # ------------------------------------------------------------------ checkpoints
-
-    def _index_map(self) -> dict[int, Tensor]:
-        index: dict[int, Tensor] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                index[len(index)] = p
-        return index
 
     def state_dict(self) -> dict[str, Any]:
         """FusedAdam's portable checkpoint: torch's layout with every state expanded to FP32.
