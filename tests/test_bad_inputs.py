@@ -1,0 +1,231 @@
+"""The bad-checkpoint catalogue against every stack: a clear error, nothing lost.
+
+For each (stack, kind of bad checkpoint): loading must raise an error whose message names
+what is wrong; afterwards the optimizer is bitwise what it was (state, parameters, and the next
+step equals that of an optimizer that never saw the bad checkpoint) and the caller's dict is
+unchanged.
+
+Which layer gives the error: torch's own ``Optimizer.load_state_dict`` rejects only structural
+damage (``torch_rejects`` cases: group and parameter counts, missing top-level keys); it
+accepts every other kind silently (see ``test_torch_accepts_silently``) and fails, or computes
+garbage, at a later step. Those kinds are therefore required of *our* optimizers
+(PrecisionAwareAdamW, HybridOffloadOptimizer) and of every wrapper stack over them
+(``validating`` targets); a wrapper over a torch optimizer must behave exactly as the bare
+torch optimizer does on them (transparency) and leave the caller's dict alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from _suite_bad_checkpoints import CATALOGUE, BadCase, bad_copy
+from _suite_targets import TARGETS, Target, params_snapshot
+
+from wrapped_optim.testing import (
+    assert_state_dict_equal,
+    checkpoint_roundtrip,
+    optimizer_params,
+    synthetic_gradients,
+)
+
+CLEAR_ERRORS = (ValueError, TypeError, KeyError, RuntimeError)
+
+# Real bugs found by this catalogue, reported to the lead: (target-name fragment, case) -> why.
+_HYBRID = (
+    "HybridOffloadOptimizer.load_state_dict (issue 5) checks group/param counts and the "
+    "master_param numel only; the other per-param state entries reach the sub-optimizers "
+    "unchecked"
+)
+_PRECISION = (
+    "PrecisionAwareAdamW.load_state_dict (issue 3) validates per-param state thoroughly but "
+    "not the group hyper-parameters nor the sign of exp_avg_sq"
+)
+KNOWN_BUG_RULES: dict[tuple[str, str], str] = {
+    **{
+        ("hybrid_offload", case): f"{_HYBRID}: {detail}"
+        for case, detail in {
+            "missing_state": "a dict without 'state' loads as an empty state (state wiped)",
+            "missing_hyper_parameter": "a group without 'lr' is accepted; the next step fails",
+            "wrong_hyper_parameter_type": "lr='fast' is accepted; the next step fails",
+            "wrong_shape": "an exp_avg of the wrong shape is accepted",
+            "wrong_dtype_integer": "an int32 exp_avg is accepted",
+            "state_not_a_tensor": "a list exp_avg is accepted",
+            "missing_state_name": "a state without exp_avg_sq is accepted",
+            "extra_state_name": "an unknown state name is accepted",
+            "per_param_state_not_a_dict": "state None raises AttributeError, not a clear error",
+            "nan_state": "a NaN moment is accepted",
+            "inf_state": "an inf moment is accepted",
+            "negative_second_moment": "a negative exp_avg_sq is accepted",
+            "wrong_step_type": "step='three' is accepted",
+            "negative_step": "step=-1 is accepted",
+            "other_optimizer_class": "SGD momentum_buffer state is accepted for AdamW",
+        }.items()
+    },
+    **{
+        ("precision_adamw", case): f"{_PRECISION}: {detail}"
+        for case, detail in {
+            "missing_hyper_parameter": "a group without 'lr' is accepted; the next step fails",
+            "wrong_hyper_parameter_type": "lr='fast' is accepted; the next step fails",
+            "negative_second_moment": "a negative exp_avg_sq is accepted (sqrt gives NaN)",
+        }.items()
+    },
+}
+
+
+def _known_bug(target: str, case: str) -> str | None:
+    for (fragment, case_name), reason in KNOWN_BUG_RULES.items():
+        if fragment in target and case_name == case:
+            return reason
+    return None
+
+
+def _applicable() -> list[Any]:
+    params = []
+    for target in TARGETS.values():
+        good = _reference(target.name).state
+        for case in CATALOGUE:
+            if not case.applies(good):
+                continue
+            marks = []
+            reason = _known_bug(target.name, case.name)
+            if reason is not None:
+                marks.append(pytest.mark.xfail(strict=True, reason=reason))
+            params.append(pytest.param(target, case, id=f"{target.name}-{case.name}", marks=marks))
+    return params
+
+
+def _load_outcome(stack: Any, bad: Any) -> BaseException | None:
+    try:
+        stack.load_state_dict(bad)
+    except Exception as error:
+        return error
+    return None
+
+
+def _assert_untouched(target: Target, stack: Any, before: Any, params_before: list[Any]) -> None:
+    assert_state_dict_equal(
+        before,
+        checkpoint_roundtrip(stack.state_dict()),
+        names=("before", "after the rejected load"),
+        headline=f"{target.name}: a rejected checkpoint changed the optimizer state",
+    )
+    for index, (old, new) in enumerate(zip(params_before, params_snapshot(stack), strict=True)):
+        assert torch.equal(old.view(-1), new.view(-1)) or (old.numel() == 0), (
+            f"{target.name}: a rejected checkpoint changed param {index}"
+        )
+    # Nothing hidden changed either (scales, copies, sub-optimizers): the next step equals
+    # that of a twin that never saw the bad checkpoint.
+    synthetic_gradients(stack, step=10)
+    stack.step()
+    reference = _reference(target.name)
+    assert_state_dict_equal(
+        reference.next_state,
+        checkpoint_roundtrip(stack.state_dict()),
+        names=("twin", "after the rejected load"),
+        headline=f"{target.name}: the step after a rejected load differs",
+    )
+    for index, (a, b) in enumerate(
+        zip(reference.next_params, optimizer_params(stack), strict=True)
+    ):
+        assert torch.equal(a, b), f"{target.name}: param {index} differs after the next step"
+
+
+@attrs.frozen
+class Reference:
+    """A target's checkpoint after two steps, and its state and params after one more."""
+
+    state: Any
+    params: list[torch.Tensor]
+    next_state: Any
+    next_params: list[torch.Tensor]
+
+
+@functools.cache
+def _reference(name: str) -> Reference:
+    _, stack = TARGETS[name].stepped()
+    state, params = checkpoint_roundtrip(stack.state_dict()), params_snapshot(stack)
+    synthetic_gradients(stack, step=10)
+    stack.step()
+    return Reference(
+        state, params, checkpoint_roundtrip(stack.state_dict()), params_snapshot(stack)
+    )
+
+
+@pytest.mark.parametrize(("target", "case"), _applicable())
+def test_bad_checkpoint(target: Target, case: BadCase) -> None:
+    _, stack = target.stepped()
+    reference = _reference(target.name)
+    good = reference.state
+    bad = bad_copy(case, good)
+    bad_before = checkpoint_roundtrip(bad)
+    state_before, params_before = reference.state, reference.params
+
+    error = _load_outcome(stack, bad)
+
+    assert_state_dict_equal(
+        bad_before,
+        bad,
+        names=("given", "after load"),
+        headline=f"{target.name}: loading modified the caller's checkpoint",
+    )
+    if case.torch_rejects or target.validating:
+        assert error is not None, f"{target.name} accepted a bad checkpoint ({case.name})"
+        assert isinstance(error, CLEAR_ERRORS), f"unclear error type {type(error).__name__}"
+        message = str(error)
+        assert re.search(case.mentions, message), (
+            f"{target.name}/{case.name}: the error does not say what is wrong "
+            f"(expected /{case.mentions}/): {type(error).__name__}: {message}"
+        )
+        _assert_untouched(target, stack, state_before, params_before)
+    else:
+        # A stack over a torch optimizer: exactly the bare torch optimizer's behaviour.
+        _, bare_stack = target.stepped()
+        bare = bare_stack.unwrap() if hasattr(bare_stack, "unwrap") else bare_stack
+        bare_error = _load_outcome(bare, bad_copy(case, good))
+        assert (error is None) == (bare_error is None), (
+            f"{target.name}/{case.name}: wrapped outcome {error!r} != bare outcome {bare_error!r}"
+        )
+        if error is not None:
+            # Torch itself is not always atomic here (``Adam.__setstate__`` can raise after
+            # the state was replaced): same error as the bare optimizer is all we ask.
+            assert type(error) is type(bare_error), (error, bare_error)
+            return
+        assert_state_dict_equal(
+            checkpoint_roundtrip(bare.state_dict()),
+            checkpoint_roundtrip(stack.state_dict()),
+            ignore_device=True,
+            names=("bare", "wrapped"),
+            headline=f"{target.name}/{case.name}: wrapped load differs from bare",
+        )
+
+
+def test_catalogue_has_at_least_twenty_kinds() -> None:
+    names = [case.name for case in CATALOGUE]
+    assert len(set(names)) == len(names) >= 20
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        c
+        for c in CATALOGUE
+        if c.name
+        in (
+            "wrong_shape",
+            "nan_state",
+            "missing_state_name",
+            "extra_state_name",
+            "unknown_param_index",
+        )
+    ],
+    ids=lambda c: c.name,
+)
+def test_torch_accepts_silently(case: BadCase) -> None:
+    """Why the catalogue needs our layers: torch 2.13's loader takes these without a word."""
+    _, opt = TARGETS["adamw"].stepped()
+    opt.load_state_dict(bad_copy(case, checkpoint_roundtrip(opt.state_dict())))

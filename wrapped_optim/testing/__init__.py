@@ -1,0 +1,38 @@
+"""Tools to test optimizer setups: bitwise state comparison, resume and transparency checks.
+
+The assertions need only torch; :mod:`wrapped_optim.testing.strategies` (hypothesis strategies
+for parameter sets, optimizers and wrapper stacks) also needs ``hypothesis``.
+
+Example:
+    >>> import torch
+    >>> from wrapped_optim.testing import assert_resume_equivalent
+    >>> def make():
+    ...     torch.manual_seed(0)
+    ...     model = torch.nn.Linear(2, 2)
+    ...     return model, torch.optim.Adam(model.parameters(), lr=0.1)
+    >>> assert_resume_equivalent(make, steps_before=1, steps_after=2)
+"""
+
+from wrapped_optim.testing.assertions import (
+    Difference,
+    StateMismatchError,
+    assert_resume_equivalent,
+    assert_state_dict_equal,
+    assert_transparent,
+    checkpoint_roundtrip,
+    optimizer_params,
+    state_dict_differences,
+    synthetic_gradients,
+)
+
+__all__ = [
+    "Difference",
+    "StateMismatchError",
+    "assert_resume_equivalent",
+    "assert_state_dict_equal",
+    "assert_transparent",
+    "checkpoint_roundtrip",
+    "optimizer_params",
+    "state_dict_differences",
+    "synthetic_gradients",
+]
