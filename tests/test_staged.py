@@ -255,14 +255,16 @@ def test_stage_save_false_leaves_state_dict_alone() -> None:
     assert staged.last_stats.staged_holders == 0
 
 
-def test_staged_state_dict_is_a_snapshot_for_fp32_states_only_where_unstaged_is() -> None:
+def test_fp32_states_on_a_host_source_are_handed_out_like_the_bare_optimizer_does() -> None:
     opt, params = make_holder([(6,)], exp_avg=FP32, exp_avg_sq=BF16)
-    staged = StagedCheckpointOptimizer(opt).state_dict()
-    bare = opt.state_dict()
-    # FP32 states on a host source are handed out exactly as the bare optimizer does.
-    assert (staged["state"][0]["exp_avg"].data_ptr() == bare["state"][0]["exp_avg"].data_ptr()) == (
-        bare["state"][0]["exp_avg"].data_ptr() == opt.state[params[0]]["exp_avg"].data_ptr()
-    )
+    staged = StagedCheckpointOptimizer(opt)
+    result = staged.state_dict()
+    live = opt.state[params[0]]
+    # FP32: already on the host, the live tensor as FusedAdam returns it (no copy, no bytes)
+    assert result["state"][0]["exp_avg"].data_ptr() == live["exp_avg"].data_ptr()
+    # compressed: a fresh FP32 host buffer
+    assert result["state"][0]["exp_avg_sq"].dtype == FP32
+    assert staged.last_stats.direct_reads == 1 and staged.last_stats.chunked_reads == 1
 
 
 # ----------------------------------------------------------------------------------------
@@ -593,14 +595,18 @@ def test_megatron_sharded_state_dict_staged_equals_unstaged(real_chain: bool) ->
     assert_unpatched(chunky, te)
 
 
-def test_megatron_load_paths_are_staged_and_exact() -> None:
-    source, src_chunky, _ = megatron_stack(seed=3)
+@pytest.mark.parametrize("real_chain", [False, True])
+def test_megatron_load_paths_are_staged_and_exact(real_chain: bool) -> None:
+    chained_cls: Any = ChainedOptimizerDouble
+    if real_chain:
+        chained_cls = pytest.importorskip("megatron.core.optimizer").ChainedOptimizer
+    source, src_chunky, _ = megatron_stack(chained_cls, seed=3)
     checkpoint = StagedCheckpointOptimizer(source, chunk_bytes=64).sharded_state_dict({})
     pristine = clone_sd(checkpoint)
 
-    bare, bare_chunky, bare_te = megatron_stack(seed=5)
+    bare, bare_chunky, bare_te = megatron_stack(chained_cls, seed=5)
     bare.load_state_dict(clone_sd(checkpoint))
-    chained, chunky, te = megatron_stack(seed=5)
+    chained, chunky, te = megatron_stack(chained_cls, seed=5)
     stack = StagedCheckpointOptimizer(chained, chunk_bytes=64)
     with DeviceMemoryProbe() as probe:
         stack.load_state_dict(checkpoint)
@@ -671,6 +677,25 @@ def test_no_copy_through_wrapper_on_a_fresh_distributed_optimizer() -> None:
     assert stack.last_stats.adoptions == 1
     assert_storage_equal(holder, src_holder)
     assert_unpatched(holder)
+
+
+def test_adopted_state_trains_exactly_like_copied_state() -> None:
+    source, _ = fp32_distributed(steps=2, seed=1)
+    checkpoint = source.sharded_state_dict({})
+    adopting, a = fp32_distributed(steps=1, seed=2)
+    copying, b = fp32_distributed(steps=1, seed=2)
+    first = StagedCheckpointOptimizer(adopting)
+    first.load_state_dict(checkpoint)
+    second = StagedCheckpointOptimizer(copying, no_copy_load=False)
+    second.load_state_dict(clone_sd(checkpoint))
+    assert (first.last_stats.adoptions, second.last_stats.adoptions) == (1, 0)
+    pa = [p for g in a.param_groups for p in g["params"]]
+    pb = [p for g in b.param_groups for p in g["params"]]
+    train(first, pa, 2, 4)
+    train(second, pb, 2, 4)
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+    assert_storage_equal(a, b)
+    assert_unpatched(a, b)
 
 
 def test_no_copy_falls_back_for_other_incoming_state() -> None:

@@ -51,6 +51,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _FP32 = torch.float32
+# A host-resident source has no bus to amortise: a cache-sized scratch keeps the extra copy
+# through it cheap (the path, and its bound, stay those of a device source).
+_HOST_SCRATCH_NUMEL = 64 * 1024
 _ADAM_MOMENTS = frozenset({"exp_avg", "exp_avg_sq"})
 
 
@@ -232,7 +235,9 @@ def _read_chunked(
     host = _host_empty(stored.shape, _FP32, device)
     flat = host.view(-1)
     step = scratch.chunk_numel(_FP32)
-    buffer = scratch.get(device, _FP32, numel)
+    if device.type == "cpu":
+        step = min(step, _HOST_SCRATCH_NUMEL)
+    buffer = scratch.get(device, _FP32, min(numel, step))
     asynchronous = device.type == "cuda"
     try:
         for start in range(0, numel, step):
@@ -297,8 +302,6 @@ def _staged_reader(
                     return _read_chunked(holder, param, state_name, stored, scratch)
                 finally:
                     busy = False
-        if compressed:
-            scratch.close()  # a whole expansion is coming: no scratch alive beside it
         value = _check_tensor(holder, "get_unscaled_state", state_name, original(param, state_name))
         if not compressed:
             # FP32 state (or an int16 remainder): the live tensor, copied straight to the host.

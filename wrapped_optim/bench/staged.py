@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -94,21 +95,40 @@ def whole_tensor_state_dict(opt: Any, chunk_bytes: int) -> Any:
         return opt.state_dict()
 
 
-def _best_time(fn: Callable[[], Any], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        gc.collect()
+def _probed(
+    fn: Callable[[], Any], device: torch.device, baseline_of: Any = None
+) -> tuple[Any, float, int]:
+    """Result, seconds and peak extra device bytes of one call (``baseline_of``: count the
+    unstaged expansions of that stack on the ledger)."""
+    gc.collect()
+    observe = count_unstaged_expansions(baseline_of) if baseline_of is not None else nullcontext()
+    with DeviceMemoryProbe(device) as probe, observe:
         start = time.perf_counter()
         result = fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-        del result
-    return best
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+    return result, seconds, probe.peak_extra_bytes
 
 
-def measure(total_params: int, *, chunk_bytes: int, reps: int = 2, check: bool = True) -> dict:
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["state"].keys() == b["state"].keys() and all(
+        entry.keys() == b["state"][i].keys()
+        and all(
+            torch.equal(v, b["state"][i][k]) and v.dtype == b["state"][i][k].dtype
+            for k, v in entry.items()
+        )
+        for i, entry in a["state"].items()
+    )
+
+
+def measure(
+    total_params: int, *, chunk_bytes: int, reps: int = 2, check: bool = True
+) -> dict[str, Any]:
     """Peak extra device bytes and best-of-``reps`` seconds for one model size.
+
+    The modes run interleaved (unstaged, whole-tensor, chunked, then again), so a busy
+    machine slows them alike; one state dict is alive at a time (two when ``check``).
 
     Example:
         >>> row = measure(20_000, chunk_bytes=4096, reps=1)
@@ -127,43 +147,37 @@ def measure(total_params: int, *, chunk_bytes: int, reps: int = 2, check: bool =
         "load_time": {},
     }
 
-    whole = partial(whole_tensor_state_dict, opt, chunk_bytes)
-    # save: memory
-    with DeviceMemoryProbe(device) as probe, count_unstaged_expansions(opt):
-        reference = opt.state_dict()
-    row["save_peak"]["unstaged"] = probe.peak_extra_bytes
-    del reference
-    gc.collect()
-    with DeviceMemoryProbe(device) as probe:
-        staged_whole = whole()
-    row["save_peak"]["whole"] = probe.peak_extra_bytes
-    del staged_whole
-    with DeviceMemoryProbe(device) as probe:
-        checkpoint = wrapped.state_dict()
-    row["save_peak"]["chunked"] = probe.peak_extra_bytes
-    if check:
-        reference = opt.state_dict()
-        for index, entry in reference["state"].items():
-            for key, value in entry.items():
-                if not torch.equal(value, checkpoint["state"][index][key]):
-                    raise AssertionError(f"staged state {index}/{key} differs from unstaged")
-        del reference
-    # save: time
-    row["save_time"]["unstaged"] = _best_time(opt.state_dict, reps)
-    row["save_time"]["whole"] = _best_time(whole, reps)
-    row["save_time"]["chunked"] = _best_time(wrapped.state_dict, reps)
+    def record(kind: str, mode: str, seconds: float, peak: int) -> None:
+        row[f"{kind}_time"][mode] = min(row[f"{kind}_time"].get(mode, float("inf")), seconds)
+        row[f"{kind}_peak"][mode] = max(row[f"{kind}_peak"].get(mode, 0), peak)
 
-    # load (the checkpoint is FP32 on the host)
-    with DeviceMemoryProbe(device) as probe, count_unstaged_expansions(opt):
-        opt.load_state_dict(checkpoint)
-    row["load_peak"]["unstaged"] = probe.peak_extra_bytes
-    with DeviceMemoryProbe(device) as probe:
-        wrapped.load_state_dict(checkpoint)
-    row["load_peak"]["chunked"] = probe.peak_extra_bytes
-    row["load_time"]["unstaged"] = _best_time(partial(opt.load_state_dict, checkpoint), reps)
-    row["load_time"]["chunked"] = _best_time(partial(wrapped.load_state_dict, checkpoint), reps)
-    del checkpoint, wrapped, opt, params
-    gc.collect()
+    saves: dict[str, tuple[Callable[[], Any], Any]] = {
+        "unstaged": (opt.state_dict, opt),
+        "whole": (partial(whole_tensor_state_dict, opt, chunk_bytes), None),
+        "chunked": (wrapped.state_dict, None),
+    }
+    for rep in range(reps):
+        reference = None
+        for mode, (fn, baseline_of) in saves.items():
+            result, seconds, peak = _probed(fn, device, baseline_of)
+            record("save", mode, seconds, peak)
+            if check and rep == 0:
+                if reference is None:
+                    reference = result
+                elif not _same_state(result, reference):
+                    raise AssertionError(f"{mode} staged state dict differs from unstaged")
+            del result
+        del reference
+
+    checkpoint = wrapped.state_dict()  # FP32 on the host
+    loads: dict[str, tuple[Callable[[], Any], Any]] = {
+        "unstaged": (partial(opt.load_state_dict, checkpoint), opt),
+        "chunked": (partial(wrapped.load_state_dict, checkpoint), None),
+    }
+    for _ in range(reps):
+        for mode, (fn, baseline_of) in loads.items():
+            _, seconds, peak = _probed(fn, device, baseline_of)
+            record("load", mode, seconds, peak)
     return row
 
 
@@ -186,7 +200,7 @@ def run(quick: bool = False) -> str:
     chunk_bytes = 4 * MiB
     rows = []
     for size in sizes:
-        reps = 2 if size <= 50_000_000 else 1
+        reps = 3 if size <= 50_000_000 else 1
         rows.append(measure(size, chunk_bytes=chunk_bytes, reps=reps, check=size <= 50_000_000))
     _LAST[:] = rows
     lines = [
@@ -195,7 +209,7 @@ def run(quick: bool = False) -> str:
         "PrecisionAwareAdamW, bf16 `exp_avg`, fp16 `exp_avg_sq`, FP32 params; 40% of each",
         f"model is one embedding of width {HIDDEN}; `chunk_bytes` = {chunk_bytes // MiB} MiB;",
         "device: CPU (peak extra device bytes from the staging ledger, see notes); times are",
-        "best of 2 up to 50M parameters, single runs above.",
+        "best of 3 interleaved runs up to 50M parameters, single runs above.",
         "",
         "### Peak extra device memory (MiB)",
         "",
@@ -233,11 +247,15 @@ def run(quick: bool = False) -> str:
         f"Chunked peak <= chunk_bytes at every size: **{'yes' if bound_ok else 'NO'}**.",
         "",
         "Notes: on a CPU there is no separate device memory. The ledger counts what the staging",
-        "engine keeps on the source device (scratch, whole expansions, chunks in flight); the",
-        "unstaged save counts every expansion while the bare state dict holds it; the unstaged",
-        "load counts one whole FP32 tensor per `set_scaled_state` call (a lower bound: it misses",
-        "the holder's own temporaries). Whole-tensor loads are the holder's own loader, i.e. the",
-        "unstaged column. Real CUDA figures: `python -m wrapped_optim.bench.gpu_staged`.",
+        "engine keeps on the source device: for saves the scratch and whole expansions it",
+        "allocates itself (measured), for chunked loads the one chunk it hands to the holder's",
+        "`write_scaled_state_chunked` per call (the holder's contract, not a measurement). The",
+        "unstaged save counts every expansion while the bare state dict holds it (measured by",
+        "object lifetime); the unstaged load counts one whole FP32 tensor per `set_scaled_state`",
+        "call (a lower bound: it misses the holder's own temporaries). Neither CPU column sees",
+        "the holder's own load-time allocations (PrecisionAwareAdamW builds new storage beside",
+        "the old one). Whole-tensor loads are the holder's own loader, i.e. the unstaged column.",
+        "Real CUDA figures: `python -m wrapped_optim.bench.gpu_staged`.",
         "",
         "Reproduce: `python -m wrapped_optim.bench.staged` (`--quick` for up to 50M).",
         "",
