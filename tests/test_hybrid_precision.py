@@ -245,6 +245,8 @@ def test_full_resume_keeps_the_masters_low_bits():
         assert torch.equal(inner.param_to_inner_param[param], master)
         assert torch.equal(param.detach(), master.to(BF16))
     assert resumed.stale_masters() == []
+    for sub in inner.sub_optimizers:  # the full-state sync did not re-link a view into them
+        assert all(set(stored) == {"exp_avg", "exp_avg_sq"} for stored in sub.state.values())
 
 
 def test_step_counter_survives_the_round_trip():

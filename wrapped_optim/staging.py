@@ -15,8 +15,9 @@ each installed only through :func:`~wrapped_optim.patching.patch_attribute`:
 * :func:`fp32_no_copy_load` -- a standard FP32 distributed Adam adopts the FP32 tensors its
   Megatron container hands to ``load_state_dict`` instead of copying them into fresh storage.
 
-Eligibility is decided per leaf of :func:`~wrapped_optim.adapters.walk_leaves` by structure
-(protocols and Megatron config flags), never by class; :func:`staging_decisions` and
+Eligibility is decided per leaf of :func:`~wrapped_optim.adapters.walk_leaves` (and per
+sub-optimizer of a hybrid offload leaf) by structure (protocols and Megatron config flags),
+never by class; :func:`staging_decisions` and
 :func:`no_copy_decisions` explain every decision. The bytes the engine keeps on a source
 device are recorded in :data:`~wrapped_optim.probe.device_ledger`.
 """
