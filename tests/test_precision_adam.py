@@ -294,7 +294,7 @@ def test_step_tracks_fp32_reference(config: str, dtype: torch.dtype) -> None:
     """Every config x param dtype trains close to an all-FP32 run."""
     shapes = [(33, 17), (50,)]
     params = make_params(shapes, dtype)
-    ref_params = [torch.nn.Parameter(p.detach().float()) for p in params]  # same start
+    ref_params = [torch.nn.Parameter(p.detach().float().clone()) for p in params]  # same start
     start = [p.detach().clone() for p in ref_params]
     ref = PrecisionAwareAdamW(ref_params, lr=1e-2, weight_decay=0.01)
     kw = CONFIGS[config]

@@ -846,3 +846,56 @@ def test_benchmark_and_gpu_script_code_paths_on_cpu() -> None:
     assert row["save_peak"]["chunked"] <= 4096 and row["load_peak"]["chunked"] <= 4096
     text = gpu_staged._run("cpu", [40_000], 4096)
     assert "| 0M | 0 (" in text and "| 1 |" in text  # one adoption in the no-copy row
+
+
+def test_dtensor_params_are_handed_through_unstaged(tmp_path: Any) -> None:
+    dist = torch.distributed
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    created = not dist.is_initialized()
+    if created:
+        store = f"file://{tmp_path / 'store'}"
+        dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        full = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+        p = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+        opt = Holder([p], exp_avg_dtype=BF16, exp_avg_sq_dtype=FP16)
+        p.grad = distribute_tensor(full * 0.5, mesh, [Shard(0)])
+        opt.step()
+        bare = opt.state_dict()
+        stack = StagedCheckpointOptimizer(opt, chunk_bytes=16)
+        with DeviceMemoryProbe() as probe:
+            staged = stack.state_dict()
+        assert stack.last_stats.passthrough_reads == 2
+        assert stack.last_stats.chunked_reads == 0 and probe.peak_extra_bytes == 0
+        for name in ("exp_avg", "exp_avg_sq"):
+            value = staged["state"][0][name]
+            assert type(value) is type(bare["state"][0][name])
+            assert torch.equal(value.full_tensor(), bare["state"][0][name].full_tensor())
+        stack.load_state_dict(staged)
+        assert stack.last_stats.chunked_writes == 0
+        assert_unpatched(opt)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def test_allocator_cache_is_released_after_an_adoption_only(monkeypatch: Any) -> None:
+    released: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(1))
+    container, holder = fp32_distributed()
+    with fp32_no_copy_load(container):
+        holder.load_state_dict(plain_adam_state(holder))
+    assert released == [1]
+    with fp32_no_copy_load(container):
+        holder.load_state_dict(holder.state_dict())  # its own FP32 state is plain Adam state too
+    assert released == [1, 1]
+    mixed = plain_adam_state(holder)
+    mixed["state"][0]["exp_avg"] = mixed["state"][0]["exp_avg"].half()
+    with fp32_no_copy_load(container) as stats:
+        holder.load_state_dict(mixed)
+    assert stats.adoptions == 0 and released == [1, 1]

@@ -460,13 +460,21 @@ def split_master_into(
         raise ValueError(f"remainder must be int16, got {remainder.dtype}")
     bits = master.contiguous().view(torch.int32).reshape(remainder.shape)
     remainder.copy_(bits)  # int32 -> int16 keeps the low 16 bits
-    high = torch.sub(bits, remainder, out=scratch.view(bits.shape) if scratch is not None else None)
-    high.bitwise_right_shift_(16)
+    # Explicit int32 operands: a mixed int32/int16 op would allocate a promoted temporary.
+    high = torch.empty_like(bits) if scratch is None else scratch.view(bits.shape)
+    high.copy_(remainder)  # sign-extends
+    torch.sub(bits, high, out=high)
+    torch.bitwise_right_shift(high, 16, out=high)  # the out= form is the vectorized one
     param.view(torch.int16).copy_(high.view(param.shape))
 
 
-def join_master(param: Tensor, remainder: Tensor, out: Tensor | None = None) -> Tensor:
+def join_master(
+    param: Tensor, remainder: Tensor, out: Tensor | None = None, *, scratch: Tensor | None = None
+) -> Tensor:
     """Rebuild FP32 values from a bf16 parameter and its int16 remainder (TE's bit arithmetic).
+
+    With ``out`` (contiguous float32) nothing is allocated when an int32-sized ``scratch``
+    buffer is given too.
 
     Example:
         >>> import torch
@@ -486,8 +494,13 @@ def join_master(param: Tensor, remainder: Tensor, out: Tensor | None = None) -> 
     if out is not None and out.is_contiguous() and out.dtype == torch.float32:
         bits = out.view(torch.int32).view(param.shape)
         bits.copy_(param.view(torch.int16))
-        bits.bitwise_left_shift_(16)
-        bits.add_(remainder.reshape(bits.shape))
+        torch.bitwise_left_shift(bits, 16, out=bits)  # the out= form is the vectorized one
+        if scratch is None:
+            bits.add_(remainder.reshape(bits.shape))
+        else:  # an int32 copy of the remainder avoids a promoted temporary
+            low = scratch.view(torch.int32).view(bits.shape)
+            low.copy_(remainder.reshape(bits.shape))
+            bits.add_(low)
         return out
     bits = torch.bitwise_left_shift(param.contiguous().view(torch.int16).to(torch.int32), 16)
     bits.add_(remainder.reshape(bits.shape))

@@ -160,11 +160,14 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self.chunk_numel = chunk_numel
         self.fused = fused
         self._scales: dict[Tensor, dict[str, Tensor]] = {}
+        self._scratch: dict[torch.device, Tensor] = {}  # step workspace, never saved
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's Optimizer pickles only defaults/state/param_groups; our configuration and
         # scales are part of the optimizer too (copy.deepcopy and pickle must keep them).
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        state["_scratch"] = {}
+        return state
 
     # ------------------------------------------------------------------ format helpers
 
@@ -344,8 +347,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             tensor([1., 3.], dtype=torch.bfloat16)
         """
         local = self._check_source(param, state_name, unscaled_state, "unscaled_state")
-        flat = local.reshape(-1)
-        self._encode_from(param, state_name, flat, max(flat.numel(), 1))
+        # Slices bound the temporaries; the result does not depend on the slice size.
+        self._encode_from(param, state_name, local.reshape(-1), max(self.chunk_numel, 1 << 20))
 
     def read_unscaled_state_chunk(
         self, param: Tensor, state_name: str, start: int, out: Tensor
@@ -467,6 +470,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if self.fused and not supported:
             raise RuntimeError(f"fused=True, but torch has no fused AdamW kernel for {device}")
         return supported
+
+    def _scratch_for(self, device: torch.device, numel: int) -> Tensor:
+        buf = self._scratch.get(device)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+            self._scratch[device] = buf
+        return buf[:numel]
 
     def _grad_of(self, param: Tensor) -> Tensor | None:
         if self.use_decoupled_grad:
@@ -603,11 +613,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             and g_flat.device == device
         )
         c = max(n, 1) if direct else min(self.chunk_numel, max(n, 1))
-        size = 0 if direct else c
-        g_buf, m_buf, v_buf, p_buf = (torch.empty(size, device=device) for _ in range(4))
-        bits_buf = torch.empty(c if master == "remainder" else 0, dtype=torch.int32, device=device)
-        if fused_step is None:
-            t1, t2 = (torch.empty(c, dtype=torch.float32, device=device) for _ in range(2))
+        # Six FP32 slice buffers, kept between steps: allocating them afresh costs page faults.
+        b = 0 if direct else c  # slice buffers
+        t = c if fused_step is None or master == "remainder" else 0  # temporaries
+        scratch = self._scratch_for(device, 4 * b + 2 * t)
+        g_buf, m_buf, v_buf, p_buf = (scratch[i * b : (i + 1) * b] for i in range(4))
+        t1, t2 = scratch[4 * b : 4 * b + t], scratch[4 * b + t :]
+        bits_buf = t1.view(torch.int32)  # only the remainder split uses it, t1 is free then
 
         def fp32_view(name: str, kind: str, s: int, e: int, buf: Tensor) -> Tensor:
             if kind == "live":
@@ -628,7 +640,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if master is None:
                 p32 = p_flat[s:e] if fp32_param else p_buf[:k].copy_(p_flat[s:e])
             elif master == "remainder":
-                p32 = codecs.join_master(p_flat[s:e], flat["master_param"][s:e], out=p_buf[:k])
+                p32 = codecs.join_master(
+                    p_flat[s:e], flat["master_param"][s:e], out=p_buf[:k], scratch=t2[:k]
+                )
             else:
                 p32 = fp32_view("master_param", master, s, e, p_buf)
 
