@@ -70,6 +70,7 @@ class RecordingSGD(torch.optim.SGD):
     def __init__(self, params: Any, **kw: Any) -> None:
         super().__init__(params, **kw)
         self.seen: list[list[tuple[torch.dtype, int]]] = []
+        self.hyper: list[tuple[Any, float, float]] = []  # (lr object, lr value, weight decay)
         self.fail_next = False
 
     def step(self, closure: Any = None) -> Any:
@@ -81,6 +82,8 @@ class RecordingSGD(torch.optim.SGD):
                 if p.grad is not None
             ]
         )
+        group = self.param_groups[0]
+        self.hyper.append((group["lr"], float(group["lr"]), float(group["weight_decay"])))
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected failure inside the step")
@@ -448,7 +451,8 @@ def test_init_through_stacks_and_containers_restores_group_counters() -> None:
     )
     stack = OptimizerWrapper(FSDPAwareOptimizer(torch.optim.SGD(make_params([(2,)], None))))
     assert init_optimizer_state(chained) is True
-    assert "step" not in first.param_groups[0]  # as an untouched FusedAdam-like optimizer
+    # a group counter stays, at 0: the next step is step 1, as on an untouched optimizer
+    assert first.param_groups[0]["step"] == 0
     assert set(first.state[a]) == {"m"} and set(second.state[b]) == {"momentum_buffer"}
     assert init_optimizer_state(stack) is False  # plain SGD without momentum has no state
 
@@ -472,3 +476,144 @@ def test_init_respects_a_precision_aware_stack() -> None:
     inner = RecordingSGD(params, lr=0.1, momentum=0.9)
     assert init_optimizer_state(FSDPAwareOptimizer(inner, precision_aware=True))
     assert inner.seen[0][0][0] == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------
+# with PrecisionAwareAdamW (TE FusedAdam's precision-aware state, portable)
+# ----------------------------------------------------------------------------------------
+PA_CONFIGS = [
+    # (param dtype, grad dtype, optimizer options)
+    (torch.float32, torch.bfloat16, {"exp_avg_dtype": torch.bfloat16}),
+    (torch.float32, torch.bfloat16, {"exp_avg_sq_dtype": torch.uint8}),
+    (
+        torch.bfloat16,
+        torch.bfloat16,
+        {"master_weights": True, "store_param_remainders": True, "exp_avg_sq_dtype": torch.float16},
+    ),
+]
+
+
+def make_pa(params: list[torch.nn.Parameter], options: dict[str, Any]) -> Any:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    return PrecisionAwareAdamW(params, lr=1e-2, weight_decay=0.1, **options)
+
+
+def make_typed(dtype: torch.dtype, grad_dtype: torch.dtype, seed: int) -> list[torch.nn.Parameter]:
+    params = [
+        torch.nn.Parameter(p.detach().to(dtype)) for p in make_params([(6, 5), (5,)], None, seed)
+    ]
+    for p in params:
+        p.grad_dtype = grad_dtype
+    return params
+
+
+@pytest.mark.parametrize("precision_aware", [True, False])
+@pytest.mark.parametrize(("dtype", "grad_dtype", "options"), PA_CONFIGS)
+def test_precision_aware_adamw_init_load_and_continue_bitwise(
+    dtype: torch.dtype, grad_dtype: torch.dtype, options: dict[str, Any], precision_aware: bool
+) -> None:
+    params = make_typed(dtype, grad_dtype, seed=3)
+    opt = FSDPAwareOptimizer(make_pa(params, options), precision_aware=precision_aware)
+    for step in range(3):
+        give_grads(params, seed=step)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p in resumed:
+        p.grad_dtype = grad_dtype
+    opt2 = FSDPAwareOptimizer(make_pa(resumed, options), precision_aware=precision_aware)
+    before = [bits(p) for p in resumed]
+    assert init_optimizer_state(opt2) is True
+    assert [torch.equal(bits(p), b) for p, b in zip(resumed, before, strict=True)] == [True] * 2
+    assert opt2.param_groups[0]["step"] == 0 and all(p.grad is None for p in resumed)
+    opt2.load_state_dict(saved)
+    for step in range(3, 5):
+        give_grads(params, seed=step)
+        give_grads(resumed, seed=step)
+        opt.step()
+        opt2.step()
+    for p, q in zip(params, resumed, strict=True):
+        assert_bitwise(p.data, q.data)
+        for name, value in opt.state[p].items():
+            assert_bitwise(value, opt2.state[q][name])
+            assert_bitwise(opt.get_unscaled_state(p, name), opt2.get_unscaled_state(q, name))
+
+
+def test_upstream_hooks_fire_twice_for_a_subclass_while_the_wrapper_steps_once() -> None:
+    """REFERENCE §4: hooks registered on a subclass instance fire again in super().step()."""
+    experimental = pytest.importorskip("megatron_fsdp.experimental")
+
+    class SubclassedAdamW(torch.optim.AdamW):
+        def step(self, closure: Any = None) -> Any:
+            return super().step(closure)
+
+    # Any plain AdamW created before makes torch wrap AdamW.step with the hook-firing profiler
+    # wrapper; SubclassedAdamW.step is wrapped too, so hooks fire in both.
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    owner = SimpleNamespace(sync_model_weight_from_main_weight=lambda: None)
+
+    def owned_params() -> list[torch.nn.Parameter]:
+        params = make_params([(4, 3), (3,)], torch.bfloat16)
+        for p in params:
+            p._mfsdp_parameter_group = owner  # structural double of Megatron-FSDP's group
+        give_grads(params, seed=0)
+        return params
+
+    upstream_params = owned_params()
+    upstream = SubclassedAdamW(upstream_params, lr=1e-2)
+    experimental.fully_shard_optimizer(upstream)
+    with pytest.raises(AssertionError):
+        upstream.step()
+    assert upstream_params[0].grad.dtype == torch.float32  # and it is left cast
+
+    ours_params = owned_params()
+    reference = clone_params(ours_params)
+    for p, q in zip(ours_params, reference, strict=True):
+        q.grad = p.grad.float()
+    FSDPAwareOptimizer(SubclassedAdamW(ours_params, lr=1e-2)).step()
+    torch.optim.AdamW(reference, lr=1e-2).step()
+    for p, q in zip(ours_params, reference, strict=True):
+        assert_bitwise(p.data, q.data)
+        assert p.grad.dtype == torch.bfloat16
+
+
+def test_init_steps_with_zero_lr_and_weight_decay_keeping_a_tensor_lr_object() -> None:
+    params = make_params([(3,)], torch.bfloat16)
+    lr = torch.tensor(0.25)
+    inner = RecordingSGD(params, lr=lr, momentum=0.9, weight_decay=0.5)
+    assert init_optimizer_state(inner)
+    assert inner.hyper == [(lr, 0.0, 0.0)]  # the same tensor, zeroed in place
+    assert inner.param_groups[0]["lr"] is lr and lr.item() == 0.25
+    assert inner.param_groups[0]["weight_decay"] == 0.5
+
+
+finite_or_special = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+
+@given(
+    values=st.lists(finite_or_special, min_size=1, max_size=12),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    optimizer=st.sampled_from(["adamw", "sgd", "precision_aware"]),
+)
+def test_init_leaves_any_weights_bit_identical(
+    values: list[float], dtype: torch.dtype, optimizer: str
+) -> None:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    param = torch.nn.Parameter(torch.tensor(values).to(dtype))
+    param.grad_dtype = torch.bfloat16
+    before = bits(param)
+    inner: Any
+    if optimizer == "adamw":
+        inner = torch.optim.AdamW([param], lr=0.1, weight_decay=0.1)
+    elif optimizer == "sgd":
+        inner = torch.optim.SGD([param], lr=0.1, momentum=0.9, weight_decay=0.1)
+    else:
+        inner = PrecisionAwareAdamW(
+            [param], lr=0.1, weight_decay=0.1, master_weights=dtype == torch.bfloat16
+        )
+    assert init_optimizer_state(FSDPAwareOptimizer(inner))
+    assert torch.equal(bits(param), before)
+    assert param.grad is None and param.grad_dtype == torch.bfloat16

@@ -67,7 +67,7 @@ def _same_layout(buffer: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -
         return False
     if getattr(buffer, "placements", None) != getattr(grad, "placements", None):
         return False
-    if getattr(buffer, "device_mesh", None) is not getattr(grad, "device_mesh", None):
+    if getattr(buffer, "device_mesh", None) != getattr(grad, "device_mesh", None):
         return False
     local_buffer, local_grad = local_tensor(buffer), local_tensor(grad)
     return local_buffer.shape == local_grad.shape and local_buffer.device == local_grad.device
@@ -295,7 +295,13 @@ def _restore_group(
     group: dict[str, Any], snapshot: dict[str, tuple[Any, torch.Tensor | None]]
 ) -> None:
     for key in [key for key in group if key != "params" and key not in snapshot]:
-        del group[key]  # e.g. a group-level step counter the step created
+        if key == "step":
+            # A group-level step counter the step created (TE FusedAdam, PrecisionAwareAdamW):
+            # keep it, at 0 — what an untouched optimizer counts from — so that a DCP load,
+            # which only fills keys its template has, restores the saved count.
+            _zero_counter(group, key)
+        else:
+            del group[key]
     for key, (value, saved) in snapshot.items():
         unchanged_object = group.get(key) is value
         if saved is not None and unchanged_object and isinstance(value, torch.Tensor):
@@ -322,14 +328,19 @@ def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def _zero_counter(mapping: dict[Any, Any], key: str) -> None:
+    value = mapping.get(key)
+    if isinstance(value, torch.Tensor):
+        with torch.no_grad():
+            value.zero_()  # in place: keeps its dtype, device and identity
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        mapping[key] = type(value)(0)
+
+
 def _reset_step_counters(leaf: torch.optim.Optimizer) -> None:
     for state in leaf.state.values():
-        step = state.get("step") if isinstance(state, dict) else None
-        if isinstance(step, torch.Tensor):
-            with torch.no_grad():
-                step.zero_()
-        elif isinstance(step, (int, float)) and not isinstance(step, bool):
-            state["step"] = type(step)(0)
+        if isinstance(state, dict) and "step" in state:
+            _zero_counter(state, "step")
 
 
 def _stack_is_precision_aware(optimizer: Any) -> bool:
@@ -387,11 +398,13 @@ def init_optimizer_state(optimizer: Any) -> bool:
     - gives each trainable parameter a zero grad in its grad dtype (cast to the data dtype for
       the step unless the stack's :class:`FSDPAwareOptimizer` is ``precision_aware``);
     - sets ``lr`` and ``weight_decay`` to 0 for the step (a tensor is zeroed in place and
-      keeps its identity) and restores every parameter-group entry afterwards (a group step
-      counter the step created is removed again);
+      keeps its identity) and restores every parameter-group entry afterwards; an entry the
+      step added is removed again, except a group ``step`` counter, which stays at 0 so that
+      a DCP load (it fills only keys present in its template) restores the saved count;
     - steps the leaf optimizer itself (no compute-weight refresh, no outer wrapper logic);
     - restores the weights bit for bit, the previous grads (or ``None``), and resets
-      per-parameter ``step`` counters to 0, which is what a fresh optimizer starts from.
+      per-parameter ``step`` counters to 0: the next step is numbered 1, as on a fresh
+      optimizer.
 
     If the step raises, the leaf's new state is dropped and everything else is restored.
     Returns ``True`` when state was created; ``False`` (doing nothing) when every leaf

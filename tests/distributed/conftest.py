@@ -162,6 +162,24 @@ def mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[s
     return sorted(bad)
 
 
+def requantized_fp8_mismatches(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: list[str]
+) -> list[str]:
+    """Keys where ``b`` is not ``a`` re-quantized to FP8 E4M3 under another per-tensor scale.
+
+    A per-tensor scale (amax / 448) belongs to each rank's *local* shard; reloading into
+    another world size re-encodes every shard with the new shard's scale, which moves a value
+    by at most half an E4M3 step: 2**-4 relative, or 2**-10 scales in the subnormal range.
+    """
+    bad = []
+    for key in keys:
+        x, y = a[key].double(), b[key].double()
+        scale = max(float(x.abs().max()), float(y.abs().max())) / 448
+        if x.shape != y.shape or bool(((x - y).abs() > x.abs() / 16 + scale / 1024).any()):
+            bad.append(key)
+    return bad
+
+
 def run_in_this_process(fn: Callable[..., Any], tmp_dir: Path, *args: Any) -> Any:
     """Runs ``fn(0, 1, *args)`` in a one-process gloo group created here, then tears it down.
 

@@ -13,13 +13,18 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import Launcher, mismatches, run_in_this_process
+from .conftest import Launcher, mismatches, requantized_fp8_mismatches, run_in_this_process
 
-pytestmark = pytest.mark.distributed
+# One xdist worker per module (with --dist loadgroup): its tests share module-scoped spawns.
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("fsdp2")]
 
 CHECKPOINT_STEP = 3
 CONTINUE_STEPS = 3
-OPTIMIZERS = ["adamw"]
+OPTIMIZERS = ["adamw", "precision_aware_adamw"]
+# PrecisionAwareAdamW consumes low-precision grads itself: no cast needed.
+PRECISION_AWARE = {"adamw": False, "precision_aware_adamw": True}
+# States kept in FP8 with a per-shard scale: re-quantized when the sharding changes.
+FP8_STATES = {"adamw": (), "precision_aware_adamw": ("exp_avg_sq",)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -40,9 +45,26 @@ def build_model(world_size: int) -> torch.nn.Module:
 
 
 def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if name == "precision_aware_adamw":
+        # bf16 first moments, FP8 second moments (TE FusedAdam's compressed formats)
+        return PrecisionAwareAdamW(
+            model.parameters(),
+            lr=1e-2,
+            weight_decay=0.1,
+            exp_avg_dtype=torch.bfloat16,
+            exp_avg_sq_dtype=torch.uint8,
+        )
     raise ValueError(name)
+
+
+def wrap(name: str, optimizer: torch.optim.Optimizer) -> Any:
+    from wrapped_optim.fsdp import FSDPAwareOptimizer
+
+    return FSDPAwareOptimizer(optimizer, precision_aware=PRECISION_AWARE[name])
 
 
 def forward_backward(model: torch.nn.Module, step: int, rank: int) -> None:
@@ -54,11 +76,20 @@ def forward_backward(model: torch.nn.Module, step: int, rank: int) -> None:
 def snapshot(model: torch.nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        out[name] = param.to_local().detach().clone()
+        out[name] = local(param).detach().clone()
         for key, value in optimizer.state[param].items():
-            local = value.to_local() if hasattr(value, "to_local") else value
-            out[f"{name}.{key}"] = local.detach().clone()
+            out[f"{name}.{key}"] = local(value).detach().clone()
+            if key in getattr(optimizer, "name_to_dtype_map", {}):  # compressed: add scales
+                unscaled = optimizer.get_unscaled_state(param, key)
+                out[f"{name}.{key}.unscaled"] = local(unscaled).detach().clone()
+    for index, group in enumerate(optimizer.param_groups):
+        if "step" in group:
+            out[f"param_group{index}.step"] = torch.tensor(group["step"])
     return out
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def full_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
@@ -112,8 +143,6 @@ def load_checkpoint(model: torch.nn.Module, optimizer: Any, path: str) -> bool:
 def train_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    from wrapped_optim.fsdp import FSDPAwareOptimizer
-
     out: dict[str, Any] = {}
 
     # -- FSDP2 does not produce mixed grad dtypes; forcing grad_dtype breaks its backward --
@@ -134,7 +163,7 @@ def train_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, 
         # -- transparent: wrapped equals unwrapped, grads untouched, no buffers ------------
         plain_model, ours_model = build_model(world_size), build_model(world_size)
         plain = make_optimizer(name, plain_model)
-        ours = FSDPAwareOptimizer(make_optimizer(name, ours_model))
+        ours = wrap(name, make_optimizer(name, ours_model))
         per_step = []
         grads_untouched = True
         for step in range(CHECKPOINT_STEP):
@@ -165,12 +194,10 @@ def train_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, 
 
 
 def resume_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, Any]:
-    from wrapped_optim.fsdp import FSDPAwareOptimizer
-
     out: dict[str, Any] = {}
     for name in OPTIMIZERS:
         model = build_model(world_size)
-        optimizer = FSDPAwareOptimizer(make_optimizer(name, model))
+        optimizer = wrap(name, make_optimizer(name, model))
         out[f"{name}/init_created"] = load_checkpoint(model, optimizer, f"{checkpoint_root}/{name}")
         for step in range(CHECKPOINT_STEP, CHECKPOINT_STEP + CONTINUE_STEPS):
             forward_backward(model, step, rank)
@@ -181,12 +208,10 @@ def resume_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str,
 
 
 def reshard_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, Any]:
-    from wrapped_optim.fsdp import FSDPAwareOptimizer
-
     out: dict[str, Any] = {}
     for name in OPTIMIZERS:
         model = build_model(world_size)
-        optimizer = FSDPAwareOptimizer(make_optimizer(name, model))
+        optimizer = wrap(name, make_optimizer(name, model))
         load_checkpoint(model, optimizer, f"{checkpoint_root}/{name}")
         out[f"{name}/full_state"] = full_state(model, optimizer)
     return out
@@ -224,6 +249,15 @@ def resharded(
 # ----------------------------------------------------------------------------------------
 # tests
 # ----------------------------------------------------------------------------------------
+def assert_same_full_state(saved: dict[str, Any], reloaded: dict[str, Any], name: str) -> None:
+    """Bitwise equal, except FP8 states: those within one re-quantization of the saved ones."""
+    fp8 = [key for key in saved if key.rsplit(".", 1)[-1] in FP8_STATES[name]]
+    assert bool(fp8) == bool(FP8_STATES[name])
+    exact = {key: value for key, value in saved.items() if key not in fp8}
+    assert mismatches(exact, {key: reloaded[key] for key in reloaded if key not in fp8}) == []
+    assert requantized_fp8_mismatches(saved, reloaded, fp8) == []
+
+
 def test_fsdp2_grads_have_the_param_dtype(trained: list[dict[str, Any]]) -> None:
     for rank in trained:
         assert rank["param_kind"] == ("DTensor", torch.float32, torch.float32)
@@ -252,6 +286,5 @@ def test_dcp_resume_continues_bitwise(
 def test_reload_into_one_process_gives_the_same_full_state(
     trained: list[dict[str, Any]], resharded: dict[str, Any], name: str
 ) -> None:
-    expected = trained[0][f"{name}/full_state"]
-    assert expected.keys() == resharded[f"{name}/full_state"].keys()
-    assert mismatches(expected, resharded[f"{name}/full_state"]) == []
+    for rank in trained:
+        assert_same_full_state(rank[f"{name}/full_state"], resharded[f"{name}/full_state"], name)

@@ -20,15 +20,20 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import Launcher, mismatches, run_in_this_process
+from .conftest import Launcher, mismatches, requantized_fp8_mismatches, run_in_this_process
 
-pytestmark = pytest.mark.distributed
+# One xdist worker per module (with --dist loadgroup): its tests share module-scoped spawns.
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("megatron_fsdp")]
 if importlib.util.find_spec("megatron_fsdp") is None:
     pytest.skip("megatron-fsdp is not installed", allow_module_level=True)
 
 CHECKPOINT_STEP = 3  # steps before the checkpoint
 CONTINUE_STEPS = 3  # steps after it
-OPTIMIZERS = ["adamw"]
+OPTIMIZERS = ["adamw", "precision_aware_adamw"]
+# PrecisionAwareAdamW consumes low-precision grads itself: no cast needed.
+PRECISION_AWARE = {"adamw": False, "precision_aware_adamw": True}
+# States kept in FP8 with a per-shard scale: re-quantized when the sharding changes.
+FP8_STATES = {"adamw": (), "precision_aware_adamw": ("exp_avg_sq",)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -54,9 +59,26 @@ def build_model(world_size: int) -> torch.nn.Module:
 
 
 def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if name == "precision_aware_adamw":
+        # bf16 first moments, FP8 second moments (TE FusedAdam's compressed formats)
+        return PrecisionAwareAdamW(
+            model.parameters(),
+            lr=1e-2,
+            weight_decay=0.1,
+            exp_avg_dtype=torch.bfloat16,
+            exp_avg_sq_dtype=torch.uint8,
+        )
     raise ValueError(name)
+
+
+def wrap(name: str, optimizer: torch.optim.Optimizer) -> Any:
+    from wrapped_optim.fsdp import FSDPAwareOptimizer
+
+    return FSDPAwareOptimizer(optimizer, precision_aware=PRECISION_AWARE[name])
 
 
 def fsdp_groups(model: torch.nn.Module) -> list[Any]:
@@ -80,6 +102,12 @@ def snapshot(model: torch.nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
         out[name] = local(param).detach().clone()
         for key, value in optimizer.state[param].items():
             out[f"{name}.{key}"] = local(value).detach().clone()
+            if key in getattr(optimizer, "name_to_dtype_map", {}):  # compressed: add scales
+                unscaled = optimizer.get_unscaled_state(param, key)
+                out[f"{name}.{key}.unscaled"] = local(unscaled).detach().clone()
+    for index, group in enumerate(optimizer.param_groups):
+        if "step" in group:
+            out[f"param_group{index}.step"] = torch.tensor(group["step"])
     for index, group in enumerate(fsdp_groups(model)):
         # Per-tensor views: the flat buffers' padding is never written.
         for position, name in enumerate(group.parameter_names):
@@ -123,12 +151,16 @@ def gather_full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
-    """Main weights and every optimizer state tensor, gathered whole (same on all ranks)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        out[name] = gather_full(param)
-        for key, value in optimizer.state[param].items():
-            out[f"{name}.{key}"] = gather_full(value)
+    """Main weights and the optimizer's state dict, gathered whole (same on all ranks)."""
+    names = [name for name, _ in model.named_parameters()]  # the optimizer's param order
+    out = {name: gather_full(param) for name, param in model.named_parameters()}
+    state_dict = optimizer.state_dict()
+    for index, state in state_dict["state"].items():
+        for key, value in state.items():
+            out[f"{names[index]}.{key}"] = gather_full(torch.as_tensor(value))
+    for index, group in enumerate(state_dict["param_groups"]):
+        if "step" in group:
+            out[f"param_group{index}.step"] = torch.tensor(group["step"])
     return out
 
 
@@ -172,8 +204,6 @@ def train_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, 
     from megatron_fsdp.experimental import fully_shard_optimizer
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from wrapped_optim.fsdp import FSDPAwareOptimizer
-
     out: dict[str, Any] = {}
 
     # -- the unwrapped path fails as upstream reports ----------------------------------
@@ -195,8 +225,8 @@ def train_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, 
         # -- ours against upstream's fully_shard_optimizer, bitwise ----------------------
         upstream_model, ours_model = build_model(world_size), build_model(world_size)
         upstream = make_optimizer(name, upstream_model)
-        fully_shard_optimizer(upstream)
-        ours = FSDPAwareOptimizer(make_optimizer(name, ours_model))
+        fully_shard_optimizer(upstream, precision_aware=PRECISION_AWARE[name])
+        ours = wrap(name, make_optimizer(name, ours_model))
         syncs: list[str] = []
 
         equal_per_step = []
@@ -215,6 +245,7 @@ def train_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, 
         out[f"{name}/fsdp_groups"] = len(fsdp_groups(ours_model))
         out[f"{name}/compute_follows_main"] = compute_weights_follow_main(ours_model)
         out[f"{name}/cast_buffer_bytes"] = ours.cast_buffer_bytes
+        out[f"{name}/cast_buffer_allocations"] = ours._cast_buffers.allocations
 
         # -- the checkpoint ---------------------------------------------------------------
         path = f"{checkpoint_root}/{name}"
@@ -222,36 +253,42 @@ def train_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, 
         out[f"{name}/full_state"] = full_optimizer_state(ours_model, ours)
 
         # -- a raising step: upstream stays dirty, ours is clean --------------------------
-        forward_backward(upstream_model, CHECKPOINT_STEP, rank)
-        forward_backward(ours_model, CHECKPOINT_STEP, rank)
-        report: dict[str, Any] = {}
-        for label, model_, optimizer in (
-            ("upstream", upstream_model, upstream),
-            ("ours", ours_model, ours),
-        ):
-            params = list(model_.parameters())
-            grads = [p.grad for p in params]
-            group = optimizer.param_groups[0]
-            betas = group["betas"]
-            group["betas"] = (0.9,)  # AdamW raises before touching any state
-            try:
-                optimizer.step()
-            except ValueError:
-                report[f"{label}/raised"] = True
-            finally:
-                group["betas"] = betas
-            report[f"{label}/grads_are_originals"] = all(
-                p.grad is g for p, g in zip(params, grads, strict=True)
-            )
-            report[f"{label}/grad_dtypes"] = sorted({str(p.grad.dtype) for p in params})
-            report[f"{label}/param_grad_dtypes"] = sorted({str(p.grad_dtype) for p in params})
-            try:
-                optimizer.step()
-                report[f"{label}/retry"] = "ok"
-            except Exception as error:
-                report[f"{label}/retry"] = f"{type(error).__name__}: {error}"
-            optimizer.zero_grad()
-        out[f"{name}/raising_step"] = report
+        if PRECISION_AWARE[name]:
+            # Nothing is cast, so there is nothing to leave dirty: just take the step.
+            forward_backward(ours_model, CHECKPOINT_STEP, rank)
+            ours.step()
+            ours.zero_grad()
+        else:
+            forward_backward(upstream_model, CHECKPOINT_STEP, rank)
+            forward_backward(ours_model, CHECKPOINT_STEP, rank)
+            report: dict[str, Any] = {}
+            for label, model_, optimizer in (
+                ("upstream", upstream_model, upstream),
+                ("ours", ours_model, ours),
+            ):
+                params = list(model_.parameters())
+                grads = [p.grad for p in params]
+                group = optimizer.param_groups[0]
+                betas = group["betas"]
+                group["betas"] = (0.9,)  # AdamW raises before touching any state
+                try:
+                    optimizer.step()
+                except ValueError:
+                    report[f"{label}/raised"] = True
+                finally:
+                    group["betas"] = betas
+                report[f"{label}/grads_are_originals"] = all(
+                    p.grad is g for p, g in zip(params, grads, strict=True)
+                )
+                report[f"{label}/grad_dtypes"] = sorted({str(p.grad.dtype) for p in params})
+                report[f"{label}/param_grad_dtypes"] = sorted({str(p.grad_dtype) for p in params})
+                try:
+                    optimizer.step()
+                    report[f"{label}/retry"] = "ok"
+                except Exception as error:
+                    report[f"{label}/retry"] = f"{type(error).__name__}: {error}"
+                optimizer.zero_grad()
+            out[f"{name}/raising_step"] = report
 
         # -- uninterrupted continuation (the failed attempt must have left no trace) --------
         for step in range(CHECKPOINT_STEP + 1, CHECKPOINT_STEP + CONTINUE_STEPS):
@@ -263,12 +300,10 @@ def train_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, 
 
 
 def resume_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, Any]:
-    from wrapped_optim.fsdp import FSDPAwareOptimizer
-
     out: dict[str, Any] = {}
     for name in OPTIMIZERS:
         model = build_model(world_size)
-        optimizer = FSDPAwareOptimizer(make_optimizer(name, model))
+        optimizer = wrap(name, make_optimizer(name, model))
         out[f"{name}/init_created"] = load_checkpoint(model, optimizer, f"{checkpoint_root}/{name}")
         out[f"{name}/compute_follows_main"] = compute_weights_follow_main(model)
         for step in range(CHECKPOINT_STEP, CHECKPOINT_STEP + CONTINUE_STEPS):
@@ -280,12 +315,10 @@ def resume_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str,
 
 
 def reshard_worker(rank: int, world_size: int, checkpoint_root: str) -> dict[str, Any]:
-    from wrapped_optim.fsdp import FSDPAwareOptimizer
-
     out: dict[str, Any] = {}
     for name in OPTIMIZERS:
         model = build_model(world_size)
-        optimizer = FSDPAwareOptimizer(make_optimizer(name, model))
+        optimizer = wrap(name, make_optimizer(name, model))
         load_checkpoint(model, optimizer, f"{checkpoint_root}/{name}")
         out[f"{name}/full_state"] = full_optimizer_state(model, optimizer)
     return out
@@ -325,6 +358,15 @@ def resharded(
 # ----------------------------------------------------------------------------------------
 # tests
 # ----------------------------------------------------------------------------------------
+def assert_same_full_state(saved: dict[str, Any], reloaded: dict[str, Any], name: str) -> None:
+    """Bitwise equal, except FP8 states: those within one re-quantization of the saved ones."""
+    fp8 = [key for key in saved if key.rsplit(".", 1)[-1] in FP8_STATES[name]]
+    assert bool(fp8) == bool(FP8_STATES[name])
+    exact = {key: value for key, value in saved.items() if key not in fp8}
+    assert mismatches(exact, {key: reloaded[key] for key in reloaded if key not in fp8}) == []
+    assert requantized_fp8_mismatches(saved, reloaded, fp8) == []
+
+
 def test_params_are_fp32_dtensors_with_bf16_grads(trained: list[dict[str, Any]]) -> None:
     for rank in trained:
         assert rank["param_kind"] == ("DTensor", torch.float32, torch.bfloat16)
@@ -345,12 +387,18 @@ def test_wrapper_matches_upstream_adapter_bitwise(trained: list[dict[str, Any]],
         assert rank[f"{name}/fsdp_groups"] == 2
         assert rank[f"{name}/syncs"] == ["group0", "group1"] * CHECKPOINT_STEP
         assert rank[f"{name}/compute_follows_main"]
-    assert sum(rank[f"{name}/cast_buffer_bytes"] for rank in trained) == 4 * (
-        8 * 16 + 16 + 16 * 4 + 4
-    )
+    # AdamW steps on FP32 copies of the bf16 grads, kept between steps; PrecisionAwareAdamW
+    # reads the bf16 grads directly.
+    expected = 0 if PRECISION_AWARE[name] else 4 * (8 * 16 + 16 + 16 * 4 + 4)
+    assert sum(rank[f"{name}/cast_buffer_bytes"] for rank in trained) == expected
+    # allocated on the first step only, one DTensor buffer per parameter, then reused
+    expected_allocations = 0 if PRECISION_AWARE[name] else 4
+    assert [rank[f"{name}/cast_buffer_allocations"] for rank in trained] == [
+        expected_allocations
+    ] * len(trained)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if not PRECISION_AWARE[n]])
 def test_raising_step_leaves_upstream_dirty_and_ours_clean(
     trained: list[dict[str, Any]], name: str
 ) -> None:
@@ -385,4 +433,4 @@ def test_reload_into_one_process_gives_the_same_full_state(
 ) -> None:
     (single,) = resharded
     for rank in trained:
-        assert mismatches(rank[f"{name}/full_state"], single[f"{name}/full_state"]) == []
+        assert_same_full_state(rank[f"{name}/full_state"], single[f"{name}/full_state"], name)
