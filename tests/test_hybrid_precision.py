@@ -20,6 +20,7 @@ from wrapped_optim import HybridSyncOptimizer, StagedCheckpointOptimizer
 from wrapped_optim.adapters.precision import is_precision_aware_holder
 from wrapped_optim.demo_model import TinyGPT, batch_for_step, lm_loss
 from wrapped_optim.factory import wrap
+from wrapped_optim.hybrid import StaleMasterError
 from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 from wrapped_optim.probe import DeviceMemoryProbe, count_unstaged_expansions
 from wrapped_optim.staging import staging_decisions
@@ -299,6 +300,46 @@ def test_non_chunked_holders_never_modify_the_callers_tensors():
     assert train(twin_model, twin, 2, start=2) == train(model, opt, 2, start=2)
 
 
+def plain_adamw(groups: list[dict[str, Any]], **options: Any) -> torch.optim.AdamW:
+    """torch's AdamW, ignoring the constructor-only options meant for the other side."""
+    return torch.optim.AdamW(groups, lr=options["lr"], weight_decay=options["weight_decay"])
+
+
+def test_mixed_plain_host_and_precision_aware_device_round_trip():
+    def build_mixed(model: torch.nn.Module) -> HybridOffloadOptimizer:
+        return HybridOffloadOptimizer(
+            model.parameters(),
+            offload_fraction=0.5,
+            cpu_optimizer_cls=plain_adamw,
+            gpu_optimizer_cls=PrecisionAwareAdamW,
+            lr=1e-2,
+            weight_decay=0.01,
+            exp_avg_dtype=FP8,
+            exp_avg_sq_dtype=BF16,
+        )
+
+    model = make_model(0)
+    opt = build_mixed(model)
+    train(model, opt, 2)
+    payload = copy.deepcopy(opt.state_dict())
+    host_params = set(opt.gpu_params_map_cpu_copy)
+    for index, param in enumerate(model.parameters()):
+        entry = payload["state"][index]
+        if param in host_params:  # torch's layout: raw FP32 moments and a per-param step
+            assert set(entry) == {"exp_avg", "exp_avg_sq", "master_param", "step"}
+        else:  # FusedAdam's: FP32 expansions of FP8/bf16 storage, the step in the group
+            assert set(entry) == {"exp_avg", "exp_avg_sq", "master_param"}
+            assert entry["exp_avg"].dtype == torch.float32
+    assert payload["param_groups"][0]["step"] == 2
+    twin_model = make_model(1)
+    twin_model.load_state_dict(model.state_dict())
+    twin = build_mixed(twin_model)
+    twin.load_state_dict(payload)
+    assert train(twin_model, twin, 2, start=2) == train(model, opt, 2, start=2)
+    assert_same_tensors(weights(twin_model), weights(model))
+    assert_same_state_dict(twin.state_dict(), opt.state_dict())
+
+
 # ------------------------------------------------------------------------------------------
 # Staging the sub-optimizers' state
 # ------------------------------------------------------------------------------------------
@@ -388,6 +429,28 @@ def test_model_only_load_collapses_unwrapped_and_not_wrapped(pretrained):
     wrapped_model.load_state_dict(pretrained)
     assert train(wrapped_model, wrapped, 4, start=1000) == reference
     assert_same_tensors(weights(wrapped_model), weights(reference_model))
+
+
+def test_stale_guard_raises_and_reload_model_params_syncs(pretrained):
+    model = make_model(1)
+    opt = HybridSyncOptimizer(hybrid(model, 0.5), on_stale="raise")
+    train(model, opt, 1, start=1000)  # the guard passes on consistent copies (and disarms)
+    opt.load_state_dict(opt.state_dict())  # any load re-arms it
+    model.load_state_dict(pretrained)  # behind the optimizer's back
+    before = raw_snapshot(opt.inner)
+    loaded = weights(model)
+    opt.zero_grad()
+    lm_loss(model, batch(1001)).backward()
+    with pytest.raises(StaleMasterError, match="master copies disagree"):
+        opt.step()
+    assert_same_snapshot(raw_snapshot(opt.inner), before)  # nothing was stepped
+    assert_same_tensors(weights(model), loaded)
+    opt.reload_model_params()  # model-only sync: every copy takes the weights
+    assert opt.stale_masters() == []
+    for param, inner in opt.inner.param_to_inner_param.items():
+        assert torch.equal(inner, param.detach().float())
+    opt.step()
+    assert lm_loss(model, batch(1002)).item() < 0.6 * lm_loss(make_model(1), batch(1002)).item()
 
 
 # ------------------------------------------------------------------------------------------

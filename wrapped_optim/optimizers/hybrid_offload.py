@@ -459,9 +459,10 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         Every check happens before the first change: a rejected payload leaves the optimizer
         exactly as it was, and the payload's tensors are copied, never adopted.
 
-        Precision-aware sub-optimizers are not rebuilt: each state is written into them
-        through their ``set_scaled_state`` (the instance attribute) and their group step is
-        restored from the saved ``param_groups``; the copies keep their identity and take
+        With a precision-aware sub-optimizer nothing is rebuilt: each state is written into
+        it through its ``set_scaled_state`` (the instance attribute) and its group step is
+        restored from the saved ``param_groups``; a plain sub-optimizer beside it gets its
+        state replaced, as torch's own loader does; the copies keep their identity and take
         the current weights, then the saved masters.
 
         Example:
