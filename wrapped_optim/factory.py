@@ -90,10 +90,14 @@ def _derive_section(section: str, base: Any) -> Any:
     """The section derivation picks for ``base`` (an unwrapped optimizer stack), or False."""
     leaves = list(walk_leaves(base))
     if section == "staged":
+        from wrapped_optim.adapters.hybrid import is_hybrid_offload
         from wrapped_optim.adapters.precision import is_precision_aware_holder
         from wrapped_optim.staging import no_copy_decisions
 
-        if any(not leaf.is_stub and is_precision_aware_holder(leaf.optimizer) for leaf in leaves):
+        holders = [leaf.optimizer for leaf in leaves if not leaf.is_stub]
+        # A hybrid offload optimizer's sub-optimizers hold its state.
+        holders += [sub for o in holders if is_hybrid_offload(o) for sub in o.sub_optimizers]
+        if any(is_precision_aware_holder(holder) for holder in holders):
             return StagedConfig()
         if any(decision.eligible for decision in no_copy_decisions(base)):
             # A Megatron distributed FP32 Adam: its state can be adopted without copies.
@@ -149,9 +153,10 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
     ``StagedCheckpointOptimizer`` (the module docstring says why). Per section of ``config``:
     a section object adds the layer with those options, ``False`` leaves it out (and removes
     one already there), ``None`` keeps an existing layer or derives the decision from the
-    optimizer itself — a precision-aware state holder (or a Megatron distributed optimizer)
-    anywhere in the stack -> staging; a hybrid offload optimizer -> hybrid sync; params whose
-    ``grad_dtype`` differs from their dtype -> FSDP-aware.
+    optimizer itself — a precision-aware state holder (also as a hybrid offload optimizer's
+    sub-optimizer) or a Megatron distributed optimizer anywhere in the stack -> staging; a
+    hybrid offload optimizer -> hybrid sync; params whose ``grad_dtype`` differs from their
+    dtype -> FSDP-aware.
 
     Re-wrapping never doubles a layer: canonical layers already on top are kept (also when an
     explicit section repeats their options), and when nothing changes the same object is

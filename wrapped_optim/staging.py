@@ -15,8 +15,9 @@ each installed only through :func:`~wrapped_optim.patching.patch_attribute`:
 * :func:`fp32_no_copy_load` -- a standard FP32 distributed Adam adopts the FP32 tensors its
   Megatron container hands to ``load_state_dict`` instead of copying them into fresh storage.
 
-Eligibility is decided per leaf of :func:`~wrapped_optim.adapters.walk_leaves` by structure
-(protocols and Megatron config flags), never by class; :func:`staging_decisions` and
+Eligibility is decided per leaf of :func:`~wrapped_optim.adapters.walk_leaves` (and per
+sub-optimizer of a hybrid offload leaf) by structure (protocols and Megatron config flags),
+never by class; :func:`staging_decisions` and
 :func:`no_copy_decisions` explain every decision. The bytes the engine keeps on a source
 device are recorded in :data:`~wrapped_optim.probe.device_ledger`.
 """
@@ -32,6 +33,7 @@ from typing import Any
 import attrs
 import torch
 
+from wrapped_optim.adapters.hybrid import is_hybrid_offload
 from wrapped_optim.adapters.megatron import config_flag
 from wrapped_optim.adapters.precision import supports_chunked_state
 from wrapped_optim.adapters.walk import LeafContext, walk_leaves
@@ -151,25 +153,42 @@ def staging_decisions(stack: Any) -> list[LeafDecision]:
 
     Gates, in order: not a stub; with a Megatron config, ``use_precision_aware_optimizer``
     on and ``optimizer_cpu_offload`` off; ``ddp_config.use_megatron_fsdp`` off; the leaf
-    has a ``name_to_dtype_map`` with at least one non-FP32 state.
+    has a ``name_to_dtype_map`` with at least one non-FP32 state. A hybrid offload leaf
+    (:func:`~wrapped_optim.adapters.hybrid.is_hybrid_offload`) is followed by one decision
+    per sub-optimizer (same index, same container context, same gates): its sub-optimizers
+    are the holders.
 
     Example:
         >>> import torch
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> [d.reason for d in staging_decisions(sgd)]
         ['SGD is not a precision-aware holder']
+        >>> from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
+        >>> hybrid = HybridOffloadOptimizer(
+        ...     [torch.nn.Parameter(torch.ones(2))], offload_fraction=1.0,
+        ...     cpu_optimizer_cls=PrecisionAwareAdamW, exp_avg_dtype=torch.bfloat16)
+        >>> [d.reason for d in staging_decisions(hybrid)]
+        ['HybridOffloadOptimizer is not a precision-aware holder', 'eligible']
     """
+
+    def candidates(leaf: LeafContext) -> Iterator[LeafContext]:
+        yield leaf
+        if not leaf.is_stub and is_hybrid_offload(leaf.optimizer):
+            # Its sub-optimizers hold the state, in the leaf's context (same gates).
+            for sub in leaf.optimizer.sub_optimizers:
+                yield attrs.evolve(leaf, optimizer=sub)
 
     def decide() -> Iterator[LeafDecision]:
         for leaf in walk_leaves(stack):
-            reason = _save_gate(leaf)
-            yield LeafDecision(
-                index=leaf.index,
-                optimizer=leaf.optimizer,
-                eligible=reason is None,
-                reason=reason or "eligible",
-                chunked=reason is None and _supports_chunks(leaf.optimizer),
-            )
+            for candidate in candidates(leaf):
+                reason = _save_gate(candidate)
+                yield LeafDecision(
+                    index=candidate.index,
+                    optimizer=candidate.optimizer,
+                    eligible=reason is None,
+                    reason=reason or "eligible",
+                    chunked=reason is None and _supports_chunks(candidate.optimizer),
+                )
 
     return _unique(decide())
 

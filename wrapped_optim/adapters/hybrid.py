@@ -26,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
+from wrapped_optim.adapters.precision import is_precision_aware_holder
 from wrapped_optim.adapters.walk import LeafContext, walk_leaves
 from wrapped_optim.patching import patch_attribute
 
@@ -296,7 +297,8 @@ def push_state_to_sub_optimizers(stack: Any) -> None:
     its params, possibly on the wrong device: some of its loaders skip the device fix-up); the
     sub-optimizers step their own ``state`` (keyed by the copies). This moves every state
     tensor but ``step`` to its copy's device and re-links each sub-optimizer entry to the
-    exposed dict.
+    exposed dict. Precision-aware sub-optimizers are left alone: their state is loaded
+    through ``set_scaled_state``, and the exposed dict is only a view of their storage.
 
     Example:
         >>> import torch
@@ -308,6 +310,10 @@ def push_state_to_sub_optimizers(stack: Any) -> None:
             continue
         orig_of = getattr(hdo, "inner_param_to_orig_param", {})
         for sub in hdo.sub_optimizers:
+            if is_precision_aware_holder(sub):
+                # Its storage is written through set_scaled_state; what the hybrid optimizer
+                # exposes is a view of it, never a dict the holder could step.
+                continue
             for group in sub.param_groups:
                 for copy in group["params"]:
                     orig = orig_of.get(copy, copy)

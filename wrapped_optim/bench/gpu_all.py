@@ -11,10 +11,13 @@ Checks (each a module with ``run() -> str``, a Markdown section):
 * ``gpu_hybrid`` -- megatron-core's real ``HybridDeviceOptimizer`` on CUDA params:
   model-only sync and full resume through ``HybridSyncOptimizer``;
 * ``gpu_factory`` -- ``setup_optimizer`` with megatron-core's real builders (FP32,
-  distributed FP32, CPU offload).
+  distributed FP32, CPU offload);
+* ``gpu_hybrid_precision`` -- ``HybridOffloadOptimizer`` with ``PrecisionAwareAdamW``
+  sub-optimizers on CUDA params, staged: portable format, chunked reads/writes, one-chunk
+  peak, bit-identical resume.
 
-The last two need megatron-core importable. Where the machine cannot install it from an
-index, carry it as a wheel: on a machine with pip access run
+``gpu_hybrid`` and ``gpu_factory`` need megatron-core importable. Where the machine cannot
+install it from an index, carry it as a wheel: on a machine with pip access run
 ``pip download --no-deps --only-binary=:all: --python-version 3.12 megatron-core==0.16.1 -d
 wheels`` (plus its pure-Python requirements, listed by the wheel's ``Requires-Dist``), copy
 ``wheels/`` over, then ``pip install --no-deps --target /tmp/site wheels/*.whl`` and run with
@@ -37,7 +40,7 @@ import torch
 
 __all__ = ["CHECKS", "main", "run_checks"]
 
-CHECKS = ("gpu_staged", "gpu_hybrid", "gpu_factory")
+CHECKS = ("gpu_staged", "gpu_hybrid", "gpu_factory", "gpu_hybrid_precision")
 
 
 def _header() -> str:

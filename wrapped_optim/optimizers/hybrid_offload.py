@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from wrapped_optim.adapters.hybrid import MasterCopies
+from wrapped_optim.adapters.precision import is_precision_aware_holder, supports_chunked_state
 
 __all__ = ["HybridOffloadOptimizer"]
 
@@ -45,6 +46,13 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     and then pushes the loaded state in, restoring each ``master_param`` into its copy (the model
     weights are not touched: :class:`wrapped_optim.HybridSyncOptimizer` does that). It validates
     the whole payload before changing anything and never aliases the caller's tensors.
+
+    Precision-aware sub-optimizers (TE FusedAdam,
+    :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW`) are supported as Megatron supports
+    them with CPU offload: their state is saved in FusedAdam's portable format (FP32
+    expansions read through ``get_unscaled_state``, the step count in ``param_groups``), and
+    loaded through ``set_scaled_state`` into the same sub-optimizer instances (so instance-level
+    patches, such as staging's, take effect). ``state`` shows their raw storage.
 
     The copies are only refreshed from the weights by :meth:`update_fp32_param_by_new_param`
     (FP32 copies, as Megatron's) — after a model-only load, wrap the optimizer in
@@ -225,11 +233,29 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                 )
             inner.grad.copy_(grad)
 
+    def _holders(self) -> list[torch.optim.Optimizer]:
+        return [sub for sub in self.sub_optimizers if is_precision_aware_holder(sub)]
+
+    def _sync_steps_from_holders(self) -> None:
+        """A precision-aware holder counts steps per group: carry them in our own groups."""
+        for sub, group_indices in self._sub_optimizers_with_groups():
+            if not is_precision_aware_holder(sub):
+                continue
+            for sub_group, group_index in zip(sub.param_groups, group_indices, strict=True):
+                if "step" in sub_group:
+                    self.param_groups[group_index]["step"] = sub_group["step"]
+
     def _expose_state(self) -> None:
         state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         for sub in self.sub_optimizers:
+            holder = is_precision_aware_holder(sub)
             for inner, inner_state in sub.state.items():
                 param = self.inner_param_to_orig_param[inner]
+                if holder:
+                    if not inner_state:
+                        continue
+                    # A view: a holder's own dict must keep only the states it stores.
+                    inner_state = dict(inner_state)
                 if self.param_update_in_fp32:
                     inner_state["master_param"] = inner
                 state[param] = inner_state
@@ -261,6 +287,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             for param, inner in self.param_to_inner_param.items():
                 if inner is not param:
                     param.copy_(inner)
+        self._sync_steps_from_holders()
         self._expose_state()
         return loss
 
@@ -357,11 +384,86 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         # and the sub-optimizers are part of this optimizer. Hooks are dropped, as torch does.
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
 
+    def _holder_of(self) -> dict[int, torch.optim.Optimizer]:
+        """id(stepped copy) -> its precision-aware sub-optimizer."""
+        return {
+            id(inner): sub
+            for sub in self._holders()
+            for group in sub.param_groups
+            for inner in group["params"]
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict; precision-aware sub-optimizers' params in FusedAdam's format.
+
+        With plain sub-optimizers this is torch's ``Optimizer.state_dict`` of :attr:`state`.
+        A param stepped by a precision-aware holder gets each of its states read through the
+        holder's ``get_unscaled_state`` (the instance attribute, so instance-level patches
+        such as staging's take effect): FP32 expansions instead of the raw storage, plus
+        ``master_param``; the holder's step count is in ``param_groups`` (``"step"``), as
+        FusedAdam keeps it.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+            >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+            >>> opt = HybridOffloadOptimizer(
+            ...     [p], offload_fraction=1.0, cpu_optimizer_cls=PrecisionAwareAdamW,
+            ...     exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+            >>> p.grad = torch.ones(2, dtype=torch.bfloat16)
+            >>> opt.step()
+            >>> sd = opt.state_dict()
+            >>> opt.state[p]["exp_avg"].dtype, sd["state"][0]["exp_avg"].dtype
+            (torch.bfloat16, torch.float32)
+            >>> sorted(sd["state"][0]), sd["param_groups"][0]["step"]
+            (['exp_avg', 'exp_avg_sq', 'master_param'], 1)
+        """
+        holder_of = self._holder_of()
+        if not holder_of:
+            return super().state_dict()
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        index_of: dict[int, int] = {}
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [index_of.setdefault(id(p), len(index_of)) for p in group["params"]]
+            groups.append(packed)
+        state: dict[int, dict[str, Any]] = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                inner = self.param_to_inner_param[param]
+                sub = holder_of.get(id(inner))
+                if sub is None:
+                    if param in self.state:
+                        state[index_of[id(param)]] = self.state[param]
+                    continue
+                stored = sub.state.get(inner)
+                if not stored:
+                    continue
+                read = sub.get_unscaled_state  # type: ignore[attr-defined]
+                entry = {name: read(inner, name) for name in list(stored)}
+                if self.param_update_in_fp32:
+                    entry["master_param"] = inner
+                state[index_of[id(param)]] = entry
+        result: dict[str, Any] = {"state": state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            hooked = post_hook(self, result)
+            if hooked is not None:
+                result = hooked
+        return result
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict; rebuilds copies and sub-optimizers, then pushes the state in.
 
         Every check happens before the first change: a rejected payload leaves the optimizer
         exactly as it was, and the payload's tensors are copied, never adopted.
+
+        With a precision-aware sub-optimizer nothing is rebuilt: each state is written into
+        it through its ``set_scaled_state`` (the instance attribute) and its group step is
+        restored from the saved ``param_groups``; a plain sub-optimizer beside it gets its
+        state replaced, as torch's own loader does; the copies keep their identity and take
+        the current weights, then the saved masters.
 
         Example:
             >>> import torch
@@ -380,31 +482,88 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        groups, states = self._prepare_load(state_dict)
+        groups, states, holder_states = self._prepare_load(state_dict)
         # Commit: nothing below can fail on a validated payload.
         self.param_groups[:] = groups
-        self._build()
-        self.state = defaultdict(dict)
-        with torch.no_grad():
-            for sub in self.sub_optimizers:
-                for inner in [p for group in sub.param_groups for p in group["params"]]:
-                    param = self.inner_param_to_orig_param[inner]
-                    if param not in states:
-                        continue
-                    entry = states[param]
-                    master = entry.pop("master_param", None)
-                    if master is not None:
-                        inner.copy_(master.reshape(inner.shape))
-                        if self.param_update_in_fp32:
-                            entry["master_param"] = inner
-                    sub.state[inner] = entry
-                    self.state[param] = entry
+        if self._holders():
+            self._commit_with_holders(states, holder_states)
+        else:
+            self._build()
+            self.state = defaultdict(dict)
+            with torch.no_grad():
+                for sub in self.sub_optimizers:
+                    for inner in [p for group in sub.param_groups for p in group["params"]]:
+                        self._load_plain_entry(sub, inner, states)
+                        param = self.inner_param_to_orig_param[inner]
+                        if param in states:
+                            self.state[param] = states[param]
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+    def _load_plain_entry(
+        self,
+        sub: torch.optim.Optimizer,
+        inner: torch.Tensor,
+        states: dict[torch.Tensor, dict[str, Any]],
+    ) -> None:
+        param = self.inner_param_to_orig_param[inner]
+        if param not in states:
+            return
+        entry = states[param]
+        master = entry.pop("master_param", None)
+        if master is not None:
+            inner.copy_(master.reshape(inner.shape))
+            if self.param_update_in_fp32:
+                entry["master_param"] = inner
+        sub.state[inner] = entry
+
+    @torch.no_grad()
+    def _commit_with_holders(
+        self,
+        states: dict[torch.Tensor, dict[str, Any]],
+        holder_states: dict[torch.Tensor, dict[str, torch.Tensor]],
+    ) -> None:
+        """Loads in place: holders keep their instances (and any instance-level patches)."""
+        for param, inner in self.param_to_inner_param.items():
+            if inner is not param:
+                inner.copy_(param)  # what a rebuild from the current weights would hold
+        for sub in self.sub_optimizers:
+            inners = [p for group in sub.param_groups for p in group["params"]]
+            if not is_precision_aware_holder(sub):
+                sub.state = defaultdict(dict)  # as torch's own loader replaces it
+                for inner in inners:
+                    self._load_plain_entry(sub, inner, states)
+                continue
+            keeps_masters = bool(getattr(sub, "master_weights", False))
+            chunked = supports_chunked_state(sub)
+            write = sub.set_scaled_state  # type: ignore[attr-defined]
+            for inner in inners:
+                entry = holder_states.get(self.inner_param_to_orig_param[inner])
+                if entry is None:
+                    sub.state.pop(inner, None)
+                    continue
+                for name, value in entry.items():
+                    if name == "master_param":
+                        if value.is_floating_point():
+                            inner.copy_(value.reshape(inner.shape))
+                        if not keeps_masters:
+                            continue
+                    write(inner, name, _holder_source(value, inner, chunked))
+        self._sync_groups_to_sub_optimizers()
+        for sub, group_indices in self._sub_optimizers_with_groups():
+            if is_precision_aware_holder(sub):
+                for sub_group, group_index in zip(sub.param_groups, group_indices, strict=True):
+                    if "step" not in self.param_groups[group_index]:
+                        sub_group.pop("step", None)  # a fresh holder has not stepped
+        self._expose_state()
+
     def _prepare_load(
         self, state_dict: Mapping[str, Any]
-    ) -> tuple[list[dict[str, Any]], dict[torch.Tensor, dict[str, Any]]]:
+    ) -> tuple[
+        list[dict[str, Any]],
+        dict[torch.Tensor, dict[str, Any]],
+        dict[torch.Tensor, dict[str, torch.Tensor]],
+    ]:
         if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict:
             raise ValueError("an optimizer state dict needs 'state' and 'param_groups' entries")
         saved_groups = state_dict["param_groups"]
@@ -415,6 +574,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                 f"{len(self.param_groups)}"
             )
         index_to_param: dict[Any, torch.Tensor] = {}
+        group_of: dict[int, int] = {}
         groups = []
         for group_index, (group, saved) in enumerate(
             zip(self.param_groups, saved_groups, strict=True)
@@ -425,19 +585,40 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                     f"dict's has {len(saved['params'])}"
                 )
             index_to_param.update(zip(saved["params"], group["params"], strict=True))
+            group_of.update({id(p): group_index for p in group["params"]})
             groups.append({**saved, "params": group["params"]})
         placement = self._placement()
+        holder_of = self._holder_of()
         states: dict[torch.Tensor, dict[str, Any]] = {}
+        holder_states: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        param_steps: dict[int, tuple[Any, int]] = {}  # group -> (first param, its step)
         for index, entry in saved_states.items():
             if index not in index_to_param:
                 raise ValueError(f"state entry {index!r} belongs to no param of any group")
             param = index_to_param[index]
+            inner = self.param_to_inner_param[param]
+            sub = holder_of.get(id(inner))
+            if sub is not None:
+                group_index = group_of[id(param)]
+                step, holder_entry = _holder_entry(index, param, inner, entry, sub)
+                holder_states[param] = holder_entry
+                if step is not None:
+                    _agree_on_step(index, step, group_index, groups, param_steps)
+                continue
             _, dtype, device = placement[param]
             states[param] = {
                 key: self._loaded_value(index, param, key, value, dtype, device)
                 for key, value in entry.items()
             }
-        return groups, states
+        for group_index, (_, step) in param_steps.items():
+            groups[group_index].setdefault("step", step)
+        if holder_of:
+            for group_index, group in enumerate(groups):
+                if "step" in group and any(
+                    id(self.param_to_inner_param[p]) in holder_of for p in group["params"]
+                ):
+                    _step_count(group["step"], f"param group {group_index}")
+        return groups, states, holder_states
 
     @staticmethod
     def _loaded_value(
@@ -462,3 +643,111 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         if value.is_floating_point():
             return value.detach().to(device=device, dtype=dtype, copy=True)
         return value.detach().to(device=device, copy=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Precision-aware sub-optimizers: validating and writing their portable state
+# ----------------------------------------------------------------------------------------
+def _step_count(value: Any, where: str) -> int:
+    """A saved step as an int; a clear error for anything that is not a count."""
+    number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    if (
+        isinstance(number, bool)
+        or not isinstance(number, int | float)
+        or number < 0
+        or not float(number).is_integer()
+    ):
+        raise ValueError(f"{where}: invalid step {value!r} (expected a non-negative count)")
+    return int(number)
+
+
+def _agree_on_step(
+    index: Any,
+    step: int,
+    group_index: int,
+    groups: list[dict[str, Any]],
+    param_steps: dict[int, tuple[Any, int]],
+) -> None:
+    """A per-param step (torch's layout) must match its group's (FusedAdam's layout)."""
+    if "step" in groups[group_index]:
+        group_step = _step_count(groups[group_index]["step"], f"param group {group_index}")
+        if step != group_step:
+            raise ValueError(
+                f"param {index!r}: step {step} disagrees with the step of its param group "
+                f"{group_index} ({group_step})"
+            )
+        return
+    first, seen = param_steps.setdefault(group_index, (index, step))
+    if seen != step:
+        raise ValueError(
+            f"param {index!r}: step {step} disagrees with param {first!r} ({seen}) of the same "
+            f"param group {group_index}; a precision-aware sub-optimizer keeps one step a group"
+        )
+
+
+def _holder_entry(
+    index: Any,
+    param: torch.Tensor,
+    inner: torch.Tensor,
+    entry: Mapping[str, Any],
+    sub: Any,
+) -> tuple[int | None, dict[str, torch.Tensor]]:
+    """Validates one param's saved state for a precision-aware holder: (its step, states)."""
+    name = type(sub).__name__
+    keeps_masters = bool(getattr(sub, "master_weights", False))
+    stored = {key for key in sub.name_to_dtype_map if key != "master_param"}
+    required = stored | ({"master_param"} if keeps_masters else set())
+    remainder = bool(getattr(sub, "store_param_remainders", False)) and (
+        inner.dtype == torch.bfloat16
+    )
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"state of param {index!r} must be a dict, got {type(entry).__name__}")
+    step = None
+    states: dict[str, torch.Tensor] = {}
+    for key, value in entry.items():
+        if key == "step":
+            step = _step_count(value, f"param {index!r}")
+            continue
+        if key not in stored and key != "master_param":
+            raise ValueError(
+                f"param {index!r}: unknown state {key!r}; {name} stores {sorted(stored)} "
+                "(and master_param)"
+            )
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"param {index!r}: state {key!r} must be a tensor, got {type(value).__name__}"
+            )
+        if value.numel() != param.numel():
+            raise ValueError(
+                f"param {index!r}: state {key!r} has {value.numel()} elements, the param has "
+                f"{param.numel()}"
+            )
+        if key == "master_param" and keeps_masters and remainder:
+            if value.dtype != torch.int16:
+                raise ValueError(
+                    f"param {index!r}: master_param is {value.dtype}, but {name} stores int16 "
+                    "remainders of its bf16 params (store_param_remainders)"
+                )
+        elif not value.is_floating_point():
+            raise ValueError(f"param {index!r}: state {key!r} is {value.dtype}, not floating")
+        elif not bool(torch.isfinite(value).all()):
+            raise ValueError(f"param {index!r}: state {key!r} has non-finite values")
+        states[key] = value
+    missing = sorted(required - states.keys())
+    if missing:
+        raise ValueError(f"param {index!r}: missing state {missing} that {name} stores")
+    return step, states
+
+
+def _holder_source(value: torch.Tensor, inner: torch.Tensor, chunked: bool) -> torch.Tensor:
+    """What ``set_scaled_state`` gets: never a tensor it may scale in place.
+
+    A chunk-capable holder never modifies its source and may quantize it from wherever it
+    lives (staging relies on that); any other holder gets a private FP32 copy on the
+    state's device (TE's fp16 path scales its argument in place).
+    """
+    if value.dtype == torch.int16:  # a remainder master
+        return value.detach() if chunked else value.detach().to(inner.device, copy=True)
+    if chunked:
+        return value.detach().to(torch.float32)
+    return value.detach().to(device=inner.device, dtype=torch.float32, copy=True)
