@@ -74,6 +74,7 @@ OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer
     "sgd_plain": lambda ps: torch.optim.SGD(ps, lr=0.1),  # momentum_buffer is None
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),  # factored (row/col) state
 }
 SHAPES = [(7, 5), (13,), (3, 4, 2), ()]
 
@@ -230,6 +231,17 @@ def test_mismatched_checkpoint_is_rejected_before_any_write(
     with pytest.raises(OptimizerCheckpointError, match=message):
         load_optimizer(opt, tmp_path)
     assert_state_dicts_equal(opt.state_dict(), before)
+
+
+def test_state_that_cannot_fit_a_fresh_parameter_is_rejected(tmp_path: Path) -> None:
+    src_params = _params([(4, 3)])
+    src = torch.optim.Adam(src_params)
+    _train(src, src_params, 1)
+    save_optimizer(src, tmp_path)
+    fresh = torch.optim.Adam(_params([(4, 2)]))
+    with pytest.raises(OptimizerCheckpointError, match=r"does not fit.*\(4, 2\)"):
+        load_optimizer(fresh, tmp_path)
+    assert len(fresh.state) == 0
 
 
 def test_not_an_optimizer_checkpoint(tmp_path: Path) -> None:

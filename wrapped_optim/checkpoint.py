@@ -669,6 +669,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                         f"{what}: the optimizer has no state for this sharded (DTensor) "
                         "parameter yet; initialise it first (wrapped_optim.init_optimizer_state)"
                     )
+                if not _fits_param(md.size, param.shape):
+                    raise OptimizerCheckpointError(
+                        f"{what}: the checkpoint has shape {tuple(md.size)}, which does not fit "
+                        f"the parameter's shape {tuple(param.shape)}"
+                    )
                 tensor = _new_state_tensor(leaf, param, index, name, md)
             targets[fqn] = _Target(md.size, tensor=tensor)
             state.setdefault(index, {})[name] = tensor
@@ -716,6 +721,19 @@ class _Committed:
 
 
 _COMMITTED = _Committed()
+
+
+def _fits_param(saved: torch.Size, param_shape: torch.Size) -> bool:
+    """Whether a saved state can belong to a parameter that has no state yet.
+
+    Per-parameter optimizer state is a scalar (``step``), shaped like the parameter (moments),
+    or factored with some dimensions reduced to 1 (Adafactor's row and column statistics).
+    """
+    if len(saved) == 0:
+        return True
+    return len(saved) == len(param_shape) and all(
+        s in (p, 1) for s, p in zip(saved, param_shape, strict=True)
+    )
 
 
 def _new_state_tensor(
