@@ -1,0 +1,586 @@
+"""PrecisionAwareAdamW: FusedAdam's API, chunk capability, checkpoints and numerics."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from wrapped_optim import codecs
+from wrapped_optim.adapters.precision import (
+    ChunkedStateHolder,
+    PrecisionAwareStateHolder,
+    has_compressed_state,
+    is_precision_aware_holder,
+    supports_chunked_state,
+)
+from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "bf16-moments": {"exp_avg_dtype": BF16, "exp_avg_sq_dtype": BF16},
+    "fp16-moments": {"exp_avg_dtype": FP16, "exp_avg_sq_dtype": FP16},
+    "fp8-moments": {"exp_avg_dtype": FP8, "exp_avg_sq_dtype": FP8},
+    "fp32-master": {"master_weights": True},
+    "fp16-master-mixed": {
+        "master_weights": True,
+        "master_weight_dtype": FP16,
+        "exp_avg_dtype": FP8,
+        "exp_avg_sq_dtype": BF16,
+    },
+    "remainders": {
+        "master_weights": True,
+        "store_param_remainders": True,
+        "exp_avg_dtype": BF16,
+        "exp_avg_sq_dtype": FP16,
+    },
+}
+PARAM_DTYPES = (FP32, BF16, FP16)
+
+
+def make_params(shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0) -> list[Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+
+def set_grads(params: list[Any], step: int, seed: int = 1, attr: str = "grad") -> None:
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    for p in params:
+        g = torch.randn(p.shape, generator=gen).to(p.dtype)
+        setattr(p, attr, g)
+
+
+def clone_params(params: list[Any]) -> list[Any]:
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def assert_same_optimizer(
+    a: PrecisionAwareAdamW, b: PrecisionAwareAdamW, *, scales: bool = True
+) -> None:
+    """Bitwise equal params, groups, storage and expansions (and scales, unless told not to:
+    after a reload an fp16/FP8 scale may differ in its last bit while every stored and
+    expanded value is identical, which is what the next step reads)."""
+    for ga, gb in zip(a.param_groups, b.param_groups, strict=True):
+        assert {k: v for k, v in ga.items() if k != "params"} == {
+            k: v for k, v in gb.items() if k != "params"
+        }
+        for pa, pb in zip(ga["params"], gb["params"], strict=True):
+            assert same_bits(pa, pb)
+            assert list(a.state[pa]) == list(b.state[pb])
+            for name in a.state[pa]:
+                assert same_bits(a.state[pa][name], b.state[pb][name]), name
+                ea, eb = a.get_unscaled_state(pa, name), b.get_unscaled_state(pb, name)
+                assert same_bits(ea, eb), name
+                sa, sb = a._scale(pa, name), b._scale(pb, name)
+                assert (sa is None) == (sb is None)
+                if scales and sa is not None and sb is not None:
+                    assert same_bits(sa, sb), name
+
+
+def clone_sd(sd: dict[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy(sd)
+
+
+# ----------------------------------------------------------------------------- constructor
+
+
+def test_fused_adam_validation() -> None:
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        PrecisionAwareAdamW(p, amsgrad=True)
+    with pytest.raises(RuntimeError, match="bf16 masters are rejected"):
+        PrecisionAwareAdamW(p, master_weights=True, master_weight_dtype=BF16)
+    with pytest.raises(RuntimeError, match="exp_avg_dtype"):
+        PrecisionAwareAdamW(p, exp_avg_dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="exp_avg_sq_dtype"):
+        PrecisionAwareAdamW(p, exp_avg_sq_dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="capturable"):
+        PrecisionAwareAdamW(p, capturable=True)
+    with pytest.raises(ValueError, match="learning rate"):
+        PrecisionAwareAdamW(p, lr=-1.0)
+    with pytest.raises(ValueError, match="betas"):
+        PrecisionAwareAdamW(p, betas=(1.0, 0.9))
+    # A bf16 master dtype without master weights is ignored, as in FusedAdam.
+    PrecisionAwareAdamW(p, master_weight_dtype=BF16)
+    # Remainders are only effective with an fp32 master.
+    assert not PrecisionAwareAdamW(p, store_param_remainders=True).store_param_remainders
+    opt = PrecisionAwareAdamW(p, master_weights=True, store_param_remainders=True)
+    assert opt.store_param_remainders
+    assert opt.name_to_dtype_map == {"exp_avg": FP32, "exp_avg_sq": FP32, "master_param": FP32}
+
+
+def test_protocols_and_predicates() -> None:
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    ours = PrecisionAwareAdamW(p, exp_avg_dtype=FP8)
+    assert isinstance(ours, PrecisionAwareStateHolder) and isinstance(ours, ChunkedStateHolder)
+    assert is_precision_aware_holder(ours) and supports_chunked_state(ours)
+    assert has_compressed_state(ours) and not has_compressed_state(PrecisionAwareAdamW(p))
+    plain = torch.optim.AdamW(p)
+    assert not is_precision_aware_holder(plain) and not supports_chunked_state(plain)
+    assert not has_compressed_state(plain)
+
+    class WholeOnly:  # what TE FusedAdam offers: no chunk methods
+        name_to_dtype_map = {"exp_avg": BF16, "exp_avg_sq": FP32, "master_param": FP32}
+
+        def get_unscaled_state(self, param: Any, state_name: str) -> Any: ...
+
+        def set_scaled_state(self, param: Any, state_name: str, unscaled_state: Any) -> None: ...
+
+    assert is_precision_aware_holder(WholeOnly()) and not supports_chunked_state(WholeOnly())
+    assert has_compressed_state(WholeOnly())
+
+
+def test_initialize_state_layout() -> None:
+    p = torch.nn.Parameter(torch.randn(5).to(BF16))
+    opt = PrecisionAwareAdamW([p], **CONFIGS["remainders"])
+    opt.initialize_state(p)
+    st_ = opt.state[p]
+    assert [st_[k].dtype for k in st_] == [BF16, FP16, torch.int16]
+    assert torch.equal(st_["master_param"], torch.zeros(5, dtype=torch.int16))
+    # The master reconstructed from param + zero remainder is the param itself.
+    assert torch.equal(codecs.join_master(p.data, st_["master_param"]), p.data.float())
+    with pytest.raises(ValueError, match="contradicts"):
+        opt.initialize_state(p, False)
+    q = torch.nn.Parameter(torch.randn(3).to(BF16))
+    opt2 = PrecisionAwareAdamW([q], master_weights=True, master_weight_dtype=FP16)
+    opt2.initialize_state(q)
+    assert opt2.state[q]["master_param"].dtype == FP16
+    assert torch.allclose(opt2.get_unscaled_state(q, "master_param"), q.float(), rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------- chunk API
+
+
+def _trained(config: str, dtype: torch.dtype, shapes: list[tuple[int, ...]], steps: int) -> Any:
+    params = make_params(shapes, dtype)
+    opt = PrecisionAwareAdamW(params, lr=1e-2, weight_decay=0.1, chunk_numel=7, **CONFIGS[config])
+    for i in range(steps):
+        set_grads(params, i)
+        opt.step()
+    return params, opt
+
+
+@given(
+    config=st.sampled_from(sorted(CONFIGS)),
+    dtype=st.sampled_from(PARAM_DTYPES),
+    chunk=st.integers(1, 23),
+    steps=st.integers(0, 3),
+)
+def test_chunked_read_equals_get_unscaled_state(
+    config: str, dtype: torch.dtype, chunk: int, steps: int
+) -> None:
+    params, opt = _trained(config, dtype, [(5, 7), (3,), (1,)], steps)
+    for p in params:
+        if not opt.state[p]:
+            opt.initialize_state(p)
+        for name in opt.state[p]:
+            whole = opt.get_unscaled_state(p, name).reshape(-1)
+            out = torch.full_like(whole, 77)
+            for s, e in codecs.chunk_bounds(whole.numel(), chunk):
+                piece = torch.empty(e - s, dtype=whole.dtype)
+                opt.read_unscaled_state_chunk(p, name, s, piece)
+                out[s:e] = piece
+            assert same_bits(out, whole), (config, name)
+
+
+@given(
+    config=st.sampled_from(sorted(CONFIGS)),
+    dtype=st.sampled_from(PARAM_DTYPES),
+    chunk=st.integers(1, 23),
+    seed=st.integers(0, 2**16),
+    scale_exp=st.integers(-30, 30),
+)
+def test_chunked_write_equals_set_scaled_state(
+    config: str, dtype: torch.dtype, chunk: int, seed: int, scale_exp: int
+) -> None:
+    pa = make_params([(6, 5)], dtype)
+    pb = clone_params(pa)
+    a = PrecisionAwareAdamW(pa, **CONFIGS[config])
+    b = PrecisionAwareAdamW(pb, **CONFIGS[config])
+    gen = torch.Generator().manual_seed(seed)
+    for name in a.name_to_dtype_map:
+        if name == "master_param" and not a.master_weights:
+            continue
+        if a._uses_remainder(pa[0], name):
+            src = torch.randint(-(2**15), 2**15, (30,), generator=gen, dtype=torch.int16)
+        else:
+            src = torch.randn(30, generator=gen) * 2.0**scale_exp
+        before = src.clone()
+        a.set_scaled_state(pa[0], name, src.view(6, 5))
+        b.write_scaled_state_chunked(pb[0], name, src, chunk)
+        assert torch.equal(src, before)  # the caller's tensor is never modified
+    assert_same_optimizer(a, b)
+
+
+def test_chunk_api_checks_arguments() -> None:
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = PrecisionAwareAdamW([p], exp_avg_dtype=BF16)
+    opt.initialize_state(p)
+    with pytest.raises(ValueError, match="outside"):
+        opt.read_unscaled_state_chunk(p, "exp_avg", 3, torch.empty(2))
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        opt.read_unscaled_state_chunk(p, "exp_avg", 0, torch.empty(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="unknown optimizer state"):
+        opt.read_unscaled_state_chunk(p, "momentum", 0, torch.empty(2))
+    with pytest.raises(ValueError, match="elements"):
+        opt.write_scaled_state_chunked(p, "exp_avg", torch.zeros(3), 2)
+    with pytest.raises(ValueError, match="dtype"):
+        opt.set_scaled_state(p, "exp_avg", torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="master_weights"):
+        opt.set_scaled_state(p, "master_param", torch.zeros(4))
+
+
+def test_fp16_set_scaled_state_leaves_caller_tensor_alone() -> None:
+    """TE's fp16 path scales the caller's tensor in place; ours must not."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = PrecisionAwareAdamW([p], exp_avg_dtype=FP16, exp_avg_sq_dtype=FP8)
+    x = torch.tensor([1e-3, -5.0, 7.0])
+    before = x.clone()
+    opt.set_scaled_state(p, "exp_avg", x)
+    opt.set_scaled_state(p, "exp_avg_sq", x)
+    assert torch.equal(x, before)
+    assert opt.get_unscaled_state(p, "exp_avg") is not x
+
+
+def test_fp32_state_is_returned_live() -> None:
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = PrecisionAwareAdamW([p])
+    opt.initialize_state(p)
+    assert opt.get_unscaled_state(p, "exp_avg") is opt.state[p]["exp_avg"]
+
+
+# ----------------------------------------------------------------------------- step
+
+
+# Documented tolerances (docs/precision_adam.md): L2 error of the parameters after 20 steps
+# (lr 1e-2, weight decay 0.01), relative to how far the all-FP32 reference moved them.
+# Measured values are about half of these. State formats add STATE_TOL; the parameter's own
+# storage adds PARAM_TOL (bf16 params without a master lose most small updates to rounding).
+STATE_TOL = {
+    "fp32": 1e-6,
+    "fp32-master": 1e-6,
+    "bf16-moments": 5e-3,
+    "remainders": 5e-3,
+    "fp16-moments": 1e-3,
+    "fp8-moments": 8e-2,
+    "fp16-master-mixed": 8e-2,
+}
+PARAM_TOL = {
+    (FP32, False): 0.0,
+    (BF16, False): 0.5,
+    (BF16, True): 0.1,
+    (FP16, False): 0.05,
+    (FP16, True): 0.015,
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", PARAM_DTYPES)
+def test_step_tracks_fp32_reference(config: str, dtype: torch.dtype) -> None:
+    """Every config x param dtype trains close to an all-FP32 run."""
+    shapes = [(33, 17), (50,)]
+    params = make_params(shapes, dtype)
+    ref_params = [torch.nn.Parameter(p.detach().float()) for p in params]  # same start
+    start = [p.detach().clone() for p in ref_params]
+    ref = PrecisionAwareAdamW(ref_params, lr=1e-2, weight_decay=0.01)
+    kw = CONFIGS[config]
+    opt = PrecisionAwareAdamW(params, lr=1e-2, weight_decay=0.01, chunk_numel=100, **kw)
+    for i in range(20):
+        set_grads(ref_params, i)
+        for p, r in zip(params, ref_params, strict=True):
+            p.grad = r.grad.to(dtype)
+        ref.step()
+        opt.step()
+    moved = sum(((r - s) ** 2).sum() for r, s in zip(ref_params, start, strict=True)) ** 0.5
+    err = sum(((p.float() - r) ** 2).sum() for p, r in zip(params, ref_params, strict=True)) ** 0.5
+    master = bool(kw.get("master_weights")) and dtype != FP32
+    tol = STATE_TOL[config] + PARAM_TOL[(dtype, master and dtype != FP32)]
+    assert (err / moved).item() <= tol, (config, dtype, (err / moved).item(), tol)
+    if master and config != "fp16-master-mixed":  # the FP32 master itself is much closer
+        full = [
+            codecs.join_master(p.data, opt.state[p]["master_param"])
+            if opt._uses_remainder(p)
+            else opt.get_unscaled_state(p, "master_param")
+            for p in params
+        ]
+        err = sum(((f - r) ** 2).sum() for f, r in zip(full, ref_params, strict=True)) ** 0.5
+        grad_rounding = 4e-3 if dtype == BF16 else 2e-3  # the grads are bf16 / fp16 too
+        assert (err / moved).item() <= STATE_TOL[config] + grad_rounding
+
+
+def test_fp32_matches_torch_adamw_100_steps() -> None:
+    shapes = [(64, 32), (100,), (7, 3, 5)]
+    ours = make_params(shapes, FP32)
+    theirs = make_params(shapes, FP32)
+    opt = PrecisionAwareAdamW(ours, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref = torch.optim.AdamW(theirs, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for i in range(100):
+        set_grads(ours, i)
+        set_grads(theirs, i)
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs, strict=True):
+        # 1e-5 relative, in norm: per-element ratios are meaningless where values cancel to ~0.
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+        assert torch.allclose(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"], rtol=1e-5)
+
+
+def test_l2_mode_matches_torch_adam() -> None:
+    ours = make_params([(40,)], FP32)
+    theirs = make_params([(40,)], FP32)
+    opt = PrecisionAwareAdamW(ours, lr=1e-2, weight_decay=0.05, adam_w_mode=False)
+    ref = torch.optim.Adam(theirs, lr=1e-2, weight_decay=0.05)
+    for i in range(30):
+        set_grads(ours, i)
+        set_grads(theirs, i)
+        opt.step()
+        ref.step()
+    assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_decoupled_grads_group_hyperparameters_and_tensor_lr() -> None:
+    a = make_params([(8,), (8,)], BF16)
+    b = clone_params(a)
+    groups_a = [{"params": [a[0]], "lr": torch.tensor(0.01)}, {"params": [a[1]], "lr": 0.1}]
+    groups_b = [{"params": [b[0]], "lr": 0.01}, {"params": [b[1]], "lr": 0.1, "betas": (0.5, 0.9)}]
+    kw = {"master_weights": True, "exp_avg_dtype": BF16}
+    opt_a = PrecisionAwareAdamW(groups_a, use_decoupled_grad=True, **kw)
+    opt_b = PrecisionAwareAdamW(groups_b, **kw)
+    for i in range(3):
+        set_grads(a, i, attr="decoupled_grad")
+        set_grads(b, i)
+        assert all(p.grad is None for p in a)
+        opt_a.step()
+        opt_b.step()
+    assert torch.equal(a[0], b[0])  # tensor lr == float lr, decoupled grads == grads
+    assert not torch.equal(a[1], b[1])  # group 1 has its own betas in opt_b
+    assert opt_a.param_groups[0]["step"] == 3
+    opt_a.zero_grad()
+    assert all(p.decoupled_grad is None for p in a)
+
+
+def test_params_without_grads_get_state_but_do_not_move() -> None:
+    a, b = make_params([(4,), (4,)], FP32)
+    before = b.detach().clone()
+    opt = PrecisionAwareAdamW([a, b], weight_decay=0.1, exp_avg_dtype=FP8)
+    a.grad = torch.ones(4)
+    opt.step()
+    assert torch.equal(b, before) and set(opt.state[b]) == {"exp_avg", "exp_avg_sq"}
+    assert opt.get_unscaled_state(b, "exp_avg").eq(0).all()
+
+
+def test_zero_gradient_fp8_state_stays_finite() -> None:
+    p = torch.nn.Parameter(torch.randn(6))
+    opt = PrecisionAwareAdamW([p], exp_avg_dtype=FP8, exp_avg_sq_dtype=FP8)
+    p.grad = torch.zeros(6)
+    for _ in range(2):
+        opt.step()
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(opt.get_unscaled_state(p, name), torch.zeros(6))
+    assert torch.isfinite(p).all()
+
+
+def test_non_contiguous_param() -> None:
+    base = torch.randn(6, 4)
+    p = torch.nn.Parameter(base.t())  # non-contiguous view
+    ref = torch.nn.Parameter(base.t().contiguous())
+    o1 = PrecisionAwareAdamW([p], lr=0.1)
+    o2 = PrecisionAwareAdamW([ref], lr=0.1)
+    p.grad = torch.ones_like(p)
+    ref.grad = torch.ones_like(ref)
+    o1.step()
+    o2.step()
+    assert torch.equal(p, ref)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_state_dict_is_portable_fp32(config: str) -> None:
+    _params, opt = _trained(config, BF16, [(4, 3)], 2)
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["step"] == 2 and sd["param_groups"][0]["params"] == [0]
+    entry = sd["state"][0]
+    expected = ["exp_avg", "exp_avg_sq"] + (["master_param"] if opt.master_weights else [])
+    assert list(entry) == expected
+    for name, value in entry.items():
+        want = torch.int16 if config == "remainders" and name == "master_param" else FP32
+        assert value.dtype == want and value.shape == (4, 3)
+    assert not any("scale" in k for k in str(sd))
+
+
+def test_state_dict_goes_through_instance_patches() -> None:
+    _params, opt = _trained("bf16-moments", FP32, [(3,)], 1)
+    calls: list[tuple[str, str]] = []
+    original_get, original_set = opt.get_unscaled_state, opt.set_scaled_state
+
+    def get(param: Any, name: str) -> torch.Tensor:
+        calls.append(("get", name))
+        return original_get(param, name).clone()
+
+    def set_(param: Any, name: str, value: torch.Tensor) -> None:
+        calls.append(("set", name))
+        original_set(param, name, value)
+
+    opt.get_unscaled_state = get  # type: ignore[method-assign]
+    opt.set_scaled_state = set_  # type: ignore[method-assign]
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    assert calls == [
+        ("get", "exp_avg"),
+        ("get", "exp_avg_sq"),
+        ("set", "exp_avg"),
+        ("set", "exp_avg_sq"),
+    ]
+
+
+@given(
+    config=st.sampled_from(sorted(CONFIGS)),
+    dtype=st.sampled_from(PARAM_DTYPES),
+    shapes=st.lists(
+        st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple), min_size=1, max_size=3
+    ),
+    before=st.integers(1, 4),
+    after=st.integers(1, 4),
+    chunk=st.integers(1, 40),
+)
+def test_save_load_continue_is_bit_identical(
+    config: str,
+    dtype: torch.dtype,
+    shapes: list[tuple[int, ...]],
+    before: int,
+    after: int,
+    chunk: int,
+) -> None:
+    kw = {"lr": 1e-2, "weight_decay": 0.05, "chunk_numel": chunk, **CONFIGS[config]}
+    params = make_params(shapes, dtype)
+    opt = PrecisionAwareAdamW(params, **kw)
+    for i in range(before):
+        set_grads(params, i)
+        opt.step()
+    sd = clone_sd(opt.state_dict())
+    resumed_params = clone_params(params)  # the model checkpoint
+    resumed = PrecisionAwareAdamW(resumed_params, **kw)
+    resumed.load_state_dict(sd)
+    assert_same_optimizer(opt, resumed, scales=False)
+    for i in range(before, before + after):
+        set_grads(params, i)
+        set_grads(resumed_params, i)
+        opt.step()
+        resumed.step()
+    assert_same_optimizer(opt, resumed)
+
+
+def _bad_checkpoints(sd: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    cases: list[tuple[str, dict[str, Any]]] = []
+
+    def variant(match: str, edit: Any) -> None:
+        bad = clone_sd(sd)
+        edit(bad)
+        cases.append((match, bad))
+
+    variant("parameter groups", lambda d: d["param_groups"].append(d["param_groups"][0]))
+    variant("group 0: loaded group has 1", lambda d: d["param_groups"][0]["params"].pop())
+    variant(
+        r"param 1: state 'exp_avg' has shape \(2,\)",
+        lambda d: d["state"][1].update(exp_avg=torch.zeros(2)),
+    )
+    variant(
+        "param 0: unknown state 'momentum'",
+        lambda d: d["state"][0].update(momentum=torch.zeros(4, 3)),
+    )
+    variant("param 1: missing state 'master_param'", lambda d: d["state"][1].pop("master_param"))
+    variant("param 0: missing state 'exp_avg_sq'", lambda d: d["state"][0].pop("exp_avg_sq"))
+    variant(
+        r"param 1: state 'exp_avg_sq' has non-finite",
+        lambda d: d["state"][1]["exp_avg_sq"].__setitem__(0, float("nan")),
+    )
+    variant(
+        r"param 0: state 'master_param' is torch.float32.*remainders",
+        lambda d: d["state"][0].update(master_param=torch.zeros(4, 3)),
+    )
+    variant("param 7: state for a parameter", lambda d: d["state"].update({7: {}}))
+    variant("invalid step", lambda d: d["param_groups"][0].update(step=-1))
+    return cases
+
+
+def test_rejected_checkpoints_leave_optimizer_untouched() -> None:
+    a = torch.nn.Parameter(torch.randn(4, 3).to(BF16))
+    b = torch.nn.Parameter(torch.randn(5).to(BF16))
+    opt = PrecisionAwareAdamW([a, b], **CONFIGS["remainders"])
+    for i in range(2):
+        set_grads([a, b], i)
+        opt.step()
+    sd = clone_sd(opt.state_dict())
+    snapshot = copy.deepcopy(opt)
+    for match, bad in _bad_checkpoints(sd):
+        caller_copy = clone_sd(bad)
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(bad)
+        assert_same_optimizer(opt, snapshot)
+        for key, entry in bad["state"].items():  # the caller's tensors are untouched
+            for name, value in entry.items():
+                assert same_bits(value, caller_copy["state"][key][name])
+    # An fp32 master checkpoint into a remainder optimizer, and the reverse, are named.
+    full = PrecisionAwareAdamW([a, b], master_weights=True)
+    with pytest.raises(ValueError, match="int16 parameter remainder"):
+        full.load_state_dict(sd)
+
+
+def test_load_does_not_alias_or_modify_caller_tensors() -> None:
+    params, opt = _trained("fp32", FP32, [(6,)], 2)
+    sd = clone_sd(opt.state_dict())
+    before = clone_sd(sd)
+    other = PrecisionAwareAdamW(clone_params(params))
+    other.load_state_dict(sd)
+    p = other.param_groups[0]["params"][0]
+    assert other.state[p]["exp_avg"].data_ptr() != sd["state"][0]["exp_avg"].data_ptr()
+    p.grad = torch.ones(6)
+    other.step()
+    assert same_bits(sd["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
+
+
+def test_load_accepts_other_float_dtypes_and_failure_mid_write_restores() -> None:
+    params, opt = _trained("bf16-moments", FP32, [(6,)], 2)
+    sd = clone_sd(opt.state_dict())
+    half = clone_sd(sd)
+    half["state"][0] = {k: v.double() for k, v in half["state"][0].items()}
+    other = PrecisionAwareAdamW(clone_params(params), exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+    other.load_state_dict(half)
+    assert_same_optimizer(opt, other, scales=False)
+    snapshot = copy.deepcopy(other)
+
+    def boom(*args: Any) -> None:
+        raise RuntimeError("disk on fire")
+
+    other.set_scaled_state = boom  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        other.load_state_dict(sd)
+    del other.set_scaled_state
+    assert_same_optimizer(other, snapshot)
+
+
+def test_load_state_dict_hooks_run() -> None:
+    _params, opt = _trained("fp8-moments", FP32, [(3,)], 1)
+    seen: list[str] = []
+    opt.register_load_state_dict_pre_hook(lambda o, sd: seen.append("pre"))
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("post"))
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append("sd-post"))
+    opt.load_state_dict(opt.state_dict())
+    assert seen == ["sd-post", "pre", "post"]

@@ -1,0 +1,787 @@
+"""A device-agnostic AdamW with Transformer Engine FusedAdam's precision-aware state.
+
+TE's FusedAdam keeps Adam moments in bf16, fp16 or FP8 and master weights in fp32/fp16 (or as
+int16 remainders beside bf16 parameters), and exposes that state through
+``get_unscaled_state`` / ``set_scaled_state``, which Megatron drives while checkpointing. TE
+needs CUDA. :class:`PrecisionAwareAdamW` keeps the same storage format, API and portable
+checkpoint format in plain torch, so it runs on any device, and is the real object the
+wrappers of this package are tested against. All format arithmetic lives in
+:mod:`wrapped_optim.codecs`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from wrapped_optim import codecs
+
+__all__ = ["PrecisionAwareAdamW"]
+
+_STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
+_MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
+
+_DTENSOR_TYPES: tuple[type, ...]
+try:  # torch.distributed may be missing on exotic builds
+    from torch.distributed.tensor import DTensor
+
+    _DTENSOR_TYPES = (DTensor,)
+except ImportError:  # pragma: no cover
+    _DTENSOR_TYPES = ()
+
+
+def _is_dtensor(t: Any) -> bool:
+    return isinstance(t, _DTENSOR_TYPES)
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (FSDP2 parameter, grad or state), or the tensor itself."""
+    if _is_dtensor(t):
+        local: Tensor = cast(Any, t).to_local()
+        return local
+    return t
+
+
+class PrecisionAwareAdamW(torch.optim.Optimizer):
+    """AdamW whose state may be stored in bf16, fp16 or FP8, compatible with TE's FusedAdam.
+
+    Constructor keywords, their validation and errors follow ``te.optimizers.FusedAdam``:
+    ``master_weights`` keeps an FP32 (or fp16) copy of low-precision parameters,
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` pick the moment storage (``torch.uint8`` means
+    FP8 E4M3), ``store_param_remainders`` keeps only the low 16 bits of an FP32 master beside
+    a bf16 parameter, ``use_decoupled_grad`` reads ``param.decoupled_grad`` instead of
+    ``param.grad``. ``chunk_numel`` (ours) is how many elements the step processes at once.
+
+    The update is TE's: with ``adam_w_mode`` (default) ``p -= lr * (m_hat / (sqrt(v_hat) +
+    eps) + weight_decay * p)``; otherwise L2 mode adds ``weight_decay * p`` to the gradient.
+    ``lr`` may be a tensor. The step count lives in each param group (``group["step"]``).
+    ``state_dict()`` is FusedAdam's portable format: FP32 expansions of every state (the raw
+    int16 remainder for a remainder master), no scales.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        >>> opt = PrecisionAwareAdamW([p], lr=0.1, master_weights=True,
+        ...                           exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.uint8)
+        >>> p.grad = torch.ones(4, dtype=torch.bfloat16)
+        >>> opt.step()
+        >>> p.data
+        tensor([0.8984, 0.8984, 0.8984, 0.8984], dtype=torch.bfloat16)
+        >>> opt.state[p]["exp_avg_sq"].dtype, opt.get_unscaled_state(p, "exp_avg_sq").dtype
+        (torch.uint8, torch.float32)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        bias_correction: bool = True,
+        adam_w_mode: bool = True,
+        capturable: bool = False,
+        master_weights: bool = False,
+        master_weight_dtype: torch.dtype = torch.float32,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        use_decoupled_grad: bool = False,
+        store_param_remainders: bool = False,
+        chunk_numel: int = 1 << 15,
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("PrecisionAwareAdamW (like FusedAdam) does not support AMSGrad.")
+        if master_weights and master_weight_dtype not in (torch.float32, torch.float16):
+            raise RuntimeError(
+                f"master_weight_dtype must be torch.float32 or torch.float16, got "
+                f"{master_weight_dtype} (bf16 masters are rejected, as in FusedAdam)."
+            )
+        for name, dtype in (
+            ("exp_avg_dtype", exp_avg_dtype),
+            ("exp_avg_sq_dtype", exp_avg_sq_dtype),
+        ):
+            if dtype not in _MOMENT_DTYPES:
+                raise RuntimeError(
+                    f"{name} must be one of torch.float32, torch.float16, torch.bfloat16 or "
+                    f"torch.uint8 (FP8 E4M3), got {dtype}."
+                )
+        if capturable:
+            raise RuntimeError(
+                "capturable=True (CUDA graphs) is a FusedAdam CUDA feature; PrecisionAwareAdamW "
+                "does not support it."
+            )
+        if isinstance(lr, Tensor):
+            if lr.numel() != 1:
+                raise ValueError("a tensor lr must hold exactly one element")
+        elif not lr >= 0.0:
+            raise ValueError(f"invalid learning rate: {lr}")
+        if not eps >= 0.0:
+            raise ValueError(f"invalid epsilon value: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas: {betas} (each must be in [0, 1))")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"invalid weight_decay value: {weight_decay}")
+        if chunk_numel <= 0:
+            raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
+        defaults = {
+            "lr": lr,
+            "bias_correction": bias_correction,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        super().__init__(params, defaults)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.capturable = False
+        self.master_weights = master_weights
+        self.master_weight_dtype = master_weight_dtype
+        self.exp_avg_dtype = exp_avg_dtype
+        self.exp_avg_sq_dtype = exp_avg_sq_dtype
+        self.name_to_dtype_map: dict[str, torch.dtype] = {
+            "exp_avg": exp_avg_dtype,
+            "exp_avg_sq": exp_avg_sq_dtype,
+            "master_param": master_weight_dtype,
+        }
+        self.use_decoupled_grad = use_decoupled_grad
+        # Effective only for an FP32 master, as in FusedAdam (and then only for bf16 params).
+        self.store_param_remainders = (
+            store_param_remainders and master_weights and master_weight_dtype == torch.float32
+        )
+        self.chunk_numel = chunk_numel
+        self._scales: dict[Tensor, dict[str, Tensor]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's Optimizer pickles only defaults/state/param_groups; our configuration and
+        # scales are part of the optimizer too (copy.deepcopy and pickle must keep them).
+        return self.__dict__.copy()
+
+    # ------------------------------------------------------------------ format helpers
+
+    def _uses_remainder(self, param: Tensor, state_name: str = "master_param") -> bool:
+        return (
+            self.store_param_remainders
+            and state_name == "master_param"
+            and param.dtype == torch.bfloat16
+        )
+
+    def _check_name(self, state_name: str) -> None:
+        if state_name not in self.name_to_dtype_map:
+            raise ValueError(
+                f"unknown optimizer state {state_name!r}; expected one of {list(_STATE_NAMES)}"
+            )
+
+    def _storage(self, param: Tensor, state_name: str) -> Tensor:
+        self._check_name(state_name)
+        state = self.state.get(param)
+        if not state or state_name not in state:
+            raise ValueError(f"parameter has no optimizer state {state_name!r} (not initialized)")
+        storage: Tensor = state[state_name]
+        return storage
+
+    def _scale(self, param: Tensor, state_name: str) -> Tensor | None:
+        if self._uses_remainder(param, state_name):
+            return None
+        if not codecs.is_scaled(self.name_to_dtype_map[state_name]):
+            return None
+        return self._scales[param][state_name]
+
+    def _expansion_dtype(self, param: Tensor, state_name: str) -> torch.dtype:
+        return torch.int16 if self._uses_remainder(param, state_name) else torch.float32
+
+    def _wrap_like(self, param: Tensor, local: Tensor) -> Tensor:
+        if not _is_dtensor(param):
+            return local
+        dparam = cast(Any, param)
+        wrapped: Tensor = DTensor.from_local(
+            local,
+            dparam.device_mesh,
+            dparam.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+        return wrapped
+
+    def _initialize_state(self, param: Tensor, state_name: str, zero_buffer: bool) -> None:
+        local = _local(param)
+        if self._uses_remainder(param, state_name):
+            dtype = torch.int16
+        else:
+            dtype = self.name_to_dtype_map[state_name]
+        make = torch.zeros if zero_buffer or dtype == torch.int16 else torch.empty
+        self.state[param][state_name] = make(local.shape, dtype=dtype, device=local.device)
+        if dtype != torch.int16 and codecs.is_scaled(dtype):
+            self._scales.setdefault(param, {})[state_name] = torch.ones(
+                1, dtype=torch.float32, device=local.device
+            )
+
+    def initialize_state(self, param: Tensor, store_param_remainders: bool | None = None) -> None:
+        """Create zero moments (and the master copy when ``master_weights``) for ``param``.
+
+        ``store_param_remainders`` defaults to what this optimizer uses for the parameter
+        (FusedAdam takes it positionally; Megatron calls ``initialize_state(p)``); a value that
+        contradicts the configuration is rejected.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+            >>> p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+            >>> opt = PrecisionAwareAdamW([p], master_weights=True, store_param_remainders=True)
+            >>> opt.initialize_state(p)
+            >>> [(k, v.dtype) for k, v in opt.state[p].items()][2]
+            ('master_param', torch.int16)
+        """
+        uses = self._uses_remainder(param)
+        if store_param_remainders is not None and bool(store_param_remainders) != uses:
+            raise ValueError(
+                f"store_param_remainders={store_param_remainders} contradicts this optimizer, "
+                f"which {'stores' if uses else 'does not store'} remainders for a "
+                f"{param.dtype} parameter"
+            )
+        self._initialize_state(param, "exp_avg", zero_buffer=True)
+        self._initialize_state(param, "exp_avg_sq", zero_buffer=True)
+        if self.master_weights:
+            self._initialize_state(param, "master_param", zero_buffer=False)
+            if not uses:
+                self.set_scaled_state(param, "master_param", _local(param).detach().float())
+
+    # ------------------------------------------------------------------ state API
+
+    def get_unscaled_state(self, param: Tensor, state_name: str) -> Tensor:
+        """The FP32 value of one state of ``param``.
+
+        A fresh expansion for compressed states; the live tensor itself for FP32 states and
+        for a remainder master (raw int16), as in FusedAdam. For a DTensor parameter the
+        result is a DTensor over the local shard.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+            >>> p = torch.nn.Parameter(torch.zeros(2))
+            >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.float16)
+            >>> opt.initialize_state(p)
+            >>> opt.get_unscaled_state(p, "exp_avg")
+            tensor([0., 0.])
+        """
+        storage = self._storage(param, state_name)
+        dtype = self.name_to_dtype_map[state_name]
+        if self._uses_remainder(param, state_name) or dtype == torch.float32:
+            return self._wrap_like(param, storage)
+        return self._wrap_like(param, codecs.decode(storage, dtype, self._scale(param, state_name)))
+
+    def _check_source(self, param: Tensor, state_name: str, value: Any, what: str) -> Tensor:
+        self._check_name(state_name)
+        if state_name == "master_param" and not self.master_weights:
+            raise ValueError("'master_param' state needs master_weights=True")
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{what} for state {state_name!r} must be a tensor, got {type(value)}")
+        local = _local(value)
+        expected = self._expansion_dtype(param, state_name)
+        if local.dtype != expected:
+            raise ValueError(
+                f"{what} for state {state_name!r} has dtype {local.dtype}, expected {expected}"
+            )
+        if local.numel() != _local(param).numel():
+            raise ValueError(
+                f"{what} for state {state_name!r} has {local.numel()} elements, the parameter "
+                f"(local shard) has {_local(param).numel()}"
+            )
+        return local
+
+    def _chunks_of(self, flat: Tensor, chunk_numel: int) -> Callable[[], Iterator[Tensor]]:
+        def gen() -> Iterator[Tensor]:
+            for s, e in codecs.chunk_bounds(flat.numel(), chunk_numel):
+                yield flat[s:e]
+
+        return gen
+
+    def _encode_from(self, param: Tensor, state_name: str, flat: Tensor, chunk_numel: int) -> None:
+        """Quantize the flat FP32 (or int16) source into storage, chunk by chunk."""
+        if state_name not in self.state[param]:
+            self._initialize_state(param, state_name, zero_buffer=False)
+        storage = self.state[param][state_name]
+        out = storage.view(-1)
+        dtype = self.name_to_dtype_map[state_name]
+        scale = None
+        if not self._uses_remainder(param, state_name) and codecs.is_scaled(dtype):
+            scale = codecs.exact_scale(self._chunks_of(flat, chunk_numel), dtype, storage.device)
+        for s, e in codecs.chunk_bounds(flat.numel(), chunk_numel):
+            chunk = flat[s:e]
+            if scale is None:
+                out[s:e].copy_(chunk)
+            else:
+                moved = chunk.to(storage.device)
+                codecs.encode_into(moved, out[s:e], dtype, scale, overwrite_x=moved is not chunk)
+        if scale is not None:
+            self._scales[param][state_name].copy_(scale)
+
+    def set_scaled_state(self, param: Tensor, state_name: str, unscaled_state: Tensor) -> None:
+        """Quantize FP32 values (int16 for a remainder master) into one state of ``param``.
+
+        Allocates the state if absent. The caller's tensor is never modified (FusedAdam's fp16
+        path scales it in place). The scale is TE's ``amax / range`` unless the values are
+        exactly representable under a neighbouring scale (see :func:`codecs.exact_scale`),
+        which makes ``set_scaled_state(get_unscaled_state())`` lossless.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+            >>> p = torch.nn.Parameter(torch.zeros(2))
+            >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
+            >>> opt.set_scaled_state(p, "exp_avg", torch.tensor([1.0, 3.0]))
+            >>> opt.state[p]["exp_avg"]
+            tensor([1., 3.], dtype=torch.bfloat16)
+        """
+        local = self._check_source(param, state_name, unscaled_state, "unscaled_state")
+        flat = local.reshape(-1)
+        self._encode_from(param, state_name, flat, max(flat.numel(), 1))
+
+    def read_unscaled_state_chunk(
+        self, param: Tensor, state_name: str, start: int, out: Tensor
+    ) -> None:
+        """Fill ``out`` with flat elements ``[start, start + out.numel())`` of the expansion.
+
+        ``out`` is a contiguous 1-D float32 tensor (int16 for a remainder master) on the
+        state's device; nothing larger than ``out`` is allocated. The values are bitwise those
+        of ``get_unscaled_state(param, state_name).flatten()[start:...]``.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+            >>> p = torch.nn.Parameter(torch.zeros(4))
+            >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.uint8)
+            >>> opt.set_scaled_state(p, "exp_avg", torch.tensor([1.0, 2.0, 4.0, 8.0]))
+            >>> out = torch.empty(2)
+            >>> opt.read_unscaled_state_chunk(p, "exp_avg", 2, out)
+            >>> out
+            tensor([4., 8.])
+        """
+        storage = self._storage(param, state_name)
+        expected = self._expansion_dtype(param, state_name)
+        if out.dtype != expected or out.dim() != 1 or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous 1-D {expected} tensor, got {out.dtype} with shape "
+                f"{tuple(out.shape)}"
+            )
+        if out.device != storage.device:
+            raise ValueError(f"out is on {out.device}, the state lives on {storage.device}")
+        stop = start + out.numel()
+        if start < 0 or stop > storage.numel():
+            raise ValueError(
+                f"chunk [{start}, {stop}) is outside state {state_name!r} of "
+                f"{storage.numel()} elements"
+            )
+        piece = storage.view(-1)[start:stop]
+        dtype = self.name_to_dtype_map[state_name]
+        if expected == torch.int16 or dtype == torch.float32:
+            out.copy_(piece)
+        else:
+            codecs.decode_into(piece, out, dtype, self._scale(param, state_name))
+
+    def write_scaled_state_chunked(
+        self, param: Tensor, state_name: str, source: Tensor, chunk_numel: int
+    ) -> None:
+        """Quantize ``source`` into one state, moving ``chunk_numel`` elements at a time.
+
+        ``source`` (float32, or int16 for a remainder master) may live on any device; the
+        result is bitwise what :meth:`set_scaled_state` produces, with device temporaries of
+        ``O(chunk_numel)`` elements. ``source`` is never modified.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+            >>> p = torch.nn.Parameter(torch.zeros(3))
+            >>> opt = PrecisionAwareAdamW([p], exp_avg_sq_dtype=torch.float16)
+            >>> opt.write_scaled_state_chunked(p, "exp_avg_sq", torch.tensor([1.0, 2.0, 3.0]), 2)
+            >>> opt.state[p]["exp_avg_sq"], opt._scales[p]["exp_avg_sq"] * 32752
+            (tensor([10920., 21840., 32752.], dtype=torch.float16), tensor([3.]))
+        """
+        if chunk_numel <= 0:
+            raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
+        local = self._check_source(param, state_name, source, "source")
+        self._encode_from(param, state_name, local.reshape(-1), chunk_numel)
+
+    # ------------------------------------------------------------------ step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients (``decoupled_grad`` too when ``use_decoupled_grad``).
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+            >>> p = torch.nn.Parameter(torch.zeros(1))
+            >>> opt = PrecisionAwareAdamW([p], use_decoupled_grad=True)
+            >>> p.decoupled_grad = torch.ones(1)
+            >>> opt.zero_grad()
+            >>> p.decoupled_grad is None
+            True
+        """
+        if not self.use_decoupled_grad:
+            super().zero_grad(set_to_none=set_to_none)
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = getattr(p, "decoupled_grad", None)
+                if set_to_none:
+                    p.decoupled_grad = None
+                elif grad is not None:
+                    grad.zero_()
+
+    def _grad_of(self, param: Tensor) -> Tensor | None:
+        if self.use_decoupled_grad:
+            grad: Tensor | None = getattr(param, "decoupled_grad", None)
+            return grad
+        return param.grad
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One AdamW step over every parameter with a gradient (TE's update form).
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+            >>> p = torch.nn.Parameter(torch.zeros(2))
+            >>> opt = PrecisionAwareAdamW([p], lr=0.5)
+            >>> p.grad = torch.tensor([1.0, -1.0])
+            >>> opt.step()
+            >>> p.data, opt.param_groups[0]["step"]
+            (tensor([-0.5000,  0.5000]), 1)
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if not group["params"]:
+                continue
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                if not self.state[p]:
+                    self.initialize_state(p)
+                grad = self._grad_of(p)
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients.")
+                if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                    raise RuntimeError(
+                        "PrecisionAwareAdamW supports fp32, fp16 and bf16 parameters, "
+                        f"got {p.dtype}"
+                    )
+                self._update(p, grad, group)
+        return loss
+
+    def _update(self, param: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
+        p_local = _local(param)
+        g_flat = _local(grad).reshape(-1)
+        n = p_local.numel()
+        if g_flat.numel() != n:
+            raise RuntimeError(
+                f"gradient has {g_flat.numel()} elements, the parameter has {n} (local shard)"
+            )
+        contiguous = p_local.is_contiguous()
+        p_work = p_local if contiguous else p_local.contiguous()
+        p_flat = p_work.view(-1)
+        state = self.state[param]
+        beta1, beta2 = group["betas"]
+        step = group["step"]
+        bc1 = 1.0 - beta1**step if group["bias_correction"] else 1.0
+        bc2 = 1.0 - beta2**step if group["bias_correction"] else 1.0
+        lr = group["lr"]
+        wd = group["weight_decay"]
+        eps = group["eps"]
+        device = p_local.device
+
+        # How each state is seen in FP32 during the step: "live" (fp32 storage, in place),
+        # "chunk" (bf16: decoded and re-encoded per chunk) or "whole" (fp16/FP8: decoded into
+        # a full FP32 buffer, re-encoded after the update with a fresh amax, as TE does).
+        whole: dict[str, Tensor] = {}
+        mode: dict[str, str] = {}
+        for name in _STATE_NAMES:
+            if name not in state:
+                continue
+            dtype = self.name_to_dtype_map[name]
+            if name == "master_param" and self._uses_remainder(param):
+                mode[name] = "remainder"
+            elif dtype == torch.float32:
+                mode[name] = "live"
+            elif codecs.is_scaled(dtype):
+                mode[name] = "whole"
+                whole[name] = codecs.decode(state[name], dtype, self._scale(param, name)).view(-1)
+            else:
+                mode[name] = "chunk"
+        fp32_param = param.dtype == torch.float32
+        master = None if fp32_param else mode.get("master_param")
+
+        c = min(self.chunk_numel, max(n, 1))
+        scratch = [torch.empty(c, dtype=torch.float32, device=device) for _ in range(6)]
+        g_buf, m_buf, v_buf, p_buf, t1, t2 = scratch
+
+        def fp32_view(name: str, s: int, e: int, buf: Tensor) -> Tensor:
+            kind = mode[name]
+            if kind == "live":
+                view: Tensor = state[name].view(-1)[s:e]
+                return view
+            if kind == "whole":
+                return whole[name][s:e]
+            out = buf[: e - s]
+            codecs.decode_into(state[name].view(-1)[s:e], out, self.name_to_dtype_map[name], None)
+            return out
+
+        for s, e in codecs.chunk_bounds(n, c):
+            k = e - s
+            g = g_flat[s:e]
+            if g.dtype != torch.float32 or g.device != device:
+                g = g_buf[:k].copy_(g)
+            m = fp32_view("exp_avg", s, e, m_buf)
+            v = fp32_view("exp_avg_sq", s, e, v_buf)
+            if master is None:
+                p32 = p_flat[s:e] if fp32_param else p_buf[:k].copy_(p_flat[s:e])
+            elif master == "remainder":
+                p32 = codecs.join_master(p_flat[s:e], state["master_param"].view(-1)[s:e])
+            else:
+                p32 = fp32_view("master_param", s, e, p_buf)
+
+            if not self.adam_w_mode and wd != 0:
+                g = torch.add(g, p32, alpha=wd, out=t1[:k])  # never into the caller's grad
+            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = torch.div(v, bc2, out=t1[:k]).sqrt_().add_(eps)
+            update = torch.div(m, bc1, out=t2[:k]).div_(denom)
+            if self.adam_w_mode and wd != 0:
+                update.add_(p32, alpha=wd)
+            p32.sub_(update.mul_(lr))
+
+            for name, buf in (("exp_avg", m), ("exp_avg_sq", v)):
+                if mode[name] == "chunk":
+                    dtype = self.name_to_dtype_map[name]
+                    codecs.encode_into(buf, state[name].view(-1)[s:e], dtype, None)
+            if master == "remainder":
+                hi, rem = codecs.split_master(p32)
+                p_flat[s:e].copy_(hi)
+                state["master_param"].view(-1)[s:e].copy_(rem)
+            elif master is not None:
+                if mode["master_param"] == "chunk":  # pragma: no cover - bf16 masters rejected
+                    raise AssertionError
+                p_flat[s:e].copy_(p32)
+            elif not fp32_param:
+                p_flat[s:e].copy_(p32)
+
+        if fp32_param and "master_param" in state:
+            # TE leaves an fp32 parameter's master untouched; we keep it equal to the param.
+            if mode["master_param"] == "whole":
+                whole["master_param"].copy_(p_flat)
+            elif mode["master_param"] == "live":
+                state["master_param"].view(-1).copy_(p_flat)
+        for name, buf in whole.items():
+            dtype = self.name_to_dtype_map[name]
+            scale = codecs.scale_from_amax(codecs.amax_of(buf), dtype)
+            codecs.encode_into(buf, state[name].view(-1), dtype, scale, overwrite_x=True)
+            self._scales[param][name].copy_(scale)
+        if not contiguous:
+            p_local.copy_(p_work)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _index_map(self) -> dict[int, Tensor]:
+        index: dict[int, Tensor] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                index[len(index)] = p
+        return index
+
+    def state_dict(self) -> dict[str, Any]:
+        """FusedAdam's portable checkpoint: torch's layout with every state expanded to FP32.
+
+        Each per-parameter state is obtained through ``self.get_unscaled_state`` (so an
+        instance-level patch of that method, e.g. one staging to host, takes effect). A
+        remainder master is saved as its raw int16 remainder. Scales are not saved.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+            >>> p = torch.nn.Parameter(torch.zeros(2))
+            >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.uint8)
+            >>> p.grad = torch.ones(2)
+            >>> opt.step()
+            >>> sd = opt.state_dict()
+            >>> sd["state"][0]["exp_avg"].dtype, sd["param_groups"][0]["step"]
+            (torch.float32, 1)
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        groups = []
+        param_index: dict[int, int] = {}
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            indices = []
+            for p in group["params"]:
+                param_index.setdefault(id(p), len(param_index))
+                indices.append(param_index[id(p)])
+            packed["params"] = indices
+            groups.append(packed)
+        state: dict[int, dict[str, Tensor]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                entry = self.state.get(p)
+                if not entry:
+                    continue
+                state[param_index[id(p)]] = {
+                    name: self.get_unscaled_state(p, name) for name in list(entry)
+                }
+        result: dict[str, Any] = {"state": state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            hooked = post_hook(self, result)
+            if hooked is not None:
+                result = hooked
+        return result
+
+    def _validate(self, state_dict: Any) -> tuple[dict[int, Tensor], list[dict[str, Any]]]:
+        if not isinstance(state_dict, dict) or "state" not in state_dict:
+            raise ValueError("optimizer state_dict must be a dict with 'state' and 'param_groups'")
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
+            count = len(saved_groups) if isinstance(saved_groups, list) else "no"
+            raise ValueError(
+                f"loaded state dict has {count} parameter groups, this optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            if not isinstance(saved, dict) or len(saved.get("params", ())) != len(group["params"]):
+                raise ValueError(
+                    f"parameter group {i}: loaded group has "
+                    f"{len(saved.get('params', ())) if isinstance(saved, dict) else '?'} "
+                    f"parameters, this optimizer's has {len(group['params'])}"
+                )
+            step = saved.get("step", 0)
+            if isinstance(step, Tensor):
+                step = step.item()
+            if isinstance(step, bool) or not isinstance(step, int | float) or step < 0:
+                raise ValueError(f"parameter group {i}: invalid step {saved.get('step')!r}")
+            if isinstance(step, float) and not step.is_integer():
+                raise ValueError(f"parameter group {i}: invalid step {saved.get('step')!r}")
+        id_map: dict[Any, Tensor] = {}
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+            for key, p in zip(saved["params"], group["params"], strict=True):
+                id_map[key] = p
+        saved_state = state_dict["state"]
+        if not isinstance(saved_state, dict):
+            raise ValueError("state_dict['state'] must be a dict")
+        allowed = {"exp_avg", "exp_avg_sq"} | ({"master_param"} if self.master_weights else set())
+        required = allowed
+        resolved: dict[int, Tensor] = {}
+        for key, entry in saved_state.items():
+            if key not in id_map:
+                raise ValueError(f"param {key}: state for a parameter this optimizer does not have")
+            param = id_map[key]
+            if not isinstance(entry, dict):
+                raise ValueError(f"param {key}: state must be a dict, got {type(entry)}")
+            for name in entry:
+                if name not in allowed:
+                    hint = (
+                        " (master_weights is off)"
+                        if name == "master_param"
+                        else f"; expected {sorted(allowed)}"
+                    )
+                    raise ValueError(f"param {key}: unknown state {name!r}{hint}")
+            for name in sorted(required):
+                if entry.get(name) is None:
+                    why = " (master_weights=True)" if name == "master_param" else ""
+                    raise ValueError(f"param {key}: missing state {name!r}{why}")
+            local_param = _local(param)
+            for name, value in entry.items():
+                if not isinstance(value, Tensor):
+                    raise ValueError(
+                        f"param {key}: state {name!r} must be a tensor, got {type(value)}"
+                    )
+                local = _local(value)
+                if tuple(local.shape) != tuple(local_param.shape):
+                    raise ValueError(
+                        f"param {key}: state {name!r} has shape {tuple(local.shape)}, the "
+                        f"parameter has {tuple(local_param.shape)}"
+                    )
+                if self._uses_remainder(param, name):
+                    if local.dtype != torch.int16:
+                        raise ValueError(
+                            f"param {key}: state 'master_param' is {local.dtype}, but this "
+                            "optimizer stores bf16 parameter remainders (int16); the checkpoint "
+                            "holds a full master (store_param_remainders mismatch)"
+                        )
+                    continue
+                if local.dtype == torch.int16 and name == "master_param":
+                    raise ValueError(
+                        f"param {key}: state 'master_param' is an int16 parameter remainder, but "
+                        "this optimizer keeps full master weights (store_param_remainders mismatch)"
+                    )
+                if not local.is_floating_point():
+                    raise ValueError(
+                        f"param {key}: state {name!r} has dtype {local.dtype}, expected floating"
+                    )
+                if not bool(torch.isfinite(local).all()):
+                    raise ValueError(f"param {key}: state {name!r} has non-finite values")
+            resolved[key] = param
+        return resolved, saved_groups
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load FusedAdam's portable format, validating everything before the first write.
+
+        Every problem (group or parameter count, shapes, remainder vs FP32 master, a missing
+        master, unknown state names, non-finite values) raises ``ValueError`` naming the
+        parameter index and state, and leaves this optimizer exactly as it was. States are
+        written through ``self.set_scaled_state``; the caller's tensors are never modified.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+            >>> p = torch.nn.Parameter(torch.zeros(2))
+            >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
+            >>> sd = {"state": {0: {"exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}},
+            ...       "param_groups": [{**opt.param_groups[0], "params": [0], "step": 3}]}
+            >>> opt.load_state_dict(sd)
+            >>> opt.state[p]["exp_avg"].dtype, opt.param_groups[0]["step"]
+            (torch.bfloat16, 3)
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hooked = pre_hook(self, state_dict)
+            if hooked is not None:
+                state_dict = hooked
+        resolved, saved_groups = self._validate(state_dict)
+        new_groups = []
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+            merged = {k: v for k, v in group.items() if k != "params"}
+            merged.update(
+                {k: _copy_value(v) for k, v in saved.items() if k not in ("params", "param_names")}
+            )
+            merged["params"] = group["params"]
+            if "param_names" in group:
+                merged["param_names"] = group["param_names"]
+            new_groups.append(merged)
+        old = (self.state, self._scales, self.param_groups)
+        try:
+            self.state = defaultdict(dict)
+            self._scales = {}
+            self.param_groups = new_groups
+            for key, param in resolved.items():
+                for name, value in state_dict["state"][key].items():
+                    if not self._uses_remainder(param, name) and value.dtype != torch.float32:
+                        value = value.float()
+                    self.set_scaled_state(param, name, value)
+        except BaseException:
+            self.state, self._scales, self.param_groups = old
+            raise
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+
+def _copy_value(value: Any) -> Any:
+    """Group hyper-parameters are copied, so the loaded optimizer never aliases the caller's."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    return value
