@@ -1,0 +1,316 @@
+"""The portable HybridOffloadOptimizer: layout, stepping, state exposure and checkpoints."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from wrapped_optim.optimizers import HybridOffloadOptimizer
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def make_params(shapes_by_group, dtypes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    groups, index = [], 0
+    for group_index, shapes in enumerate(shapes_by_group):
+        params = []
+        for shape in shapes:
+            value = torch.randn(shape, generator=gen).to(dtypes[index % len(dtypes)])
+            params.append(torch.nn.Parameter(value))
+            index += 1
+        groups.append({"params": params, "lr": 0.01 * (group_index + 1)})
+    return groups
+
+
+def clone_groups(groups):
+    return [
+        {**g, "params": [torch.nn.Parameter(p.detach().clone()) for p in g["params"]]}
+        for g in groups
+    ]
+
+
+def all_params(groups):
+    return [p for g in groups for p in g["params"]]
+
+
+def set_grads(params, step, seed=1):
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+layouts = st.lists(
+    st.lists(st.sampled_from([(3,), (2, 4), (5,), (1,)]), min_size=1, max_size=3),
+    min_size=1,
+    max_size=3,
+)
+fractions = st.sampled_from([0.0, 0.3, 0.5, 1.0])
+dtype_lists = st.lists(st.sampled_from(DTYPES), min_size=1, max_size=3)
+
+
+@given(layout=layouts, fraction=fractions, dtypes=dtype_lists)
+def test_offload_walk_and_copies(layout, fraction, dtypes):
+    groups = make_params(layout, dtypes)
+    opt = HybridOffloadOptimizer(groups, offload_fraction=fraction, lr=0.1)
+    params = all_params(groups)
+    offloaded = [p in opt.gpu_params_map_cpu_copy for p in params]
+    # A prefix in group order, stopping once offload_fraction of the numel is reached.
+    k = sum(offloaded)
+    assert offloaded == [True] * k + [False] * (len(params) - k)
+    total = sum(p.numel() for p in params)
+    numel_before_last = sum(p.numel() for p in params[: max(k - 1, 0)])
+    assert k == 0 or numel_before_last < fraction * total
+    assert sum(p.numel() for p in params[:k]) >= fraction * total
+    for p in params:
+        inner = opt.param_to_inner_param[p]
+        low = p.dtype in (torch.bfloat16, torch.float16)
+        if p in opt.gpu_params_map_cpu_copy or low:
+            # a distinct tensor with its own storage, even for a host param
+            assert inner is not p and inner.data_ptr() != p.data_ptr()
+            assert torch.equal(inner, p.detach().to(inner.dtype))
+        else:
+            assert inner is p
+        assert inner.dtype == (torch.float32 if low else p.dtype)
+        assert (p in opt.param_to_fp32_param) == low
+    assert len(opt.cpu_optimizers) == (1 if k else 0)
+    assert (opt.gpu_optimizer is None) == (k == len(params))
+    assert opt.sub_optimizers == [*opt.cpu_optimizers, *([opt.gpu_optimizer] * (k < len(params)))]
+
+
+def reference_step(params, masters, opt):
+    """Plain AdamW on FP32 masters, rounded into the params: what the hybrid must reproduce."""
+    for p, m in zip(params, masters, strict=True):
+        m.grad = p.grad.to(m.dtype)
+    opt.step()
+    with torch.no_grad():
+        for p, m in zip(params, masters, strict=True):
+            p.copy_(m)
+
+
+@given(layout=layouts, fraction=fractions, dtypes=dtype_lists)
+def test_steps_match_plain_adamw_on_fp32_masters(layout, fraction, dtypes):
+    groups = make_params(layout, dtypes)
+    ref_groups = clone_groups(groups)
+    ref_params = all_params(ref_groups)
+    masters = [p.detach().float().clone() for p in ref_params]
+    master_groups, i = [], 0
+    for g in ref_groups:
+        master_groups.append({"params": masters[i : i + len(g["params"])], "lr": g["lr"]})
+        i += len(g["params"])
+    ref = torch.optim.AdamW(master_groups, weight_decay=0.1)
+    opt = HybridOffloadOptimizer(groups, offload_fraction=fraction, weight_decay=0.1)
+    params = all_params(groups)
+    for step in range(3):
+        set_grads(params, step)
+        set_grads(ref_params, step)
+        opt.step()
+        reference_step(ref_params, masters, ref)
+    for p, r, m in zip(params, ref_params, masters, strict=True):
+        assert torch.equal(p, r)
+        assert torch.equal(opt.state[p]["master_param"].float(), m)
+        assert torch.equal(opt.state[p]["exp_avg"], ref.state[m]["exp_avg"])
+
+
+def test_state_exposed_under_original_params():
+    groups = make_params([[(4,), (3,)]], [torch.bfloat16, torch.float32])
+    opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
+    p0, p1 = all_params(groups)
+    set_grads([p0, p1], 0)
+    opt.step()
+    host = opt.gpu_params_map_cpu_copy[p0]
+    assert opt.state[p0]["master_param"] is host
+    assert opt.cpu_optimizers[0].state[host] is opt.state[p0]
+    assert opt.state[p1]["master_param"] is p1  # FP32, not offloaded: the param itself
+    assert set(opt.state) == {p0, p1}
+
+
+def test_group_options_follow_the_outer_groups():
+    groups = make_params([[(4,)], [(4,)]], [torch.float32])
+    opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    set_grads(all_params(groups), 0)
+    opt.step()
+    scheduler.step()
+    set_grads(all_params(groups), 1)
+    opt.step()
+    sub_lrs = [g["lr"] for sub in opt.sub_optimizers for g in sub.param_groups]
+    assert sub_lrs == pytest.approx([0.005, 0.01])
+
+
+def test_closure_runs_once_and_its_loss_is_returned():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = (p**2).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure).item() == 3.0
+    assert calls == [1]
+
+
+def test_add_param_group_after_construction_is_refused():
+    opt = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+
+
+def test_invalid_fraction_is_refused():
+    with pytest.raises(ValueError, match="offload_fraction"):
+        HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(2))], offload_fraction=1.5)
+
+
+def test_update_fp32_param_by_new_param_refreshes_only_fp32_copies():
+    groups = make_params([[(4,), (4,)]], [torch.float32, torch.bfloat16])
+    opt = HybridOffloadOptimizer(groups, offload_fraction=1.0, lr=0.1)
+    p32, p16 = all_params(groups)
+    with torch.no_grad():
+        p32.fill_(7.0)
+        p16.fill_(7.0)
+    opt.update_fp32_param_by_new_param()
+    assert torch.equal(opt.param_to_fp32_param[p16], torch.full((4,), 7.0))
+    # Megatron's semantics: the host clone of an FP32 param is not an "FP32 copy".
+    assert not torch.equal(opt.gpu_params_map_cpu_copy[p32], torch.full((4,), 7.0))
+
+
+def test_dummy_step_creates_state_and_changes_nothing():
+    groups = make_params([[(4,), (4,)]], [torch.bfloat16])
+    before = [p.detach().clone() for p in all_params(groups)]
+    opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1, weight_decay=0.5)
+    opt.dummy_step()
+    assert len(opt.state) == 2
+    assert all(p.grad is None for p in all_params(groups))
+    for p, b in zip(all_params(groups), before, strict=True):
+        assert torch.equal(p, b)
+        assert torch.equal(opt.state[p]["master_param"], b.float())
+    assert [g["lr"] for g in opt.param_groups] == [0.01]
+
+
+def snapshot(opt, params):
+    return (
+        copy.deepcopy(opt.state_dict()),
+        [p.detach().clone() for p in params],
+        [t.detach().clone() for t in opt.param_to_inner_param.values()],
+    )
+
+
+def assert_same_snapshot(a, b):
+    sd_a, params_a, inner_a = a
+    sd_b, params_b, inner_b = b
+    assert sd_a["param_groups"] == sd_b["param_groups"]
+    assert sd_a["state"].keys() == sd_b["state"].keys()
+    for key, entry in sd_a["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, sd_b["state"][key][name]), (key, name)
+    for x, y in zip(params_a + inner_a, params_b + inner_b, strict=True):
+        assert torch.equal(x, y)
+
+
+@given(layout=layouts, fraction=fractions, dtypes=dtype_lists, steps=st.integers(1, 3))
+def test_state_dict_round_trip_continues_bit_identically(layout, fraction, dtypes, steps):
+    groups = make_params(layout, dtypes)
+    twin_groups = clone_groups(groups)
+    opt = HybridOffloadOptimizer(groups, offload_fraction=fraction, lr=0.05)
+    params = all_params(groups)
+    for step in range(steps):
+        set_grads(params, step)
+        opt.step()
+    payload = copy.deepcopy(opt.state_dict())
+    pristine = copy.deepcopy(payload)
+    # A fresh optimizer over the same weights (as loaded from the model checkpoint).
+    twin_params = all_params(twin_groups)
+    with torch.no_grad():
+        for t, p in zip(twin_params, params, strict=True):
+            t.copy_(p)
+    twin = HybridOffloadOptimizer(twin_groups, offload_fraction=fraction, lr=0.05)
+    twin.load_state_dict(payload)
+    for step in range(steps, steps + 2):
+        set_grads(params, step)
+        set_grads(twin_params, step)
+        opt.step()
+        twin.step()
+    for p, t in zip(params, twin_params, strict=True):
+        assert torch.equal(p, t)
+        assert torch.equal(opt.state[p]["master_param"], twin.state[t]["master_param"])
+    # The payload was copied, never adopted: stepping did not touch it.
+    for key, entry in payload["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, pristine["state"][key][name])
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda sd: sd["param_groups"].append({"params": []}), "param groups"),
+        (lambda sd: sd["param_groups"][0]["params"].pop(), "has 2 params"),
+        (lambda sd: sd["state"].__setitem__(9, {}), "belongs to no param"),
+        (
+            lambda sd: sd["state"][1].__setitem__("master_param", torch.zeros(3)),
+            "master_param of param 1",
+        ),
+    ],
+)
+def test_rejected_payload_leaves_everything_as_it_was(corrupt, message):
+    groups = make_params([[(4,), (2, 2)]], [torch.bfloat16, torch.float32])
+    opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
+    params = all_params(groups)
+    set_grads(params, 0)
+    opt.step()
+    payload = copy.deepcopy(opt.state_dict())
+    corrupt(payload)
+    before = snapshot(opt, params)
+    host_before = dict(opt.gpu_params_map_cpu_copy)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(payload)
+    assert_same_snapshot(before, snapshot(opt, params))
+    assert all(opt.gpu_params_map_cpu_copy[p] is host_before[p] for p in host_before)
+
+
+def test_load_restores_masters_with_their_low_bits():
+    groups = make_params([[(64,)]], [torch.bfloat16])
+    opt = HybridOffloadOptimizer(groups, offload_fraction=1.0, lr=1e-3)
+    (p,) = all_params(groups)
+    for step in range(3):
+        set_grads([p], step)
+        opt.step()
+    master = opt.state[p]["master_param"].clone()
+    assert not torch.equal(master, p.detach().float())  # the master carries low bits
+    payload = copy.deepcopy(opt.state_dict())
+    twin = HybridOffloadOptimizer(clone_groups(groups), offload_fraction=1.0, lr=1e-3)
+    twin.load_state_dict(payload)
+    (t,) = all_params(twin.param_groups)
+    assert torch.equal(twin.gpu_params_map_cpu_copy[t], master)
+    assert twin.state[t]["master_param"] is twin.gpu_params_map_cpu_copy[t]
+
+
+def test_load_without_master_rebuilds_copies_from_weights():
+    """What a payload without masters gives: copies rebuilt from 16-bit weights."""
+    groups = make_params([[(64,)]], [torch.bfloat16])
+    opt = HybridOffloadOptimizer(groups, offload_fraction=1.0, lr=1e-3)
+    (p,) = all_params(groups)
+    for step in range(3):
+        set_grads([p], step)
+        opt.step()
+    payload = copy.deepcopy(opt.state_dict())
+    del payload["state"][0]["master_param"]
+    opt.load_state_dict(payload)
+    assert torch.equal(opt.gpu_params_map_cpu_copy[p], p.detach().float())
+
+
+def test_load_state_dict_hooks_fire():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = HybridOffloadOptimizer([p], lr=0.1)
+    seen = []
+    opt.register_load_state_dict_pre_hook(lambda o, sd: seen.append("pre"))
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("post"))
+    opt.load_state_dict(opt.state_dict())
+    assert seen == ["pre", "post"]

@@ -1,0 +1,195 @@
+"""Keeping every FP32 master copy of a hybrid offload optimizer consistent across loads.
+
+A hybrid (CPU/GPU) offload optimizer steps copies of the model weights: host clones, FP32
+working copies and, under Megatron's DistributedOptimizer, FP32 main shards. Two kinds of load
+break them:
+
+- a model-only load (fine-tuning from weights) changes the weights behind the copies' back: the
+  first step runs on stale (initial) copies and writes them into the model — the loss looks fine
+  at step 1 and collapses at step 2;
+- a full resume that rebuilds the copies from 16-bit weights drops the masters' low bits and
+  changes every later update.
+
+:class:`HybridSyncOptimizer` fixes both at the load boundary and guards the first step after
+it, at no per-step cost afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from wrapped_optim.adapters.hybrid import (
+    MasterCopies,
+    find_hybrid_offload,
+    hybrid_master_copies,
+    push_state_to_sub_optimizers,
+    restore_omitted_state,
+    restoring_omitted_megatron_state,
+)
+from wrapped_optim.wrapper import OptimizerWrapper
+
+__all__ = ["HybridSyncOptimizer", "StaleMasterError"]
+
+OnStale = Literal["refresh", "raise", "ignore"]
+_ON_STALE = ("refresh", "raise", "ignore")
+
+
+class StaleMasterError(RuntimeError):
+    """The optimizer's master copies disagree with the model weights it is about to update."""
+
+
+class HybridSyncOptimizer(OptimizerWrapper):
+    """Keeps the master copies of hybrid offload optimizers in step with the model weights.
+
+    - :meth:`load_state_dict` (full resume): puts back what Megatron-style payloads omit (a
+      per-parameter ``step`` from the saved group step, ``master_param`` from the checkpoint's
+      FP32 param), loads, then pushes the *restored* masters into every copy level and
+      sub-optimizer and writes the model weights from them — masters are never rebuilt from
+      16-bit weights, so they keep their low bits.
+    - :meth:`reload_model_params` (model-only load): refreshes every level from the weights.
+    - the first step after construction or any load compares every level, rounded to the model
+      dtype, with the model weights; on a mismatch ``on_stale`` decides: ``"refresh"`` the
+      stale entries from the model (default), ``"raise"`` :class:`StaleMasterError`, or
+      ``"ignore"``. One pass, once; later steps cost one flag check.
+
+    Works on every hybrid offload optimizer of the stack (see
+    :func:`wrapped_optim.adapters.hybrid.find_hybrid_offload`): the portable
+    :class:`wrapped_optim.optimizers.HybridOffloadOptimizer` and Megatron's
+    HybridDeviceOptimizer inside DistributedOptimizer / ChainedOptimizer. A stack without one
+    passes through unchanged.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+        >>> model = torch.nn.Linear(2, 1).to(torch.bfloat16)
+        >>> opt = HybridSyncOptimizer(HybridOffloadOptimizer(model.parameters(), lr=0.1))
+        >>> with torch.no_grad():  # a model-only load, behind the optimizer's back
+        ...     _ = model.weight.fill_(0.5)
+        >>> model(torch.ones(1, 2, dtype=torch.bfloat16)).sum().backward()
+        >>> opt.step()  # the guard refreshes the stale copies before stepping
+        >>> bool((model.weight - 0.5).abs().max() < 0.2)
+        True
+    """
+
+    def __init__(self, inner: Any, *, on_stale: OnStale = "refresh") -> None:
+        super().__init__(inner)
+        if on_stale not in _ON_STALE:
+            raise ValueError(f"on_stale must be one of {_ON_STALE}, got {on_stale!r}")
+        self.on_stale: OnStale = on_stale
+        self._guard_armed = True
+
+    @property
+    def hybrid_optimizers(self) -> list[Any]:
+        """The hybrid offload optimizers this wrapper keeps in sync."""
+        return find_hybrid_offload(self.inner)
+
+    @property
+    def guard_armed(self) -> bool:
+        """Whether the next step first checks the masters against the model weights."""
+        return self._guard_armed
+
+    def _extra_repr(self) -> str:
+        return f"on_stale={self.on_stale!r}"
+
+    # ----------------------------------------------------------------------------------
+    # Step and guard
+    # ----------------------------------------------------------------------------------
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
+        if self._guard_armed:
+            self.check_masters()
+        return self._inner_step(closure)
+
+    def stale_masters(self) -> list[MasterCopies]:
+        """Entries with a level that, rounded to the model dtype, differs from the weight.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+            >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+            >>> opt = HybridSyncOptimizer(HybridOffloadOptimizer([p], lr=0.1))
+            >>> with torch.no_grad():
+            ...     _ = p.add_(1)
+            >>> len(opt.stale_masters())
+            1
+        """
+        return [entry for entry in hybrid_master_copies(self.inner) if entry.stale_levels()]
+
+    def check_masters(self) -> list[MasterCopies]:
+        """Runs the stale-master guard now (and disarms it); returns the stale entries found.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+            >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+            >>> opt = HybridSyncOptimizer(HybridOffloadOptimizer([p], lr=0.1), on_stale="raise")
+            >>> opt.check_masters()
+            []
+        """
+        stale = self.stale_masters()
+        if stale and self.on_stale == "raise":
+            names = ", ".join(entry.name for entry in stale[:5])
+            more = f" and {len(stale) - 5} more" if len(stale) > 5 else ""
+            raise StaleMasterError(
+                f"{len(stale)} master copies disagree with the model weights they update "
+                f"({names}{more}); the model weights were changed without the optimizer "
+                "(a model-only load?). Call reload_model_params() to refresh them from the "
+                "model, load the optimizer state, or use on_stale='refresh'"
+            )
+        if stale and self.on_stale == "refresh":
+            for entry in stale:
+                entry.refresh_from_weight()
+        self._guard_armed = False
+        return stale
+
+    # ----------------------------------------------------------------------------------
+    # Model-only and full-state sync
+    # ----------------------------------------------------------------------------------
+    def reload_model_params(self, state_dict: Any = None) -> None:
+        """Model-only sync: every master copy at every level takes the model weights' value.
+
+        Megatron's name: a Megatron optimizer inside is asked to reload first (with
+        ``state_dict`` when given), then every hybrid level is refreshed.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+            >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+            >>> opt = HybridSyncOptimizer(HybridOffloadOptimizer([p], offload_fraction=1.0))
+            >>> with torch.no_grad():
+            ...     _ = p.fill_(2.0)
+            >>> opt.reload_model_params()
+            >>> opt.gpu_params_map_cpu_copy[p].tolist()
+            [2.0, 2.0]
+        """
+        reload = getattr(self.inner, "reload_model_params", None)
+        if callable(reload):
+            reload() if state_dict is None else reload(state_dict)
+        for entry in hybrid_master_copies(self.inner):
+            entry.refresh_from_weight()
+        self._guard_armed = False
+
+    def sync_from_masters(self) -> None:
+        """Full-state sync: the masters go to every copy, sub-optimizer and model weight.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+            >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+            >>> opt = HybridSyncOptimizer(HybridOffloadOptimizer([p], offload_fraction=1.0))
+            >>> opt.gpu_params_map_cpu_copy[p].fill_(3.0).tolist()
+            [3.0, 3.0]
+            >>> opt.sync_from_masters()
+            >>> p.tolist()
+            [3.0, 3.0]
+        """
+        push_state_to_sub_optimizers(self.inner)
+        for entry in hybrid_master_copies(self.inner):
+            entry.push_master()
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        payload = restore_omitted_state(state_dict)
+        with restoring_omitted_megatron_state(self.inner):
+            self.inner.load_state_dict(payload)
+        self.sync_from_masters()
+        self._guard_armed = True
