@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from wrapped_optim import OptimizerWrapper
 from wrapped_optim.checkpoint import (
+    DEFAULT_CHUNK_BYTES,
     OptimizerCheckpointError,
     StreamingSavePlanner,
     load_optimizer,
@@ -516,3 +517,205 @@ def test_holder_shape_mismatch_is_rejected_before_any_write(tmp_path: Path) -> N
     for x, y in zip(_storage(opt), before, strict=True):
         for u, v in zip(x, y, strict=True):
             assert torch.equal(u, v)
+
+
+# ------------------------------------------------------------------------------------------
+# PrecisionAwareAdamW (bf16 / fp16 / FP8 moments, masters, remainders)
+# ------------------------------------------------------------------------------------------
+PA_CONFIGS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
+    "fp32": (torch.float32, {}),
+    "bf16_moments": (
+        torch.float32,
+        {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
+    ),
+    "fp16_fp8": (torch.float32, {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.uint8}),
+    "bf16_params_fp32_master": (
+        torch.bfloat16,
+        {"master_weights": True, "exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.uint8},
+    ),
+    "remainders": (
+        torch.bfloat16,
+        {
+            "master_weights": True,
+            "store_param_remainders": True,
+            "exp_avg_dtype": torch.float16,
+            "exp_avg_sq_dtype": torch.bfloat16,
+        },
+    ),
+}
+PA_SHAPES = [(24, 8), (31,), (3, 5, 2)]
+
+
+def _pa(config: str, seed: int = 0, lr: float = 1e-2) -> tuple[Any, list[torch.nn.Parameter]]:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    dtype, kwargs = PA_CONFIGS[config]
+    params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params(PA_SHAPES, seed)]
+    return PrecisionAwareAdamW(params, lr=lr, weight_decay=0.01, **kwargs), params
+
+
+def _pa_train(opt: Any, params: list[torch.nn.Parameter], steps: int, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+
+
+def _assert_same_pa_storage(a: Any, b: Any) -> None:
+    pa = [p for g in a.param_groups for p in g["params"]]
+    pb = [p for g in b.param_groups for p in g["params"]]
+    for p, q in zip(pa, pb, strict=True):
+        assert a.state[p].keys() == b.state[q].keys()
+        for name, stored in a.state[p].items():
+            other = b.state[q][name]
+            assert stored.dtype == other.dtype, name
+            assert torch.equal(stored.view(torch.uint8), other.view(torch.uint8)), name
+            # equal storage and equal expansions: equal scales
+            ea, eb = a.get_unscaled_state(p, name), b.get_unscaled_state(q, name)
+            assert torch.equal(ea.view(torch.uint8), eb.view(torch.uint8)), name
+    assert a.param_groups[0]["step"] == b.param_groups[0]["step"]
+
+
+@pytest.mark.parametrize("config", sorted(PA_CONFIGS))
+def test_precision_aware_adamw_streams_both_ways(config: str, tmp_path: Path) -> None:
+    from wrapped_optim.patching import patch_attribute
+
+    opt, params = _pa(config)
+    _pa_train(opt, params, 3)
+    expected = opt.state_dict()
+    compressed = {n for n, d in opt.name_to_dtype_map.items() if d != torch.float32}
+
+    whole_expansions: list[str] = []
+    original = opt.get_unscaled_state
+
+    def counting(param: torch.Tensor, name: str) -> torch.Tensor:
+        if name in compressed:
+            whole_expansions.append(name)
+        return original(param, name)
+
+    with patch_attribute(opt, "get_unscaled_state", counting):
+        save_optimizer(opt, tmp_path / "stream", chunk_bytes=96)
+    assert whole_expansions == []  # compressed state was only ever expanded chunk by chunk
+
+    # plain DCP reads the streaming checkpoint as the optimizer's portable FP32 state dict
+    scaffold = copy.deepcopy(expected)
+    for entries in scaffold["state"].values():
+        for value in entries.values():
+            value.zero_()
+    _plain_load(scaffold, tmp_path / "stream")
+    assert_state_dicts_equal(scaffold, expected)
+
+    # streaming load == the optimizer's own load_state_dict, bit for bit
+    twin, twin_params = _pa(config, seed=3, lr=5.0)
+    _pa_train(twin, twin_params, 1, seed=9)
+    load_optimizer(twin, tmp_path / "stream")
+    reference, _ = _pa(config, seed=3)
+    reference.load_state_dict(expected)
+    _assert_same_pa_storage(twin, reference)
+    _assert_same_pa_storage(twin, opt)
+
+    # plain dcp.save -> streaming load into a never-stepped optimizer
+    _plain_save(opt, tmp_path / "plain")
+    fresh, fresh_params = _pa(config, seed=4)
+    load_optimizer(fresh, tmp_path / "plain")
+    _assert_same_pa_storage(fresh, opt)
+
+    # and training continues exactly as if it had never stopped
+    with torch.no_grad():
+        for p, q in zip(params, fresh_params, strict=True):
+            q.copy_(p)
+    _pa_train(opt, params, 2, seed=5)
+    _pa_train(fresh, fresh_params, 2, seed=5)
+    for p, q in zip(params, fresh_params, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_precision_aware_remainder_mismatch_is_rejected(tmp_path: Path) -> None:
+    opt, params = _pa("bf16_params_fp32_master")
+    _pa_train(opt, params, 1)
+    save_optimizer(opt, tmp_path)
+    other, other_params = _pa("remainders")
+    _pa_train(other, other_params, 2)
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(OptimizerCheckpointError, match="store_param_remainders mismatch"):
+        load_optimizer(other, tmp_path)
+    assert_state_dicts_equal(other.state_dict(), before)
+
+
+def test_precision_aware_missing_state_is_rejected(tmp_path: Path) -> None:
+    src = torch.optim.SGD(_params(PA_SHAPES), lr=0.1, momentum=0.9)
+    _train(src, src.param_groups[0]["params"], 1)
+    save_optimizer(src, tmp_path)  # momentum_buffer only: not PrecisionAwareAdamW state
+    opt, _ = _pa("bf16_moments")
+    with pytest.raises(OptimizerCheckpointError, match="momentum_buffer"):
+        load_optimizer(opt, tmp_path)
+
+
+@given(
+    config=st.sampled_from(sorted(PA_CONFIGS)),
+    steps=st.integers(1, 3),
+    chunk_bytes=st.one_of(st.none(), st.integers(2, 300)),
+)
+def test_property_precision_aware_round_trip(
+    tmp_path_factory: pytest.TempPathFactory, config: str, steps: int, chunk_bytes: int | None
+) -> None:
+    path = tmp_path_factory.mktemp("pa")
+    opt, params = _pa(config)
+    _pa_train(opt, params, steps)
+    save_optimizer(opt, path, chunk_bytes=chunk_bytes)
+    twin, _ = _pa(config, seed=1)
+    load_optimizer(twin, path, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES)
+    _assert_same_pa_storage(twin, opt)
+
+
+# ------------------------------------------------------------------------------------------
+# HybridOffloadOptimizer, alone and under HybridSyncOptimizer
+# ------------------------------------------------------------------------------------------
+def _hybrid(seed: int = 0, lr: float = 1e-2) -> tuple[Any, list[torch.nn.Parameter]]:
+    from wrapped_optim.optimizers import HybridOffloadOptimizer
+
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params(PA_SHAPES, seed)]
+    params.append(_params([(6, 2)], seed)[0])  # an fp32 param too
+    return HybridOffloadOptimizer(params, offload_fraction=0.5, lr=lr), params
+
+
+@pytest.mark.parametrize("synced", [False, True])
+def test_hybrid_offload_streams_in_place(synced: bool, tmp_path: Path) -> None:
+    from wrapped_optim.hybrid import HybridSyncOptimizer
+
+    opt, params = _hybrid()
+    _pa_train(opt, params, 3)
+    expected = copy.deepcopy(opt.state_dict())
+    save_optimizer(HybridSyncOptimizer(opt) if synced else opt, tmp_path, chunk_bytes=64)
+
+    scaffold = copy.deepcopy(expected)
+    _plain_load(scaffold, tmp_path)
+    assert_state_dicts_equal(scaffold, expected)
+
+    twin, twin_params = _hybrid(seed=6, lr=1.0)
+    _pa_train(twin, twin_params, 1, seed=2)
+    live = {id(p): dict(twin.state[p]) for p in twin_params}
+    stack = HybridSyncOptimizer(twin) if synced else twin
+    load_optimizer(stack, tmp_path)
+    assert_state_dicts_equal(twin.state_dict(), expected)
+    for p in twin_params:  # written into the sub-optimizers' own tensors
+        for name, value in twin.state[p].items():
+            assert value is live[id(p)][name], name
+    if synced:
+        # HybridSyncOptimizer pushed the restored masters into the model weights
+        for p, q in zip(params, twin_params, strict=True):
+            assert torch.equal(p, q)
+        _pa_train(opt, params, 2, seed=8)
+        _pa_train(stack, twin_params, 2, seed=8)
+        for p, q in zip(params, twin_params, strict=True):
+            assert torch.equal(p, q)
+
+
+def test_hybrid_offload_without_state_loads_through_its_loader(tmp_path: Path) -> None:
+    opt, params = _hybrid()
+    _pa_train(opt, params, 2)
+    save_optimizer(opt, tmp_path)
+    fresh, _ = _hybrid(seed=1)
+    load_optimizer(fresh, tmp_path)
+    assert_state_dicts_equal(fresh.state_dict(), opt.state_dict())

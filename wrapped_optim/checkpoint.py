@@ -65,8 +65,11 @@ from torch.distributed.checkpoint.planner_helpers import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.tensor import DTensor
 
+from wrapped_optim.adapters.precision import is_precision_aware_holder, supports_chunked_state
 from wrapped_optim.adapters.walk import walk_leaves
+from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.patching import patch_attribute
+from wrapped_optim.wrapper import OptimizerWrapper
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -103,27 +106,34 @@ def _leaf_of(optimizer: Any) -> torch.optim.Optimizer:
     return cast(torch.optim.Optimizer, leaves[0].optimizer)
 
 
-def _is_holder(leaf: Any) -> bool:
-    # The precision-aware state protocol (TE FusedAdam, PrecisionAwareAdamW), by structure.
-    return (
-        isinstance(getattr(leaf, "name_to_dtype_map", None), Mapping)
-        and callable(getattr(leaf, "get_unscaled_state", None))
-        and callable(getattr(leaf, "set_scaled_state", None))
-    )
-
-
-def _is_chunked_holder(leaf: Any) -> bool:
-    return callable(getattr(leaf, "read_unscaled_state_chunk", None)) and callable(
-        getattr(leaf, "write_scaled_state_chunked", None)
-    )
-
-
 def _compressed_names(leaf: Any) -> frozenset[str]:
     """State names whose storage is not the FP32 tensor the state dict exposes."""
-    if not _is_holder(leaf):
+    if not is_precision_aware_holder(leaf):
         return frozenset()
     return frozenset(
         name for name, dtype in leaf.name_to_dtype_map.items() if dtype != torch.float32
+    )
+
+
+def _refuse_sharded_holder(leaf: Any) -> None:
+    if is_precision_aware_holder(leaf) and any(
+        isinstance(p, DTensor) for g in leaf.param_groups for p in g["params"]
+    ):
+        raise NotImplementedError(
+            f"{type(leaf).__name__} holds DTensor (FSDP2) parameters: streaming checkpoints "
+            "of precision-aware state over sharded parameters are not supported; use "
+            "dcp.save(optimizer.state_dict()) for those"
+        )
+
+
+def _uses_remainder(leaf: Any, param: torch.Tensor, name: str) -> bool:
+    """TE's rule: an int16 remainder master beside a bf16 parameter (FP32 master only)."""
+    return (
+        name == "master_param"
+        and bool(getattr(leaf, "store_param_remainders", False))
+        and bool(getattr(leaf, "master_weights", False))
+        and leaf.name_to_dtype_map.get("master_param") == torch.float32
+        and param.dtype == torch.bfloat16
     )
 
 
@@ -171,7 +181,7 @@ class DeferredState:
     def read(self, start: int, numel: int) -> torch.Tensor:
         """Flat elements ``[start, start + numel)`` of the expansion, as a fresh CPU tensor."""
         device = _state_device(self.holder, self.param, self.name)
-        if _is_chunked_holder(self.holder):
+        if supports_chunked_state(self.holder):
             out = torch.empty(numel, dtype=self.dtype, device=device)
             self.holder.read_unscaled_state_chunk(self.param, self.name, start, out)
         else:
@@ -201,6 +211,7 @@ def _placeholder_state_dict(
     precision-aware contract), so patching that one instance attribute for the duration of
     the call yields the optimizer's exact layout without expanding anything.
     """
+    _refuse_sharded_holder(leaf)
     compressed = _compressed_names(leaf)
     if not compressed:
         return leaf.state_dict(), {}
@@ -312,7 +323,7 @@ class StreamingSavePlanner(DefaultSavePlanner):
             deferred = self.deferred.get(fqn)
             if deferred is not None:
                 # A holder without the chunk API expands whole tensors: one item per tensor.
-                chunk_bytes = self.chunk_bytes if _is_chunked_holder(deferred.holder) else None
+                chunk_bytes = self.chunk_bytes if supports_chunked_state(deferred.holder) else None
                 items += _tensor_write_items(fqn, deferred.shape, deferred.dtype, chunk_bytes)
             elif isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and not obj.is_meta:
                 items += _tensor_write_items(fqn, obj.shape, obj.dtype, self.chunk_bytes)
@@ -543,13 +554,21 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         (True, [1.0, 1.0])
     """
 
-    def __init__(self, leaf: torch.optim.Optimizer, objects: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        leaf: torch.optim.Optimizer,
+        objects: Mapping[str, Any],
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.leaf = leaf
         self.objects = objects
         self.targets: dict[str, _Target] = {}
         self.state: dict[int, dict[str, Any]] = {}
         self.param_groups: list[dict[str, Any]] = []
+        self.created = False  # some state tensor is new (the optimizer had none for it)
+        self.chunk_bytes = chunk_bytes
 
     # -- planning ----------------------------------------------------------------------
     def set_up_planner(
@@ -580,7 +599,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(items)
 
     def _build_targets(self, metadata: Metadata) -> None:
-        leaf = self.leaf
+        leaf: Any = self.leaf
         groups = leaf.param_groups
         saved_groups = self.objects.get("param_groups")
         if not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups):
@@ -614,7 +633,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             if isinstance(entries, dict):
                 state.setdefault(_int_key(key), {}).update(entries)
 
-        compressed = _compressed_names(leaf)
+        holder_names = (
+            frozenset(leaf.name_to_dtype_map) if is_precision_aware_holder(leaf) else frozenset()
+        )
+        if holder_names:
+            _check_group_steps(saved_groups)
         targets: dict[str, _Target] = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
@@ -635,20 +658,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             param = id_map[index]
             what = _describe(name, index, group_of)
             live = leaf.state.get(param, {})
-            if name in compressed:
-                expected = torch.Size(param.shape)
-                if md.size != expected:
-                    raise OptimizerCheckpointError(
-                        f"{what}: the checkpoint has shape {tuple(md.size)}, the parameter "
-                        f"{tuple(expected)}"
-                    )
-                if not md.properties.dtype.is_floating_point:
-                    raise OptimizerCheckpointError(
-                        f"{what}: expected a floating-point tensor, the checkpoint has "
-                        f"{md.properties.dtype}"
-                    )
-                targets[fqn] = _Target(md.size, holder=leaf, param=param, name=name)
-                state.setdefault(index, {})[name] = _COMMITTED
+            if holder_names:
+                target = _holder_target(leaf, param, name, md, what, live)
+                targets[fqn] = target
+                value = target.tensor if target.tensor is not None else _COMMITTED
+                state.setdefault(index, {})[name] = value
                 continue
             current = live.get(name)
             if isinstance(current, torch.Tensor):
@@ -675,8 +689,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                         f"the parameter's shape {tuple(param.shape)}"
                     )
                 tensor = _new_state_tensor(leaf, param, index, name, md)
+                self.created = True
             targets[fqn] = _Target(md.size, tensor=tensor)
             state.setdefault(index, {})[name] = tensor
+        if holder_names:
+            _check_holder_entries(leaf, state, group_of)
         self.targets = targets
         self.state = state
 
@@ -703,8 +720,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         source, target.accumulator = target.accumulator, None
         assert source is not None
         holder = target.holder
-        if _is_chunked_holder(holder):
-            chunk_numel = max(1, DEFAULT_CHUNK_BYTES // source.element_size())
+        if supports_chunked_state(holder):
+            chunk_numel = max(1, self.chunk_bytes // source.element_size())
             holder.write_scaled_state_chunked(target.param, target.name, source, chunk_numel)
         else:
             holder.set_scaled_state(target.param, target.name, source)
@@ -721,6 +738,72 @@ class _Committed:
 
 
 _COMMITTED = _Committed()
+
+
+def _check_group_steps(saved_groups: list[dict[str, Any]]) -> None:
+    for i, group in enumerate(saved_groups):
+        step = group.get("step", 0)
+        if isinstance(step, torch.Tensor) and step.numel() == 1:
+            step = step.item()
+        if isinstance(step, bool) or not isinstance(step, int | float) or step < 0:
+            raise OptimizerCheckpointError(f"parameter group {i}: invalid step {step!r}")
+        if isinstance(step, float) and not step.is_integer():
+            raise OptimizerCheckpointError(f"parameter group {i}: invalid step {step!r}")
+
+
+def _holder_target(
+    leaf: Any,
+    param: torch.Tensor,
+    name: str,
+    md: TensorStorageMetadata,
+    what: str,
+    live: Mapping[str, Any],
+) -> _Target:
+    """Where a precision-aware holder's state goes: its live FP32 tensor, or its storage."""
+    if name not in leaf.name_to_dtype_map:
+        raise OptimizerCheckpointError(
+            f"{what}: {type(leaf).__name__} keeps no such state "
+            f"(it keeps {sorted(leaf.name_to_dtype_map)})"
+        )
+    if name == "master_param" and not getattr(leaf, "master_weights", True):
+        raise OptimizerCheckpointError(f"{what}: the optimizer has master_weights off")
+    if md.size != param.shape:
+        raise OptimizerCheckpointError(
+            f"{what}: the checkpoint has shape {tuple(md.size)}, the parameter {tuple(param.shape)}"
+        )
+    saved = md.properties.dtype
+    remainder = _uses_remainder(leaf, param, name)
+    if remainder and saved != torch.int16:
+        raise OptimizerCheckpointError(
+            f"{what}: the optimizer stores bf16 parameter remainders (int16), the checkpoint "
+            f"holds a {saved} master (store_param_remainders mismatch)"
+        )
+    if not remainder and saved == torch.int16 and name == "master_param":
+        raise OptimizerCheckpointError(
+            f"{what}: the checkpoint holds an int16 parameter remainder, the optimizer keeps "
+            "full master weights (store_param_remainders mismatch)"
+        )
+    if not remainder and not saved.is_floating_point:
+        raise OptimizerCheckpointError(f"{what}: expected a floating-point tensor, got {saved}")
+    current = live.get(name)
+    fp32_storage = leaf.name_to_dtype_map[name] == torch.float32
+    if fp32_storage and isinstance(current, torch.Tensor) and current.shape == md.size:
+        return _Target(md.size, tensor=current)  # the live tensor is the state: in place
+    dtype = torch.int16 if remainder else torch.float32
+    return _Target(md.size, holder=leaf, param=param, name=name, dtype=dtype)
+
+
+def _check_holder_entries(
+    leaf: Any, state: Mapping[int, Mapping[str, Any]], group_of: Mapping[int, int]
+) -> None:
+    required = {"exp_avg", "exp_avg_sq"} & set(leaf.name_to_dtype_map)
+    if getattr(leaf, "master_weights", False):
+        required.add("master_param")
+    for index, entries in state.items():
+        for name in sorted(required - set(entries)):
+            raise OptimizerCheckpointError(
+                f"{_describe(name, index, group_of)}: missing from the checkpoint"
+            )
 
 
 def _fits_param(saved: torch.Size, param_shape: torch.Size) -> bool:
@@ -743,7 +826,13 @@ def _new_state_tensor(
     name: str,
     md: TensorStorageMetadata,
 ) -> torch.Tensor:
-    """A fresh state tensor with the dtype/device torch's load_state_dict would give it."""
+    """A fresh state tensor with the dtype/device its loader would give it.
+
+    torch's own loader casts floating state to the parameter's dtype (``step`` excepted); an
+    optimizer with a loader of its own gets the checkpoint's dtype unchanged.
+    """
+    if type(leaf).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+        return torch.empty(md.size, dtype=md.properties.dtype, device=param.device)
     group = next(g for g in leaf.param_groups if any(p is param for p in g["params"]))
     if name == "step":
         if group.get("capturable", False) or group.get("fused", False):
@@ -753,32 +842,37 @@ def _new_state_tensor(
     return torch.empty(md.size, dtype=dtype, device=param.device)
 
 
-def _apply(leaf: torch.optim.Optimizer, planner: StreamingLoadPlanner) -> None:
-    """Installs the loaded state and hyper-parameters through the optimizer's own loader."""
+def _apply(optimizer: Any, leaf: torch.optim.Optimizer, planner: StreamingLoadPlanner) -> None:
+    """Installs the loaded state and hyper-parameters."""
     state_dict = {"state": planner.state, "param_groups": planner.param_groups}
-    if not any(v is _COMMITTED for entries in planner.state.values() for v in entries.values()):
-        # Every tensor is already the one torch's loader would keep (same dtype and device):
-        # load_state_dict adopts them without copies and runs the optimizer's own hooks.
+    torch_loader = type(leaf).load_state_dict is torch.optim.Optimizer.load_state_dict
+    if is_precision_aware_holder(leaf) or (not torch_loader and not planner.created):
+        # The tensors are in place already: only hyper-parameters and plain values remain.
+        # (A custom loader would rebuild or copy what is already there.)
+        _apply_in_place(leaf, planner)
+    else:
+        # torch's loader adopts tensors that already have the dtype and device it wants (no
+        # copies) and runs the optimizer's own hooks. A custom loader that must create state
+        # (the optimizer had none) gets the whole payload and may copy it.
         leaf.load_state_dict(state_dict)
-        return
-    _apply_groups_and_state(leaf, planner)
+    if isinstance(optimizer, OptimizerWrapper):
+        for layer in optimizer.layers():
+            if isinstance(layer, HybridSyncOptimizer):
+                layer.sync_from_masters()  # masters -> copies, sub-optimizers, model weights
 
 
-def _apply_groups_and_state(leaf: torch.optim.Optimizer, planner: StreamingLoadPlanner) -> None:
-    # Precision-aware holders: compressed states are already in storage. Install the rest as
-    # torch's loader would: hyper-parameters from the checkpoint, params kept.
+def _apply_in_place(leaf: torch.optim.Optimizer, planner: StreamingLoadPlanner) -> None:
     params = list(chain.from_iterable(g["params"] for g in leaf.param_groups))
     saved_ids = list(chain.from_iterable(g["params"] for g in planner.param_groups))
     id_map = dict(zip(saved_ids, params, strict=True))
     for index, entries in planner.state.items():
-        param = id_map[index]
-        live = leaf.state[param]
+        live = leaf.state[id_map[index]]
         for name, value in entries.items():
             if value is not _COMMITTED:
                 live[name] = value
     for group, saved in zip(leaf.param_groups, planner.param_groups, strict=True):
         for key, value in saved.items():
-            if key != "params":
+            if key not in ("params", "param_names"):
                 group[key] = value
 
 
@@ -788,6 +882,7 @@ def load_optimizer(
     *,
     storage_reader: StorageReader | None = None,
     process_group: Any = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> None:
     """Loads a DCP optimizer checkpoint straight into ``optimizer``'s state storage.
 
@@ -801,6 +896,7 @@ def load_optimizer(
         checkpoint_id: the checkpoint directory (or the reader's id).
         storage_reader: a DCP reader; default ``FileSystemReader(checkpoint_id)``.
         process_group: the group to coordinate over (default: the world, if initialised).
+        chunk_bytes: how many bytes a precision-aware holder quantizes per device transfer.
 
     Example:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
@@ -817,6 +913,7 @@ def load_optimizer(
     if checkpoint_id is None and storage_reader is None:
         raise ValueError("load_optimizer needs a checkpoint_id or a storage_reader")
     leaf = _leaf_of(optimizer)
+    _refuse_sharded_holder(leaf)
 
     def reader() -> StorageReader:
         return storage_reader if storage_reader is not None else FileSystemReader(checkpoint_id)  # type: ignore[arg-type]
@@ -837,7 +934,7 @@ def load_optimizer(
         objects: dict[str, Any] = {}
         for fqn, value in objects_planner.state_dict.items():
             _set_path(objects, _path_of(metadata, fqn), value)
-        planner = StreamingLoadPlanner(leaf, objects)
+        planner = StreamingLoadPlanner(leaf, objects, chunk_bytes=chunk_bytes)
         with _quiet_no_dist():
             dcp.load(
                 {},
@@ -849,7 +946,7 @@ def load_optimizer(
     except CheckpointException as exc:
         _raise_ours(exc)
         raise
-    _apply(leaf, planner)
+    _apply(optimizer, leaf, planner)
 
 
 def _set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:

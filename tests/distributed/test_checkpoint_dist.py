@@ -47,16 +47,8 @@ def _train(opt: Any, params: list[torch.nn.Parameter], steps: int, seed: int = 1
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=g)
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
         opt.step()
-
-
-def _holder_cls() -> type:
-    try:
-        from test_checkpoint import ToyPrecisionMomentum
-    except ImportError:  # tests/ imported as a package
-        from tests.test_checkpoint import ToyPrecisionMomentum  # type: ignore[no-redef]
-    return ToyPrecisionMomentum
 
 
 def _trained_adam() -> torch.optim.Optimizer:
@@ -67,17 +59,38 @@ def _trained_adam() -> torch.optim.Optimizer:
 
 
 def _trained_holder() -> Any:
-    params = _params(seed=2)
-    opt = _holder_cls()(params, lr=0.05)
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params(seed=2)]
+    opt = PrecisionAwareAdamW(
+        params,
+        lr=0.05,
+        master_weights=True,
+        exp_avg_dtype=torch.float16,
+        exp_avg_sq_dtype=torch.uint8,
+    )
     _train(opt, params, 2)
     return opt
+
+
+def _fresh_holder(lr: float = 3.0) -> Any:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params(seed=2)]
+    return PrecisionAwareAdamW(
+        params,
+        lr=lr,
+        master_weights=True,
+        exp_avg_dtype=torch.float16,
+        exp_avg_sq_dtype=torch.uint8,
+    )
 
 
 def _holder_storage(opt: Any) -> list[torch.Tensor]:
     out = []
     for p in opt.param_groups[0]["params"]:
-        out += [opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]]
-        out.append(opt.scales[(id(p), "exp_avg_sq")])
+        for name in ("exp_avg", "exp_avg_sq", "master_param"):
+            out += [opt.state[p][name], opt.get_unscaled_state(p, name)]
     return out
 
 
@@ -143,7 +156,7 @@ def _load_on_two_ranks(rank: int, root: str) -> None:
         load_optimizer(fresh, Path(root, name))
         _assert_sd_equal(fresh.state_dict(), expected.state_dict())
 
-    holder = _holder_cls()(_params(seed=2), lr=3.0)
+    holder = _fresh_holder()
     load_optimizer(holder, Path(root, "holder"))
     for a, b in zip(_holder_storage(holder), _holder_storage(_trained_holder()), strict=True):
         assert torch.equal(a, b)
@@ -249,7 +262,7 @@ def test_two_ranks_save_one_process_loads(world: Path) -> None:
     _assert_sd_equal(scaffold, expected.state_dict())
 
     holder = _trained_holder()
-    fresh_holder = _holder_cls()(_params(seed=2), lr=3.0)
+    fresh_holder = _fresh_holder()
     load_optimizer(fresh_holder, tmp_path / "holder")
     for a, b in zip(_holder_storage(fresh_holder), _holder_storage(holder), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
