@@ -719,3 +719,34 @@ def test_hybrid_offload_without_state_loads_through_its_loader(tmp_path: Path) -
     fresh, _ = _hybrid(seed=1)
     load_optimizer(fresh, tmp_path)
     assert_state_dicts_equal(fresh.state_dict(), opt.state_dict())
+
+
+class AdoptingHolder(ToyWholeTensorHolder):
+    """A holder whose set_scaled_state keeps the caller's FP32 tensor as its storage."""
+
+    name_to_dtype_map = {"exp_avg": torch.float32, "exp_avg_sq": torch.float16}
+
+    def _encode(self, p: torch.Tensor, name: str, x: torch.Tensor) -> None:
+        if name == "exp_avg":
+            self.state[p][name] = x  # adopted, not copied
+            return
+        super()._encode(p, name, x)
+
+    def set_scaled_state(self, p: torch.Tensor, name: str, x: torch.Tensor) -> None:
+        self.calls["set"] += 1
+        self._encode(p, name, x if name == "exp_avg" else x.clone())
+
+    def _decode(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        if name == "exp_avg":
+            return self.state[p][name]
+        return super()._decode(p, name)
+
+
+def test_an_adopted_accumulator_is_not_released(tmp_path: Path) -> None:
+    params = _params(HOLDER_SHAPES)
+    opt = AdoptingHolder(params)
+    _train(opt, params, 2)
+    save_optimizer(opt, tmp_path)
+    fresh = AdoptingHolder([torch.nn.Parameter(p.detach().clone()) for p in params])
+    load_optimizer(fresh, tmp_path)  # no live state: exp_avg goes through set_scaled_state
+    assert_state_dicts_equal(fresh.state_dict(), opt.state_dict())

@@ -725,7 +725,15 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             holder.write_scaled_state_chunked(target.param, target.name, source, chunk_numel)
         else:
             holder.set_scaled_state(target.param, target.name, source)
-        del source
+        # The reader still holds a view of the accumulator until it reads its next item; free
+        # the memory now (nothing reads that view again) unless the holder adopted it.
+        pointer = source.untyped_storage().data_ptr()
+        stored = holder.state.get(target.param, {}).values()
+        if not any(
+            isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == pointer
+            for t in stored
+        ):
+            source.untyped_storage().resize_(0)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Never planned: objects were read beforehand."""

@@ -1,0 +1,1 @@
+"""Benchmarks: each module has run(quick) -> Markdown; python -m wrapped_optim.bench.<topic>."""
