@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
 )
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -357,7 +358,7 @@ class StreamingSavePlanner(DefaultSavePlanner):
         else:
             source = narrow_tensor_by_index(obj.detach(), chunk.offsets, chunk.sizes)
             data = _owned_cpu_copy(source)
-            if data is source or data is obj or data.untyped_storage() is obj.untyped_storage():
+            if data is source:
                 return data  # the live tensor itself: nothing of ours to release
         self.peak_chunk_bytes = max(self.peak_chunk_bytes, data.nbytes)
         if self.release_after_write:
@@ -404,9 +405,10 @@ def _serial_writer(writer: StorageWriter) -> Iterator[bool]:
     free one that is not written yet. Only the serial path is known to write each item before
     resolving the next, so the copy-ahead is turned off for the save.
     """
-    if not isinstance(writer, FileSystemWriter) or str(
-        getattr(writer, "serialization_format", "")
-    ) not in ("SerializationFormat.TORCH_SAVE",):
+    if (
+        not isinstance(writer, FileSystemWriter)
+        or getattr(writer, "serialization_format", None) != SerializationFormat.TORCH_SAVE
+    ):
         yield False
         return
     with ExitStack() as stack:
