@@ -256,6 +256,15 @@ def test_remainder_split_join_bit_arithmetic(ints: list[int]) -> None:
     assert np.array_equal(rem.numpy().view(np.uint16), ref_lo)
     joined = codecs.join_master(hi, rem)
     assert np.array_equal(joined.view(torch.int32).numpy().view(np.uint32), bits)
+    into = torch.full_like(master, 7.0)
+    codecs.join_master(hi, rem, out=into)  # the allocation-free forms used by the step
+    assert torch.equal(into.view(torch.int32), master.view(torch.int32))
+    into.fill_(7.0)
+    codecs.join_master(hi, rem, out=into, scratch=torch.empty(len(ints), dtype=torch.int32))
+    assert torch.equal(into.view(torch.int32), master.view(torch.int32))
+    hi2, rem2 = torch.empty_like(hi), torch.empty_like(rem)
+    codecs.split_master_into(master, hi2, rem2, scratch=torch.empty(len(ints), dtype=torch.int32))
+    assert torch.equal(hi2.view(torch.int16), hi.view(torch.int16)) and torch.equal(rem2, rem)
     assert np.array_equal(ref_join(ref_hi, ref_lo), bits)
 
 

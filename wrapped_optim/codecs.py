@@ -64,6 +64,7 @@ __all__ = [
     "join_master",
     "scale_from_amax",
     "split_master",
+    "split_master_into",
     "storage_range",
 ]
 
@@ -233,15 +234,17 @@ def encode_into(
         >>> out
         tensor([1., 2.], dtype=torch.bfloat16)
     """
-    _check_dtype(dtype)
     if out.dtype != dtype:
+        _check_dtype(dtype)
         raise ValueError(f"storage tensor has dtype {out.dtype}, expected {dtype}")
-    if x.numel() != out.numel():
-        raise ValueError(f"encode_into: {x.numel()} values for {out.numel()} storage elements")
-    x = x.reshape(out.shape)
-    if not is_scaled(dtype):
-        out.copy_(x)
+    if x.shape != out.shape:
+        if x.numel() != out.numel():
+            raise ValueError(f"encode_into: {x.numel()} values for {out.numel()} storage elements")
+        x = x.reshape(out.shape)
+    if dtype == torch.float32 or dtype == torch.bfloat16:
+        out.copy_(x)  # bf16: torch's cast is round-to-nearest-even
         return
+    _check_dtype(dtype)
     if scale is None:
         raise ValueError(f"encoding into {dtype} needs the tensor's scale")
     mult = encode_multiplier(scale.to(device=out.device, dtype=torch.float32), dtype)
@@ -271,15 +274,27 @@ def decode_into(storage: Tensor, out: Tensor, dtype: torch.dtype, scale: Tensor 
         >>> out
         tensor([0.5000, 1.0000])
     """
-    _check_dtype(dtype)
     if storage.dtype != dtype:
+        _check_dtype(dtype)
         raise ValueError(f"storage tensor has dtype {storage.dtype}, expected {dtype}")
     if out.dtype != torch.float32:
         raise ValueError(f"decode_into writes float32, got an output of dtype {out.dtype}")
-    if storage.numel() != out.numel():
+    if out.shape == storage.shape:
+        view = out
+    elif storage.numel() != out.numel():
         raise ValueError(f"decode_into: {storage.numel()} stored values for {out.numel()} outputs")
-    view = out.view(storage.shape) if out.is_contiguous() else out.reshape(storage.shape)
-    if dtype == FP8_E4M3:
+    else:
+        view = out.view(storage.shape) if out.is_contiguous() else out.reshape(storage.shape)
+    if dtype == torch.float32 or dtype == torch.bfloat16:
+        view.copy_(storage)
+        return
+    _check_dtype(dtype)
+    if dtype == FP8_E4M3 and view.is_contiguous():
+        # torch's E4M3 -> FP32 cast is scalar code (~8 ns/element on CPU); a gather from
+        # the 256-entry table of exactly those casts gives the same bits several times faster.
+        index = storage.reshape(-1).to(torch.int32)
+        torch.index_select(_e4m3_table(view.device), 0, index, out=view.view(-1))
+    elif dtype == FP8_E4M3:
         view.copy_(storage.view(_E4M3))
     else:
         view.copy_(storage)
@@ -289,6 +304,18 @@ def decode_into(storage: Tensor, out: Tensor, dtype: torch.dtype, scale: Tensor 
         view.mul_(decode_multiplier(scale.to(device=out.device, dtype=torch.float32), dtype))
     if view.data_ptr() != out.data_ptr():  # pragma: no cover - reshape of a strided out
         out.copy_(view.reshape(out.shape))
+
+
+_E4M3_TABLES: dict[torch.device, Tensor] = {}
+
+
+def _e4m3_table(device: torch.device) -> Tensor:
+    table = _E4M3_TABLES.get(device)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        table = codes.view(_E4M3).to(torch.float32).to(device)
+        _E4M3_TABLES[device] = table
+    return table
 
 
 def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
@@ -406,14 +433,48 @@ def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
     if master.dtype != torch.float32:
         raise ValueError(f"split_master expects float32, got {master.dtype}")
     bits = master.contiguous().view(torch.int32)
-    low = (bits & 0xFFFF).to(torch.int16)  # wraps: values >= 0x8000 become negative
-    high = torch.bitwise_right_shift(bits, 16).to(torch.int16)
-    high += (low < 0).to(torch.int16)
+    low = bits.to(torch.int16)  # the low 16 bits, sign-extended back below (wrap-around)
+    # bits - sext(low) == (high + [low < 0]) << 16, so one subtraction does TE's rounding.
+    high = torch.sub(bits, low).bitwise_right_shift_(16).to(torch.int16)
     return high.view(torch.bfloat16), low
 
 
-def join_master(param: Tensor, remainder: Tensor, out: Tensor | None = None) -> Tensor:
+def split_master_into(
+    master: Tensor, param: Tensor, remainder: Tensor, *, scratch: Tensor | None = None
+) -> None:
+    """:func:`split_master` writing into existing tensors (a bf16 parameter slice and its
+    int16 remainder slice); ``scratch`` is an optional int32 buffer of the same size.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.codecs import split_master_into
+        >>> param = torch.empty(1, dtype=torch.bfloat16)
+        >>> rem = torch.empty(1, dtype=torch.int16)
+        >>> split_master_into(torch.tensor([1.0]), param, rem)
+        >>> param, rem
+        (tensor([1.], dtype=torch.bfloat16), tensor([0], dtype=torch.int16))
+    """
+    if master.dtype != torch.float32 or param.dtype != torch.bfloat16:
+        raise ValueError("split_master_into expects float32 values and a bf16 parameter")
+    if remainder.dtype != torch.int16:
+        raise ValueError(f"remainder must be int16, got {remainder.dtype}")
+    bits = master.contiguous().view(torch.int32).reshape(remainder.shape)
+    remainder.copy_(bits)  # int32 -> int16 keeps the low 16 bits
+    # Explicit int32 operands: a mixed int32/int16 op would allocate a promoted temporary.
+    high = torch.empty_like(bits) if scratch is None else scratch.view(bits.shape)
+    high.copy_(remainder)  # sign-extends
+    torch.sub(bits, high, out=high)
+    torch.bitwise_right_shift(high, 16, out=high)  # the out= form is the vectorized one
+    param.view(torch.int16).copy_(high.view(param.shape))
+
+
+def join_master(
+    param: Tensor, remainder: Tensor, out: Tensor | None = None, *, scratch: Tensor | None = None
+) -> Tensor:
     """Rebuild FP32 values from a bf16 parameter and its int16 remainder (TE's bit arithmetic).
+
+    With ``out`` (contiguous float32) nothing is allocated when an int32-sized ``scratch``
+    buffer is given too.
 
     Example:
         >>> import torch
@@ -429,9 +490,20 @@ def join_master(param: Tensor, remainder: Tensor, out: Tensor | None = None) -> 
         )
     if param.numel() != remainder.numel():
         raise ValueError("parameter and remainder have different sizes")
-    high = param.contiguous().view(torch.int16) - (remainder < 0).to(torch.int16)
-    bits = torch.bitwise_left_shift(high.to(torch.int32), 16)
-    bits |= remainder.to(torch.int32) & 0xFFFF
+    # (high << 16) + sext(remainder) == (high - [remainder < 0]) << 16 | (remainder & 0xFFFF)
+    if out is not None and out.is_contiguous() and out.dtype == torch.float32:
+        bits = out.view(torch.int32).view(param.shape)
+        bits.copy_(param.view(torch.int16))
+        torch.bitwise_left_shift(bits, 16, out=bits)  # the out= form is the vectorized one
+        if scratch is None:
+            bits.add_(remainder.reshape(bits.shape))
+        else:  # an int32 copy of the remainder avoids a promoted temporary
+            low = scratch.view(torch.int32).view(bits.shape)
+            low.copy_(remainder.reshape(bits.shape))
+            bits.add_(low)
+        return out
+    bits = torch.bitwise_left_shift(param.contiguous().view(torch.int16).to(torch.int32), 16)
+    bits.add_(remainder.reshape(bits.shape))
     values = bits.view(torch.float32).reshape(param.shape)
     if out is None:
         return values

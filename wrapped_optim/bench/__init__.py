@@ -1,1 +1,1 @@
-"""Benchmarks: each module has run(quick) -> Markdown; python -m wrapped_optim.bench.<topic>."""
+"""Benchmarks: each module's ``run(quick)`` returns a Markdown section of measured numbers."""

@@ -23,6 +23,8 @@ from wrapped_optim import codecs
 __all__ = ["PrecisionAwareAdamW"]
 
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
+# Devices with torch's fused (single-pass) Adam/AdamW kernels.
+_FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu")
 _MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 
 _DTENSOR_TYPES: tuple[type, ...]
@@ -94,7 +96,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         exp_avg_sq_dtype: torch.dtype = torch.float32,
         use_decoupled_grad: bool = False,
         store_param_remainders: bool = False,
-        chunk_numel: int = 1 << 15,
+        chunk_numel: int = 1 << 16,
+        fused: bool | None = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError("PrecisionAwareAdamW (like FusedAdam) does not support AMSGrad.")
@@ -155,12 +158,16 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             store_param_remainders and master_weights and master_weight_dtype == torch.float32
         )
         self.chunk_numel = chunk_numel
+        self.fused = fused
         self._scales: dict[Tensor, dict[str, Tensor]] = {}
+        self._scratch: dict[torch.device, Tensor] = {}  # step workspace, never saved
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's Optimizer pickles only defaults/state/param_groups; our configuration and
         # scales are part of the optimizer too (copy.deepcopy and pickle must keep them).
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        state["_scratch"] = {}
+        return state
 
     # ------------------------------------------------------------------ format helpers
 
@@ -340,8 +347,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             tensor([1., 3.], dtype=torch.bfloat16)
         """
         local = self._check_source(param, state_name, unscaled_state, "unscaled_state")
-        flat = local.reshape(-1)
-        self._encode_from(param, state_name, flat, max(flat.numel(), 1))
+        # Slices bound the temporaries; the result does not depend on the slice size.
+        self._encode_from(param, state_name, local.reshape(-1), max(self.chunk_numel, 1 << 20))
 
     def read_unscaled_state_chunk(
         self, param: Tensor, state_name: str, start: int, out: Tensor
@@ -434,6 +441,43 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 elif grad is not None:
                     grad.zero_()
 
+    def _fused_math(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        exp_avgs: list[Tensor],
+        exp_avg_sqs: list[Tensor],
+        group: dict[str, Any],
+        steps: list[Tensor],
+    ) -> None:
+        """torch's single-pass AdamW (L2 Adam without ``adam_w_mode``) kernel.
+
+        Algebraically TE's update (``p * (1 - lr * wd) - lr * step`` is ``p - lr * (step +
+        wd * p)``); the rounding of the FP32 arithmetic differs in the last bits.
+        """
+        beta1, beta2 = group["betas"]
+        fused = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
+        fused(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+            eps=group["eps"], amsgrad=False, maximize=False,
+        )  # fmt: skip
+
+    def _use_fused(self, device: torch.device, group: dict[str, Any]) -> bool:
+        if self.fused is False or not group["bias_correction"]:
+            return False
+        supported = device.type in _FUSED_DEVICES
+        if self.fused and not supported:
+            raise RuntimeError(f"fused=True, but torch has no fused AdamW kernel for {device}")
+        return supported
+
+    def _scratch_for(self, device: torch.device, numel: int) -> Tensor:
+        buf = self._scratch.get(device)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+            self._scratch[device] = buf
+        return buf[:numel]
+
     def _grad_of(self, param: Tensor) -> Tensor | None:
         if self.use_decoupled_grad:
             grad: Tensor | None = getattr(param, "decoupled_grad", None)
@@ -462,6 +506,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if not group["params"]:
                 continue
             group["step"] = group.get("step", 0) + 1
+            # Parameters whose state needs no conversion go to torch's fused kernel together,
+            # one call per (device, dtype), as torch.optim.AdamW(fused=True) does.
+            batches: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, ...]]] = {}
             for p in group["params"]:
                 if not self.state[p]:
                     self.initialize_state(p)
@@ -475,10 +522,40 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                         "PrecisionAwareAdamW supports fp32, fp16 and bf16 parameters, "
                         f"got {p.dtype}"
                     )
-                self._update(p, grad, group)
+                views = self._direct_views(p, grad, group)
+                if views is None:
+                    self._update(p, grad, group)
+                else:
+                    batches.setdefault((views[0].device, views[0].dtype), []).append(views)
+            for (device, _), items in batches.items():
+                step = torch.tensor(float(group["step"]), dtype=torch.float32, device=device)
+                ps, gs, ms, vs = (list(column) for column in zip(*items, strict=True))
+                self._fused_math(ps, gs, ms, vs, group, [step] * len(ps))
         return loss
 
+    def _direct_views(
+        self, param: Tensor, grad: Tensor, group: dict[str, Any]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """(param, grad, exp_avg, exp_avg_sq) when torch's fused kernel can update them as
+        stored: FP32 param and moments, or bf16 param, grad and moments (the kernel loads
+        bf16 to FP32, updates and stores with round-to-nearest-even: decode -> FP32 update
+        -> encode in one pass). None when a master copy or a scaled format is involved."""
+        p = _local(param)
+        g = _local(grad)
+        state = self.state[param]
+        if "master_param" in state or not p.is_contiguous() or g.device != p.device:
+            return None
+        if not self._use_fused(p.device, group):
+            return None
+        if p.dtype not in (torch.float32, torch.bfloat16) or g.dtype != p.dtype:
+            return None
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        if m.dtype != p.dtype or v.dtype != p.dtype:
+            return None
+        return p, g.reshape(p.shape).contiguous(), m, v
+
     def _update(self, param: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
+        """One parameter, slice by slice: expand each slice of state to FP32, update, store."""
         p_local = _local(param)
         g_flat = _local(grad).reshape(-1)
         n = p_local.numel()
@@ -498,16 +575,18 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         wd = group["weight_decay"]
         eps = group["eps"]
         device = p_local.device
+        dtypes = self.name_to_dtype_map
 
         # How each state is seen in FP32 during the step: "live" (fp32 storage, in place),
-        # "chunk" (bf16: decoded and re-encoded per chunk) or "whole" (fp16/FP8: decoded into
-        # a full FP32 buffer, re-encoded after the update with a fresh amax, as TE does).
+        # "chunk" (bf16: decoded and re-encoded per slice), "whole" (fp16/FP8: decoded into a
+        # full FP32 buffer, re-encoded after the update with a fresh amax, as TE does) or
+        # "remainder" (the master is rebuilt per slice from the bf16 param and its remainder).
         whole: dict[str, Tensor] = {}
         mode: dict[str, str] = {}
         for name in _STATE_NAMES:
             if name not in state:
                 continue
-            dtype = self.name_to_dtype_map[name]
+            dtype = dtypes[name]
             if name == "master_param" and self._uses_remainder(param):
                 mode[name] = "remainder"
             elif dtype == torch.float32:
@@ -517,22 +596,38 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 whole[name] = codecs.decode(state[name], dtype, self._scale(param, name)).view(-1)
             else:
                 mode[name] = "chunk"
+        flat = {name: state[name].view(-1) for name in mode}
         fp32_param = param.dtype == torch.float32
         master = None if fp32_param else mode.get("master_param")
+        m_mode, v_mode = mode["exp_avg"], mode["exp_avg_sq"]
+        fused_step = None
+        if self._use_fused(device, group):
+            fused_step = torch.tensor(float(step), dtype=torch.float32, device=device)
 
-        c = min(self.chunk_numel, max(n, 1))
-        scratch = [torch.empty(c, dtype=torch.float32, device=device) for _ in range(6)]
-        g_buf, m_buf, v_buf, p_buf, t1, t2 = scratch
+        # Nothing to convert per slice (all FP32 views, FP32 grad): one pass over the tensor.
+        direct = (
+            m_mode in ("live", "whole")
+            and v_mode in ("live", "whole")
+            and (master in ("live", "whole") or (master is None and fp32_param))
+            and g_flat.dtype == torch.float32
+            and g_flat.device == device
+        )
+        c = max(n, 1) if direct else min(self.chunk_numel, max(n, 1))
+        # Six FP32 slice buffers, kept between steps: allocating them afresh costs page faults.
+        b = 0 if direct else c  # slice buffers
+        t = c if fused_step is None or master == "remainder" else 0  # temporaries
+        scratch = self._scratch_for(device, 4 * b + 2 * t)
+        g_buf, m_buf, v_buf, p_buf = (scratch[i * b : (i + 1) * b] for i in range(4))
+        t1, t2 = scratch[4 * b : 4 * b + t], scratch[4 * b + t :]
+        bits_buf = t1.view(torch.int32)  # only the remainder split uses it, t1 is free then
 
-        def fp32_view(name: str, s: int, e: int, buf: Tensor) -> Tensor:
-            kind = mode[name]
+        def fp32_view(name: str, kind: str, s: int, e: int, buf: Tensor) -> Tensor:
             if kind == "live":
-                view: Tensor = state[name].view(-1)[s:e]
-                return view
+                return flat[name][s:e]
             if kind == "whole":
                 return whole[name][s:e]
             out = buf[: e - s]
-            codecs.decode_into(state[name].view(-1)[s:e], out, self.name_to_dtype_map[name], None)
+            codecs.decode_into(flat[name][s:e], out, dtypes[name], None)
             return out
 
         for s, e in codecs.chunk_bounds(n, c):
@@ -540,50 +635,51 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             g = g_flat[s:e]
             if g.dtype != torch.float32 or g.device != device:
                 g = g_buf[:k].copy_(g)
-            m = fp32_view("exp_avg", s, e, m_buf)
-            v = fp32_view("exp_avg_sq", s, e, v_buf)
+            m = fp32_view("exp_avg", m_mode, s, e, m_buf)
+            v = fp32_view("exp_avg_sq", v_mode, s, e, v_buf)
             if master is None:
                 p32 = p_flat[s:e] if fp32_param else p_buf[:k].copy_(p_flat[s:e])
             elif master == "remainder":
-                p32 = codecs.join_master(p_flat[s:e], state["master_param"].view(-1)[s:e])
+                p32 = codecs.join_master(
+                    p_flat[s:e], flat["master_param"][s:e], out=p_buf[:k], scratch=t2[:k]
+                )
             else:
-                p32 = fp32_view("master_param", s, e, p_buf)
+                p32 = fp32_view("master_param", master, s, e, p_buf)
 
-            if not self.adam_w_mode and wd != 0:
-                g = torch.add(g, p32, alpha=wd, out=t1[:k])  # never into the caller's grad
-            m.mul_(beta1).add_(g, alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = torch.div(v, bc2, out=t1[:k]).sqrt_().add_(eps)
-            update = torch.div(m, bc1, out=t2[:k]).div_(denom)
-            if self.adam_w_mode and wd != 0:
-                update.add_(p32, alpha=wd)
-            p32.sub_(update.mul_(lr))
+            if fused_step is not None:
+                self._fused_math([p32], [g], [m], [v], group, [fused_step])
+            else:  # TE's form, elementwise
+                if not self.adam_w_mode and wd != 0:
+                    g = torch.add(g, p32, alpha=wd, out=t1[:k])  # never into the caller's grad
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = torch.div(v, bc2, out=t1[:k]).sqrt_().add_(eps)
+                update = torch.div(m, bc1, out=t2[:k]).div_(denom)
+                if self.adam_w_mode and wd != 0:
+                    update.add_(p32, alpha=wd)
+                p32.sub_(update.mul_(lr))
 
-            for name, buf in (("exp_avg", m), ("exp_avg_sq", v)):
-                if mode[name] == "chunk":
-                    dtype = self.name_to_dtype_map[name]
-                    codecs.encode_into(buf, state[name].view(-1)[s:e], dtype, None)
+            if m_mode == "chunk":
+                codecs.encode_into(m, flat["exp_avg"][s:e], dtypes["exp_avg"])
+            if v_mode == "chunk":
+                codecs.encode_into(v, flat["exp_avg_sq"][s:e], dtypes["exp_avg_sq"])
             if master == "remainder":
-                hi, rem = codecs.split_master(p32)
-                p_flat[s:e].copy_(hi)
-                state["master_param"].view(-1)[s:e].copy_(rem)
-            elif master is not None:
-                if mode["master_param"] == "chunk":  # pragma: no cover - bf16 masters rejected
-                    raise AssertionError
-                p_flat[s:e].copy_(p32)
+                codecs.split_master_into(
+                    p32, p_flat[s:e], flat["master_param"][s:e], scratch=bits_buf[:k]
+                )
             elif not fp32_param:
-                p_flat[s:e].copy_(p32)
+                p_flat[s:e].copy_(p32)  # round-to-nearest-even into the bf16/fp16 param
 
         if fp32_param and "master_param" in state:
             # TE leaves an fp32 parameter's master untouched; we keep it equal to the param.
             if mode["master_param"] == "whole":
                 whole["master_param"].copy_(p_flat)
             elif mode["master_param"] == "live":
-                state["master_param"].view(-1).copy_(p_flat)
+                flat["master_param"].copy_(p_flat)
         for name, buf in whole.items():
-            dtype = self.name_to_dtype_map[name]
+            dtype = dtypes[name]
             scale = codecs.scale_from_amax(codecs.amax_of(buf), dtype)
-            codecs.encode_into(buf, state[name].view(-1), dtype, scale, overwrite_x=True)
+            codecs.encode_into(buf, flat[name], dtype, scale, overwrite_x=True)
             self._scales[param][name].copy_(scale)
         if not contiguous:
             p_local.copy_(p_work)
