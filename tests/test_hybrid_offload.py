@@ -314,3 +314,23 @@ def test_load_state_dict_hooks_fire():
     opt.register_load_state_dict_post_hook(lambda o: seen.append("post"))
     opt.load_state_dict(opt.state_dict())
     assert seen == ["pre", "post"]
+
+
+def test_deepcopy_keeps_the_copies_and_sub_optimizers_consistent():
+    groups = make_params([[(4,), (3,)]], [torch.bfloat16])
+    opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
+    params = all_params(groups)
+    set_grads(params, 0)
+    opt.step()
+    twin = copy.deepcopy(opt)
+    twin_params = all_params(twin.param_groups)
+    assert all(t is not p for t, p in zip(twin_params, params, strict=True))
+    assert set(twin.param_to_inner_param) == set(twin_params)
+    twin_host = twin.gpu_params_map_cpu_copy[twin_params[0]]
+    assert twin.cpu_optimizers[0].param_groups[0]["params"][0] is twin_host
+    set_grads(params, 1)
+    set_grads(twin_params, 1)
+    opt.step()
+    twin.step()
+    for p, t in zip(params, twin_params, strict=True):
+        assert torch.equal(p, t)

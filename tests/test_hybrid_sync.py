@@ -115,6 +115,8 @@ def test_reload_model_params_is_the_explicit_model_only_sync(pretrained):
     ref_losses, ref_weights = reference_finetune(pretrained, 3)
     assert train(model, opt, 3) == ref_losses
     assert_same(weights(model), ref_weights)
+    with pytest.raises(ValueError, match="Megatron optimizer"):
+        opt.reload_model_params(pretrained)
 
 
 def test_on_stale_raise_really_raises_and_steps_nothing(pretrained):
@@ -558,3 +560,31 @@ def test_real_hdo_inside_the_distributed_double(real_hdo_class, pretrained):
             dist.optimizer.param_to_fp32_param[dist._optimizer_param(p)],
             p.detach().view(-1).float(),
         )
+
+
+def test_wrapped_stack_deepcopies_with_its_guard_state():
+    model = make_model(0)
+    opt = HybridSyncOptimizer(hybrid(model), on_stale="raise")
+    train(model, opt, 2)
+    twin = copy.deepcopy(opt)
+    assert twin.on_stale == "raise" and not twin.guard_armed
+    twin_inner = twin.unwrap()
+    twin_params = [p for g in twin_inner.param_groups for p in g["params"]]
+    assert len(twin_params) == 4
+    assert all(twin_inner.param_to_inner_param[p] is not None for p in twin_params)
+    assert hybrid_master_copies(twin)[0].weight is twin_params[0]
+
+
+def test_full_sync_relinks_sub_optimizer_state():
+    """A loader that replaced the exposed state dicts (as Megatron's do) is re-linked."""
+    model = make_model(0)
+    inner = hybrid(model)
+    opt = HybridSyncOptimizer(inner)
+    train(model, opt, 2)
+    p = model[0].weight
+    copy_of_p = inner.param_to_inner_param[p]
+    sub = next(s for s in inner.sub_optimizers if copy_of_p in s.state)
+    inner.state[p] = {k: v.clone() for k, v in inner.state[p].items()}
+    assert sub.state[copy_of_p] is not inner.state[p]
+    opt.sync_from_masters()
+    assert sub.state[copy_of_p] is inner.state[p]

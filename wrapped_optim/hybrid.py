@@ -81,12 +81,33 @@ class HybridSyncOptimizer(OptimizerWrapper):
 
     @property
     def hybrid_optimizers(self) -> list[Any]:
-        """The hybrid offload optimizers this wrapper keeps in sync."""
+        """The hybrid offload optimizers this wrapper keeps in sync.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+            >>> inner = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(2))])
+            >>> HybridSyncOptimizer(inner).hybrid_optimizers == [inner]
+            True
+        """
         return find_hybrid_offload(self.inner)
 
     @property
     def guard_armed(self) -> bool:
-        """Whether the next step first checks the masters against the model weights."""
+        """Whether the next step first checks the masters against the model weights.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+            >>> p = torch.nn.Parameter(torch.ones(2))
+            >>> opt = HybridSyncOptimizer(HybridOffloadOptimizer([p]))
+            >>> opt.guard_armed
+            True
+            >>> p.grad = torch.ones(2)
+            >>> opt.step()
+            >>> opt.guard_armed
+            False
+        """
         return self._guard_armed
 
     def _extra_repr(self) -> str:
@@ -165,6 +186,12 @@ class HybridSyncOptimizer(OptimizerWrapper):
         reload = getattr(self.inner, "reload_model_params", None)
         if callable(reload):
             reload() if state_dict is None else reload(state_dict)
+        elif state_dict is not None:
+            raise ValueError(
+                "reload_model_params(state_dict) reloads main params from a model checkpoint "
+                "through a Megatron optimizer; this stack has none — load the weights into the "
+                "model and call reload_model_params()"
+            )
         for entry in hybrid_master_copies(self.inner):
             entry.refresh_from_weight()
         self._guard_armed = False

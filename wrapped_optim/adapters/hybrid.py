@@ -75,7 +75,14 @@ class MasterCopies:
     copies: tuple[torch.Tensor, ...] = ()
 
     def levels(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The master and each copy, with a label."""
+        """The master and each copy, with a label.
+
+        Example:
+            >>> import torch
+            >>> entry = MasterCopies("w", torch.ones(1), torch.ones(1), (torch.ones(1),))
+            >>> [label for label, _ in entry.levels()]
+            ['master', 'copy 0']
+        """
         yield "master", self.master
         for index, copy in enumerate(self.copies):
             yield f"copy {index}", copy
@@ -85,6 +92,12 @@ class MasterCopies:
         """Labels of the levels that, rounded to the model dtype, differ from the weight.
 
         One comparison per level, on the level's device (the weight moves, never the copy).
+
+        Example:
+            >>> import torch
+            >>> w = torch.tensor([1.0], dtype=torch.bfloat16)
+            >>> MasterCopies("w", w, torch.tensor([1.0001])).stale_levels()  # rounds to w
+            []
         """
         stale = []
         for label, level in self.levels():
@@ -96,13 +109,30 @@ class MasterCopies:
 
     @torch.no_grad()
     def refresh_from_weight(self) -> None:
-        """Model-only sync: every level takes the value of the model weight."""
+        """Model-only sync: every level takes the value of the model weight.
+
+        Example:
+            >>> import torch
+            >>> entry = MasterCopies("w", torch.ones(2), torch.zeros(2), (torch.zeros(2),))
+            >>> entry.refresh_from_weight()
+            >>> entry.master.tolist(), entry.copies[0].tolist()
+            ([1.0, 1.0], [1.0, 1.0])
+        """
         for _, level in self.levels():
             level.copy_(self.weight.reshape(level.shape))
 
     @torch.no_grad()
     def push_master(self) -> None:
-        """Full-state sync: every copy and the model weight take the master's value."""
+        """Full-state sync: every copy and the model weight take the master's value.
+
+        Example:
+            >>> import torch
+            >>> w = torch.zeros(1, dtype=torch.bfloat16)
+            >>> entry = MasterCopies("w", w, torch.tensor([1.00390625]), (torch.zeros(1),))
+            >>> entry.push_master()
+            >>> w.tolist(), entry.copies[0].tolist()
+            ([1.0], [1.00390625])
+        """
         for copy in self.copies:
             copy.copy_(self.master.reshape(copy.shape))
         self.weight.copy_(self.master.reshape(self.weight.shape))
@@ -260,16 +290,21 @@ def hybrid_master_copies(stack: Any) -> list[MasterCopies]:
 
 
 def push_state_to_sub_optimizers(stack: Any) -> None:
-    """Makes each Megatron HybridDeviceOptimizer's sub-optimizers hold its current state.
+    """Makes each hybrid optimizer's sub-optimizers step the state it exposes.
 
-    Megatron's loaders write restored state into the HDO's ``state`` (keyed by its params);
-    the sub-optimizers step their own ``state`` (keyed by the copies). This re-links each
-    sub-optimizer entry to the HDO's dict, moved to the copy's device. Optimizers that list
-    their copies themselves (:class:`HybridOffloadHolder`) keep these consistent already.
+    Megatron's loaders write restored state into the hybrid optimizer's ``state`` (keyed by
+    its params, possibly on the wrong device: some of its loaders skip the device fix-up); the
+    sub-optimizers step their own ``state`` (keyed by the copies). This moves every state
+    tensor but ``step`` to its copy's device and re-links each sub-optimizer entry to the
+    exposed dict.
+
+    Example:
+        >>> import torch
+        >>> push_state_to_sub_optimizers(torch.optim.SGD([torch.ones(1)], lr=1))  # no HDO: no-op
     """
     for leaf in _hybrid_leaves(stack):
         hdo = leaf.optimizer
-        if not _is_megatron_hdo(hdo) or isinstance(hdo, HybridOffloadHolder):
+        if not _is_megatron_hdo(hdo):
             continue
         orig_of = getattr(hdo, "inner_param_to_orig_param", {})
         for sub in hdo.sub_optimizers:
@@ -277,12 +312,17 @@ def push_state_to_sub_optimizers(stack: Any) -> None:
                 for copy in group["params"]:
                     orig = orig_of.get(copy, copy)
                     state = hdo.state.get(orig)
-                    if not state or sub.state.get(copy) is state:
+                    if not state:
                         continue
                     for key, value in list(state.items()):
-                        if isinstance(value, torch.Tensor) and key != "step":
+                        if (
+                            isinstance(value, torch.Tensor)
+                            and key != "step"
+                            and value.device != copy.device
+                        ):
                             state[key] = value.to(copy.device)
-                    sub.state[copy] = state
+                    if sub.state.get(copy) is not state:
+                        sub.state[copy] = state
 
 
 def restore_omitted_state(state_dict: Any) -> Any:

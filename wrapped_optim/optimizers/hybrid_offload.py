@@ -158,7 +158,14 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
 
     @property
     def sub_optimizers(self) -> list[torch.optim.Optimizer]:
-        """The host sub-optimizer (if any parameter is offloaded), then the device one."""
+        """The host sub-optimizer (if any parameter is offloaded), then the device one.
+
+        Example:
+            >>> import torch
+            >>> params = [torch.nn.Parameter(torch.ones(2)) for _ in range(2)]
+            >>> len(HybridOffloadOptimizer(params, offload_fraction=0.5).sub_optimizers)
+            2
+        """
         subs = list(self.cpu_optimizers)
         if self.gpu_optimizer is not None:
             subs.append(self.gpu_optimizer)
@@ -171,7 +178,16 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         return pairs
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Adds a group while constructing; afterwards the layout is fixed (build a new one)."""
+        """Adds a group while constructing; afterwards the layout is fixed (build a new one).
+
+        Example:
+            >>> import torch
+            >>> opt = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(2))])
+            >>> opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+            ... # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            RuntimeError: HybridOffloadOptimizer decides its offload layout at construction; ...
+        """
         if self._built:
             raise RuntimeError(
                 "HybridOffloadOptimizer decides its offload layout at construction; "
@@ -221,6 +237,15 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         """Copies grads to the copies, steps both sub-optimizers, copies the results back.
 
         A closure is evaluated once, before the sub-optimizers step.
+
+        Example:
+            >>> import torch
+            >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+            >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.5, weight_decay=0.0)
+            >>> p.grad = torch.ones(2, dtype=torch.bfloat16)
+            >>> opt.step()
+            >>> p.tolist()
+            [0.5, 0.5]
         """
         loss = None
         if closure is not None:
@@ -325,11 +350,29 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------
     # Checkpoints
     # ------------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's Optimizer pickles only defaults/state/param_groups; the copies, their maps
+        # and the sub-optimizers are part of this optimizer. Hooks are dropped, as torch does.
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict; rebuilds copies and sub-optimizers, then pushes the state in.
 
         Every check happens before the first change: a rejected payload leaves the optimizer
         exactly as it was, and the payload's tensors are copied, never adopted.
+
+        Example:
+            >>> import torch
+            >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+            >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0)
+            >>> p.grad = torch.ones(2, dtype=torch.bfloat16)
+            >>> opt.step()
+            >>> saved = opt.state_dict()
+            >>> twin = HybridOffloadOptimizer([torch.nn.Parameter(p.detach().clone())])
+            >>> twin.load_state_dict(saved)
+            >>> twin_master = twin.state[twin.param_groups[0]["params"][0]]["master_param"]
+            >>> torch.equal(twin_master, opt.state[p]["master_param"])
+            True
         """
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
