@@ -1,0 +1,138 @@
+"""StagedCheckpointOptimizer: optimizer checkpoints in bounded device memory.
+
+A precision-aware optimizer stores its moments compressed (bf16, fp16, FP8) but checkpoints
+them as FP32. Built naively, a state dict expands every state on the device and keeps all
+expansions alive until the dict is complete, and a load makes whole FP32 copies on the
+device. This wrapper scopes three changes of the optimizers it decorates to the checkpoint
+calls only (see :mod:`wrapped_optim.staging` for the engine): save staging to the host,
+chunked compressed loads and FP32 no-copy loads. The checkpoint format does not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from wrapped_optim.staging import StagingStats, fp32_no_copy_load, staged_load, staged_save
+from wrapped_optim.wrapper import OptimizerWrapper
+
+__all__ = ["StagedCheckpointOptimizer"]
+
+
+class StagedCheckpointOptimizer(OptimizerWrapper):
+    """Checkpoints the wrapped stack with at most one chunk of expanded state on the device.
+
+    Args:
+        inner: the optimizer to decorate: a torch optimizer (e.g. ``PrecisionAwareAdamW``),
+            a Megatron optimizer or ChainedOptimizer, or another wrapper.
+        chunk_bytes: device bytes one chunk of FP32 expansion may take (default 64 MiB).
+        stage_save: stage precision-aware state to the host in ``state_dict``,
+            ``sharded_state_dict`` and ``load_state_dict`` (Megatron builds its loading
+            scaffold by calling ``state_dict``).
+        no_copy_load: let standard FP32 distributed Adams adopt loaded tensors.
+        chunked_load: quantize FP32 checkpoint state into compressed storage chunk by chunk.
+
+    ``last_stats`` records what the engine did in the latest checkpoint call.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.staged import StagedCheckpointOptimizer
+        >>> p = torch.nn.Parameter(torch.ones(3))
+        >>> opt = StagedCheckpointOptimizer(torch.optim.AdamW([p], lr=0.1), chunk_bytes=1 << 20)
+        >>> p.grad = torch.ones(3)
+        >>> opt.step()
+        >>> sorted(opt.state_dict()["state"][0])
+        ['exp_avg', 'exp_avg_sq', 'step']
+        >>> print(repr(opt).replace(", ", ",\\n"))
+        StagedCheckpointOptimizer(chunk_bytes=1048576,
+        stage_save=True,
+        no_copy_load=True,
+        chunked_load=True)
+        └─ AdamW(param_groups=1)
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        chunk_bytes: int = 64 << 20,
+        stage_save: bool = True,
+        no_copy_load: bool = True,
+        chunked_load: bool = True,
+    ) -> None:
+        super().__init__(inner)
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
+            raise TypeError(f"chunk_bytes must be an int, got {type(chunk_bytes).__name__}")
+        if chunk_bytes < 4:
+            raise ValueError(
+                f"chunk_bytes must be at least 4 (one FP32 element), got {chunk_bytes}"
+            )
+        self.__dict__["chunk_bytes"] = chunk_bytes
+        self.__dict__["stage_save"] = bool(stage_save)
+        self.__dict__["no_copy_load"] = bool(no_copy_load)
+        self.__dict__["chunked_load"] = bool(chunked_load)
+        self.__dict__["last_stats"] = StagingStats()
+
+    chunk_bytes: int
+    stage_save: bool
+    no_copy_load: bool
+    chunked_load: bool
+    last_stats: StagingStats
+
+    @contextlib.contextmanager
+    def _saving(self, stats: StagingStats) -> Iterator[None]:
+        if self.stage_save:
+            with staged_save(self.inner, chunk_bytes=self.chunk_bytes, stats=stats):
+                yield
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def _loading(self, stats: StagingStats) -> Iterator[None]:
+        with contextlib.ExitStack() as scopes:
+            scopes.enter_context(self._saving(stats))
+            if self.chunked_load:
+                scopes.enter_context(
+                    staged_load(self.inner, chunk_bytes=self.chunk_bytes, stats=stats)
+                )
+            if self.no_copy_load:
+                scopes.enter_context(fp32_no_copy_load(self.inner, stats=stats))
+            yield
+
+    def _new_stats(self) -> StagingStats:
+        stats = StagingStats()
+        self.__dict__["last_stats"] = stats
+        return stats
+
+    def _state_dict(self) -> dict[str, Any]:
+        with self._saving(self._new_stats()):
+            return super()._state_dict()
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        with self._loading(self._new_stats()):
+            super()._load_state_dict(state_dict)
+
+    def sharded_state_dict(
+        self, model_sharded_state_dict: Any = None, is_loading: bool = False, **kwargs: Any
+    ) -> Any:
+        """Megatron's ``sharded_state_dict`` of the wrapped stack, staged.
+
+        With ``is_loading=True`` Megatron also loads its scaffold into the inner optimizer,
+        so the loading scopes apply as well.
+        """
+        inner_method = getattr(self.inner, "sharded_state_dict", None)
+        if inner_method is None:
+            raise AttributeError(
+                f"{type(self.inner).__name__} has no sharded_state_dict (not a Megatron optimizer)"
+            )
+        stats = self._new_stats()
+        scope = self._loading(stats) if is_loading else self._saving(stats)
+        with scope:
+            return inner_method(model_sharded_state_dict, is_loading, **kwargs)
+
+    def _extra_repr(self) -> str:
+        return (
+            f"chunk_bytes={self.chunk_bytes}, stage_save={self.stage_save}, "
+            f"no_copy_load={self.no_copy_load}, chunked_load={self.chunked_load}"
+        )
