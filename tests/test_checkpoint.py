@@ -750,3 +750,28 @@ def test_an_adopted_accumulator_is_not_released(tmp_path: Path) -> None:
     fresh = AdoptingHolder([torch.nn.Parameter(p.detach().clone()) for p in params])
     load_optimizer(fresh, tmp_path)  # no live state: exp_avg goes through set_scaled_state
     assert_state_dicts_equal(fresh.state_dict(), opt.state_dict())
+
+
+def test_staged_and_hybrid_sync_stacks_interoperate_with_their_own_state_dicts(
+    tmp_path: Path,
+) -> None:
+    from wrapped_optim.hybrid import HybridSyncOptimizer
+    from wrapped_optim.staged import StagedCheckpointOptimizer
+
+    opt, params = _pa("bf16_params_fp32_master")
+    stack = HybridSyncOptimizer(StagedCheckpointOptimizer(opt, chunk_bytes=256))
+    _pa_train(stack, params, 2)
+    save_optimizer(stack, tmp_path / "stream", chunk_bytes=128)
+    _plain_save(stack, tmp_path / "plain")  # the stack's own (staged) state dict
+
+    scaffold = copy.deepcopy(stack.state_dict())
+    for entries in scaffold["state"].values():
+        for value in entries.values():
+            value.zero_()
+    _plain_load(scaffold, tmp_path / "stream")
+    assert_state_dicts_equal(scaffold, opt.state_dict())
+
+    for name in ("stream", "plain"):
+        twin, _ = _pa("bf16_params_fp32_master", seed=8)
+        load_optimizer(HybridSyncOptimizer(StagedCheckpointOptimizer(twin)), tmp_path / name)
+        _assert_same_pa_storage(twin, opt)
