@@ -116,17 +116,6 @@ def _compressed_names(leaf: Any) -> frozenset[str]:
     )
 
 
-def _refuse_sharded_holder(leaf: Any) -> None:
-    if is_precision_aware_holder(leaf) and any(
-        isinstance(p, DTensor) for g in leaf.param_groups for p in g["params"]
-    ):
-        raise NotImplementedError(
-            f"{type(leaf).__name__} holds DTensor (FSDP2) parameters: streaming checkpoints "
-            "of precision-aware state over sharded parameters are not supported; use "
-            "dcp.save(optimizer.state_dict()) for those"
-        )
-
-
 def _uses_remainder(leaf: Any, param: torch.Tensor, name: str) -> bool:
     """TE's rule: an int16 remainder master beside a bf16 parameter (FP32 master only)."""
     return (
@@ -203,6 +192,28 @@ def _owned_cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _is_meta(value: Any) -> bool:
+    if isinstance(value, DTensor):
+        return bool(value.to_local().is_meta)
+    return isinstance(value, torch.Tensor) and value.is_meta
+
+
+def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor with ``param``'s mesh, placements and global shape."""
+    dparam = cast(Any, param)
+    return cast(
+        torch.Tensor,
+        DTensor.from_local(
+            local,
+            dparam.device_mesh,
+            dparam.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        ),
+    )
+
+
 def _placeholder_state_dict(
     leaf: torch.optim.Optimizer,
 ) -> tuple[dict[str, Any], dict[tuple[int, str], DeferredState]]:
@@ -212,7 +223,6 @@ def _placeholder_state_dict(
     precision-aware contract), so patching that one instance attribute for the duration of
     the call yields the optimizer's exact layout without expanding anything.
     """
-    _refuse_sharded_holder(leaf)
     compressed = _compressed_names(leaf)
     if not compressed:
         return leaf.state_dict(), {}
@@ -221,6 +231,9 @@ def _placeholder_state_dict(
     def placeholder(param: torch.Tensor, state_name: str) -> torch.Tensor:
         if state_name not in compressed:
             return cast(torch.Tensor, original(param, state_name))
+        if isinstance(param, DTensor):  # the local shard's expansion, as a DTensor
+            local = torch.empty(param.to_local().shape, dtype=torch.float32, device="meta")
+            return _like_param(param, local)
         return torch.empty(param.shape, dtype=torch.float32, device="meta")
 
     with patch_attribute(leaf, "get_unscaled_state", placeholder):
@@ -229,7 +242,7 @@ def _placeholder_state_dict(
     deferred: dict[tuple[int, str], DeferredState] = {}
     for index, entries in state_dict.get("state", {}).items():
         for name, value in entries.items():
-            if isinstance(value, torch.Tensor) and value.is_meta:
+            if _is_meta(value):
                 deferred[(int(index), str(name))] = DeferredState(leaf, params[int(index)], name)
     return state_dict, deferred
 
@@ -265,6 +278,38 @@ def _tensor_write_items(
                     chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
                     properties=properties,
                     size=shape,
+                ),
+            )
+        )
+    return items
+
+
+def _shard_write_items(
+    shard: WriteItem, dtype: torch.dtype, chunk_bytes: int | None
+) -> list[WriteItem]:
+    """``shard`` (one rank's DTensor shard) split into row chunks of its own rows."""
+    assert shard.tensor_data is not None
+    data = shard.tensor_data
+    origin, sizes = data.chunk.offsets, data.chunk.sizes
+    ranges = _row_ranges(sizes, torch.empty((), dtype=dtype).element_size(), chunk_bytes)
+    properties = TensorProperties(dtype=dtype)
+    if len(ranges) == 1:
+        return [
+            dataclasses.replace(shard, tensor_data=dataclasses.replace(data, properties=properties))
+        ]
+    items = []
+    for start, stop in ranges:
+        offsets = torch.Size([origin[0] + start, *origin[1:]])
+        items.append(
+            WriteItem(
+                index=MetadataIndex(shard.index.fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(
+                        offsets=offsets, sizes=torch.Size([stop - start, *sizes[1:]])
+                    ),
+                    properties=properties,
+                    size=data.size,
                 ),
             )
         )
@@ -313,6 +358,7 @@ class StreamingSavePlanner(DefaultSavePlanner):
         self.chunk_bytes = chunk_bytes
         self.release_after_write = release_after_write
         self._last = threading.local()
+        self._origin: dict[str, torch.Size] = {}  # a DTensor placeholder's shard offsets
         self._owned: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self.peak_chunk_bytes = 0
@@ -325,7 +371,13 @@ class StreamingSavePlanner(DefaultSavePlanner):
             if deferred is not None:
                 # A holder without the chunk API expands whole tensors: one item per tensor.
                 chunk_bytes = self.chunk_bytes if supports_chunked_state(deferred.holder) else None
-                items += _tensor_write_items(fqn, deferred.shape, deferred.dtype, chunk_bytes)
+                if isinstance(obj, DTensor):  # this rank's shard, in row chunks
+                    (shard,) = _create_write_items(fqn, obj)
+                    assert shard.tensor_data is not None
+                    self._origin[fqn] = shard.tensor_data.chunk.offsets
+                    items += _shard_write_items(shard, deferred.dtype, chunk_bytes)
+                else:
+                    items += _tensor_write_items(fqn, deferred.shape, deferred.dtype, chunk_bytes)
             elif isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and not obj.is_meta:
                 items += _tensor_write_items(fqn, obj.shape, obj.dtype, self.chunk_bytes)
             elif isinstance(obj, torch.Tensor) and obj.is_meta and not isinstance(obj, DTensor):
@@ -346,15 +398,20 @@ class StreamingSavePlanner(DefaultSavePlanner):
             return super().resolve_data(write_item)
         fqn = write_item.index.fqn
         obj = self.state_dict[fqn]
-        if isinstance(obj, DTensor):
+        deferred = self.deferred.get(fqn)
+        if isinstance(obj, DTensor) and deferred is None:
             return super().resolve_data(write_item)
         assert write_item.tensor_data is not None
         chunk = write_item.tensor_data.chunk
         self._release_previous()
-        deferred = self.deferred.get(fqn)
         if deferred is not None:
-            data = deferred.read(_flat_start(deferred.shape, chunk.offsets), math.prod(chunk.sizes))
-            data = data.view(chunk.sizes)
+            origin = self._origin.get(fqn)
+            if origin is not None:  # rows of this rank's shard: offsets relative to it
+                rows = chunk.offsets[0] - origin[0] if len(origin) else 0
+                start = rows * math.prod(chunk.sizes[1:])
+            else:
+                start = _flat_start(deferred.shape, chunk.offsets)
+            data = deferred.read(start, math.prod(chunk.sizes)).view(chunk.sizes)
         else:
             source = narrow_tensor_by_index(obj.detach(), chunk.offsets, chunk.sizes)
             data = _owned_cpu_copy(source)
@@ -520,6 +577,8 @@ class _Target:
 
     shape: torch.Size
     tensor: torch.Tensor | None = None  # live (or new) state tensor: read in place
+    live: torch.Tensor | None = None  # what the optimizer keeps (the local shard of a DTensor)
+    chunks: list[ChunkStorageMetadata] | None = None  # the accumulator's chunk (DTensor shard)
     holder: Any = None  # precision-aware holder: accumulate, then quantize
     param: torch.Tensor | None = None
     name: str = ""
@@ -595,6 +654,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             assert isinstance(md, TensorStorageMetadata)
             if isinstance(target.tensor, DTensor):
                 chunks = target.tensor.__create_chunk_list__()
+            elif target.chunks is not None:
+                chunks = target.chunks
             else:
                 chunks = [ChunkStorageMetadata(torch.Size([0] * len(md.size)), md.size)]
             items += create_read_items_for_chunk_list(fqn, md, chunks)
@@ -663,7 +724,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             if holder_names:
                 target = _holder_target(leaf, param, name, md, what, live)
                 targets[fqn] = target
-                value = target.tensor if target.tensor is not None else _COMMITTED
+                value = target.live if target.live is not None else _COMMITTED
                 state.setdefault(index, {})[name] = value
                 continue
             current = live.get(name)
@@ -692,7 +753,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                     )
                 tensor = _new_state_tensor(leaf, param, index, name, md)
                 self.created = True
-            targets[fqn] = _Target(md.size, tensor=tensor)
+            targets[fqn] = _Target(md.size, tensor=tensor, live=tensor)
             state.setdefault(index, {})[name] = tensor
         if holder_names:
             _check_holder_entries(leaf, state, group_of)
@@ -796,11 +857,15 @@ def _holder_target(
     if not remainder and not saved.is_floating_point:
         raise OptimizerCheckpointError(f"{what}: expected a floating-point tensor, got {saved}")
     current = live.get(name)
+    local_shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
     fp32_storage = leaf.name_to_dtype_map[name] == torch.float32
-    if fp32_storage and isinstance(current, torch.Tensor) and current.shape == md.size:
-        return _Target(md.size, tensor=current)  # the live tensor is the state: in place
+    if fp32_storage and isinstance(current, torch.Tensor) and current.shape == local_shape:
+        # The live tensor is the state: read in place (through a DTensor view for a shard).
+        tensor = _like_param(param, current) if isinstance(param, DTensor) else current
+        return _Target(md.size, tensor=tensor, live=current)
     dtype = torch.int16 if remainder else torch.float32
-    return _Target(md.size, holder=leaf, param=param, name=name, dtype=dtype)
+    chunks = param.__create_chunk_list__() if isinstance(param, DTensor) else None
+    return _Target(local_shape, holder=leaf, param=param, name=name, dtype=dtype, chunks=chunks)
 
 
 def _check_holder_entries(
@@ -923,7 +988,6 @@ def load_optimizer(
     if checkpoint_id is None and storage_reader is None:
         raise ValueError("load_optimizer needs a checkpoint_id or a storage_reader")
     leaf = _leaf_of(optimizer)
-    _refuse_sharded_holder(leaf)
 
     def reader() -> StorageReader:
         return storage_reader if storage_reader is not None else FileSystemReader(checkpoint_id)  # type: ignore[arg-type]

@@ -220,6 +220,48 @@ def _fsdp_round_trip(rank: int, root: str) -> None:
         torch.save(full, Path(root, "full.pt"))
 
 
+def _pa_for(model: torch.nn.Module, exp_avg_sq_dtype: torch.dtype, lr: float = 1e-2) -> Any:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    return PrecisionAwareAdamW(
+        model.parameters(),
+        lr=lr,
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=exp_avg_sq_dtype,
+    )
+
+
+def _fsdp_precision_aware(rank: int, root: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for tag, sq_dtype in (("fp8", torch.uint8), ("bf16", torch.bfloat16)):
+        model = _fsdp_model(0)
+        opt = _pa_for(model, sq_dtype)
+        for s in range(2):
+            _fsdp_step(model, opt, s)
+        save_optimizer(opt, Path(root, f"pa_{tag}"), chunk_bytes=24)
+        dcp.save(opt.state_dict(), checkpoint_id=Path(root, f"pa_{tag}_plain"))
+        for name in (f"pa_{tag}", f"pa_{tag}_plain"):
+            other = _fsdp_model(0)
+            other_opt = _pa_for(other, sq_dtype, lr=0.5)
+            _fsdp_step(other, other_opt, 9)  # different local storage and scales
+            load_optimizer(other_opt, Path(root, name))
+            for p, q in zip(model.parameters(), other.parameters(), strict=True):
+                for n, stored in opt.state[p].items():
+                    assert not isinstance(stored, DTensor)  # local shard storage
+                    assert torch.equal(stored, other_opt.state[q][n]), (name, n)
+                    a = opt.get_unscaled_state(p, n).to_local()
+                    b = other_opt.get_unscaled_state(q, n).to_local()
+                    assert torch.equal(a, b), (name, n)
+            assert other_opt.param_groups[0]["lr"] == 1e-2
+        full = {
+            i: {n: opt.get_unscaled_state(p, n).full_tensor() for n in opt.state[p]}
+            for i, p in enumerate(model.parameters())
+        }
+        if rank == 0:
+            torch.save(full, Path(root, f"pa_{tag}_full.pt"))
+
+
 # ------------------------------------------------------------------------------------------
 # One spawn, three scenarios
 # ------------------------------------------------------------------------------------------
@@ -227,6 +269,7 @@ def _all_scenarios(rank: int, root: str) -> None:
     _save_on_two_ranks(rank, str(Path(root, "w2")))
     _load_on_two_ranks(rank, str(Path(root, "w1")))
     _fsdp_round_trip(rank, str(Path(root, "fsdp2")))
+    _fsdp_precision_aware(rank, str(Path(root, "fsdp2")))
 
 
 @pytest.fixture(scope="module")
@@ -289,3 +332,27 @@ def test_fsdp2_sharded_state_streams_and_reads_back_unsharded(world: Path) -> No
     for i, entries in full.items():
         for name, value in entries.items():
             assert torch.equal(scaffold["state"][int(i)][name], value), (i, name)
+
+
+def test_fsdp2_precision_aware_state_streams_and_reshards_to_one_process(world: Path) -> None:
+    root = world / "fsdp2"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 4))
+    full = torch.load(root / "pa_bf16_full.pt")
+    for name in ("pa_bf16", "pa_bf16_plain"):
+        opt = _pa_for(model, torch.bfloat16, lr=0.3)
+        load_optimizer(opt, root / name)  # written by two ranks, each its own shard
+        for i, p in enumerate(model.parameters()):
+            for n, value in full[i].items():
+                assert torch.equal(opt.get_unscaled_state(p, n), value), (name, i, n)
+        assert opt.param_groups[0]["lr"] == 1e-2
+    scaffold: dict[str, Any] = {
+        "state": {i: {n: torch.zeros_like(v) for n, v in st.items()} for i, st in full.items()}
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(scaffold, checkpoint_id=root / "pa_fp8", no_dist=True)
+    fp8_full = torch.load(root / "pa_fp8_full.pt")
+    for i, entries in fp8_full.items():
+        for n, value in entries.items():
+            assert torch.equal(scaffold["state"][i][n], value), (i, n)
