@@ -775,3 +775,14 @@ def test_staged_and_hybrid_sync_stacks_interoperate_with_their_own_state_dicts(
         twin, _ = _pa("bf16_params_fp32_master", seed=8)
         load_optimizer(HybridSyncOptimizer(StagedCheckpointOptimizer(twin)), tmp_path / name)
         _assert_same_pa_storage(twin, opt)
+
+
+def test_precision_aware_save_with_several_writer_threads(tmp_path: Path) -> None:
+    opt, params = _pa("fp16_fp8")
+    _pa_train(opt, params, 2)
+    writer = FileSystemWriter(tmp_path, thread_count=3, sync_files=False)
+    save_optimizer(opt, tmp_path, storage_writer=writer, chunk_bytes=100)
+    assert len(list(tmp_path.glob("*.distcp"))) == 3
+    twin, _ = _pa("fp16_fp8", seed=2)
+    load_optimizer(twin, tmp_path, chunk_bytes=64)
+    _assert_same_pa_storage(twin, opt)
