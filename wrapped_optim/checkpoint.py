@@ -176,7 +176,16 @@ class DeferredState:
             self.holder.read_unscaled_state_chunk(self.param, self.name, start, out)
         else:
             full = self.holder.get_unscaled_state(self.param, self.name)
-            out = full.reshape(-1)[start : start + numel]
+            if isinstance(full, DTensor):
+                full = full.to_local()
+            stored = self.holder.state.get(self.param, {}).get(self.name)
+            aliased = isinstance(stored, torch.Tensor) and (
+                stored.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+            )
+            if start == 0 and numel == full.numel() and not aliased:
+                out = full  # a fresh expansion of the whole tensor: ours to hand out and free
+            else:
+                out = full.reshape(-1)[start : start + numel].clone()
             del full
         return _owned_cpu_copy(out)
 
