@@ -627,3 +627,26 @@ def test_load_state_dict_hooks_run() -> None:
     opt.register_state_dict_post_hook(lambda o, sd: seen.append("sd-post"))
     opt.load_state_dict(opt.state_dict())
     assert seen == ["sd-post", "pre", "post"]
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [("fp32", "fp8-moments"), ("fp8-moments", "bf16-moments"), ("fp16-moments", "fp32")],
+)
+def test_checkpoints_move_between_storage_formats(source: str, target: str) -> None:
+    """The portable format is FP32: a checkpoint from one storage config loads into another
+    (quantized on the way in) and training continues."""
+    params, opt = _trained(source, FP32, [(4, 6)], 3)
+    sd = clone_sd(opt.state_dict())
+    other_params = clone_params(params)
+    other = PrecisionAwareAdamW(other_params, lr=1e-2, weight_decay=0.1, **CONFIGS[target])
+    other.load_state_dict(sd)
+    p = other_params[0]
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert other.state[p][name].dtype == other.name_to_dtype_map[name]
+        expanded = other.get_unscaled_state(p, name)
+        assert torch.allclose(expanded, sd["state"][0][name], rtol=0.07, atol=1e-12)
+    assert other.param_groups[0]["step"] == 3
+    set_grads(other_params, 3)
+    other.step()
+    assert other.param_groups[0]["step"] == 4 and torch.isfinite(p).all()
