@@ -650,3 +650,13 @@ def test_checkpoints_move_between_storage_formats(source: str, target: str) -> N
     set_grads(other_params, 3)
     other.step()
     assert other.param_groups[0]["step"] == 4 and torch.isfinite(p).all()
+
+
+def test_gpu_check_module_logic_runs_on_cpu() -> None:
+    """wrapped_optim.bench.gpu_precision_adam runs its checks on CUDA in the GPU job; the same
+    checks on CPU here keep that module honest on machines without a GPU."""
+    from wrapped_optim.bench.gpu_precision_adam import _checks
+
+    results = _checks("cpu")
+    assert len(results) == 16
+    assert all(ok for _, ok in results), [label for label, ok in results if not ok]
