@@ -21,9 +21,11 @@ import torch
 
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 
-__all__ = ["CONFIGS", "run", "state_bytes_per_param"]
+__all__ = ["CONFIGS", "TARGET_CONFIG", "run", "state_bytes_per_param"]
 
 BF16, FP32 = torch.bfloat16, torch.float32
+#: The configuration the performance target is about (fp32 params, bf16 moments).
+TARGET_CONFIG = "ours bf16 moments"
 
 # (label, parameter dtype, optimizer factory)
 CONFIGS: list[tuple[str, torch.dtype, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]]
@@ -168,6 +170,7 @@ def run(quick: bool = False) -> str:
         "per-parameter state tensor and scale, not parameters or gradients.",
         "",
     ]
+    target: list[str] = []
     for numel in sizes:
         lines += [
             f"### {numel / 1e6:g}M parameters",
@@ -181,7 +184,33 @@ def run(quick: bool = False) -> str:
                 f"| {label} | {str(dtype).removeprefix('torch.')} | {best:.1f} | {median:.1f} | "
                 f"{best / fused_best:.2f} | {nbytes:.2f} |"
             )
+            if label == TARGET_CONFIG:
+                ratio = best / fused_best
+                verdict = "met" if ratio <= 1.5 and nbytes <= 4.0 else "missed"
+                target.append(
+                    f"| {numel / 1e6:g}M | {ratio:.2f} | {nbytes:.2f} / 8.00 | {verdict} |"
+                )
         lines.append("")
+    lines += [
+        f"### Target: `{TARGET_CONFIG}` within 1.5x of torch's fused step, at most half its "
+        "state bytes",
+        "",
+        "| size | x fused | state B/param (ours / torch) | target |",
+        "|---|---:|---:|---|",
+        *target,
+        "",
+        "Why: torch has no fused kernel that reads bf16 moments next to fp32 parameters, so "
+        "each slice is expanded to FP32, updated by the fused kernel and re-encoded: four "
+        "extra (cache-resident) conversion passes, each costing about a quarter of a fused "
+        "AdamW step on CPU. When parameters, gradients and moments are all bf16, torch's "
+        "fused kernel does decode, update and encode in one pass, and the step matches "
+        "torch's speed (`ours bf16 params + bf16 moments`). fp32 state uses the same fused "
+        "kernel as torch, batched across parameters. fp16/FP8 states take two sliced passes "
+        "(the new scale needs the new amax of the whole tensor; the first pass only collects "
+        "it, so memory stays bounded), remainders add integer bit arithmetic: both trade time "
+        "for memory.",
+        "",
+    ]
     lines += [
         "Reproduce: `python -m wrapped_optim.bench.precision_adam` (`--quick`: 1M parameters "
         "only). Threads follow torch's default; set `OMP_NUM_THREADS` to pin them.",

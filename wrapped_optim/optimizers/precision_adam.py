@@ -56,7 +56,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` pick the moment storage (``torch.uint8`` means
     FP8 E4M3), ``store_param_remainders`` keeps only the low 16 bits of an FP32 master beside
     a bf16 parameter, ``use_decoupled_grad`` reads ``param.decoupled_grad`` instead of
-    ``param.grad``. ``chunk_numel`` (ours) is how many elements the step processes at once.
+    ``param.grad``. Ours: ``chunk_numel`` is how many elements the step expands to FP32 at
+    once; ``fused`` picks the FP32 update: torch's fused AdamW kernel (``None``: where torch
+    has one) or TE's elementwise formula (``False``).
 
     The update is TE's: with ``adam_w_mode`` (default) ``p -= lr * (m_hat / (sqrt(v_hat) +
     eps) + weight_decay * p)``; otherwise L2 mode adds ``weight_decay * p`` to the gradient.
@@ -578,10 +580,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         dtypes = self.name_to_dtype_map
 
         # How each state is seen in FP32 during the step: "live" (fp32 storage, in place),
-        # "chunk" (bf16: decoded and re-encoded per slice), "whole" (fp16/FP8: decoded into a
-        # full FP32 buffer, re-encoded after the update with a fresh amax, as TE does) or
-        # "remainder" (the master is rebuilt per slice from the bf16 param and its remainder).
-        whole: dict[str, Tensor] = {}
+        # "chunk" (bf16: expanded and re-encoded per slice), "scaled" (fp16/FP8: expanded per
+        # slice with the old scale, re-encoded with the new one) or "remainder" (the master is
+        # rebuilt per slice from the bf16 param and its int16 remainder).
         mode: dict[str, str] = {}
         for name in _STATE_NAMES:
             if name not in state:
@@ -592,23 +593,36 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             elif dtype == torch.float32:
                 mode[name] = "live"
             elif codecs.is_scaled(dtype):
-                mode[name] = "whole"
-                whole[name] = codecs.decode(state[name], dtype, self._scale(param, name)).view(-1)
+                mode[name] = "scaled"
             else:
                 mode[name] = "chunk"
         flat = {name: state[name].view(-1) for name in mode}
         fp32_param = param.dtype == torch.float32
         master = None if fp32_param else mode.get("master_param")
         m_mode, v_mode = mode["exp_avg"], mode["exp_avg_sq"]
+        # A scaled state's new scale needs the amax of its whole updated tensor (TE keeps a
+        # full FP32 copy for that). Instead, a first pass computes the update on copies of
+        # each slice only to collect the amaxes; the second pass redoes the identical
+        # arithmetic for real and encodes with the new scales: memory stays O(chunk_numel).
+        scaled = [
+            name
+            for name, kind in (
+                ("exp_avg", m_mode),
+                ("exp_avg_sq", v_mode),
+                ("master_param", master),
+            )
+            if kind == "scaled"
+        ]
+        old_scale = {name: self._scales[param][name].clone() for name in scaled}
+        decode_mult = {n: codecs.decode_multiplier(old_scale[n], dtypes[n]) for n in scaled}
         fused_step = None
         if self._use_fused(device, group):
             fused_step = torch.tensor(float(step), dtype=torch.float32, device=device)
 
         # Nothing to convert per slice (all FP32 views, FP32 grad): one pass over the tensor.
         direct = (
-            m_mode in ("live", "whole")
-            and v_mode in ("live", "whole")
-            and (master in ("live", "whole") or (master is None and fp32_param))
+            m_mode == v_mode == "live"
+            and (master == "live" or (master is None and fp32_param))
             and g_flat.dtype == torch.float32
             and g_flat.device == device
         )
@@ -621,30 +635,33 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         t1, t2 = scratch[4 * b : 4 * b + t], scratch[4 * b + t :]
         bits_buf = t1.view(torch.int32)  # only the remainder split uses it, t1 is free then
 
-        def fp32_view(name: str, kind: str, s: int, e: int, buf: Tensor) -> Tensor:
+        def fp32_view(name: str, kind: str, s: int, e: int, buf: Tensor, trial: bool) -> Tensor:
             if kind == "live":
-                return flat[name][s:e]
-            if kind == "whole":
-                return whole[name][s:e]
+                live = flat[name][s:e]
+                return buf[: e - s].copy_(live) if trial else live
             out = buf[: e - s]
-            codecs.decode_into(flat[name][s:e], out, dtypes[name], None)
+            codecs.decode_into(
+                flat[name][s:e], out, dtypes[name], None, multiplier=decode_mult.get(name)
+            )
             return out
 
-        for s, e in codecs.chunk_bounds(n, c):
+        def update_slice(s: int, e: int, trial: bool) -> dict[str, Tensor]:
+            """The FP32 update of one slice; ``trial`` leaves all storage untouched."""
             k = e - s
             g = g_flat[s:e]
             if g.dtype != torch.float32 or g.device != device:
                 g = g_buf[:k].copy_(g)
-            m = fp32_view("exp_avg", m_mode, s, e, m_buf)
-            v = fp32_view("exp_avg_sq", v_mode, s, e, v_buf)
+            m = fp32_view("exp_avg", m_mode, s, e, m_buf, trial)
+            v = fp32_view("exp_avg_sq", v_mode, s, e, v_buf, trial)
             if master is None:
-                p32 = p_flat[s:e] if fp32_param else p_buf[:k].copy_(p_flat[s:e])
+                live = fp32_param and not trial
+                p32 = p_flat[s:e] if live else p_buf[:k].copy_(p_flat[s:e])
             elif master == "remainder":
                 p32 = codecs.join_master(
                     p_flat[s:e], flat["master_param"][s:e], out=p_buf[:k], scratch=t2[:k]
                 )
             else:
-                p32 = fp32_view("master_param", master, s, e, p_buf)
+                p32 = fp32_view("master_param", master, s, e, p_buf, trial)
 
             if fused_step is not None:
                 self._fused_math([p32], [g], [m], [v], group, [fused_step])
@@ -658,40 +675,55 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 if self.adam_w_mode and wd != 0:
                     update.add_(p32, alpha=wd)
                 p32.sub_(update.mul_(lr))
+            return {"exp_avg": m, "exp_avg_sq": v, "master_param": p32}
 
-            if m_mode == "chunk":
-                codecs.encode_into(m, flat["exp_avg"][s:e], dtypes["exp_avg"])
-            if v_mode == "chunk":
-                codecs.encode_into(v, flat["exp_avg_sq"][s:e], dtypes["exp_avg_sq"])
+        new_scale: dict[str, Tensor] = {}
+        if scaled:
+            amax = {name: torch.zeros(1, device=device) for name in scaled}
+            for s, e in codecs.chunk_bounds(n, c):
+                values = update_slice(s, e, trial=True)
+                for name in scaled:
+                    amax[name] = codecs.combine_amax(amax[name], codecs.amax_of(values[name]))
+            new_scale = {name: codecs.scale_from_amax(amax[name], dtypes[name]) for name in scaled}
+        encode_mult = {n: codecs.encode_multiplier(new_scale[n], dtypes[n]) for n in scaled}
+
+        for s, e in codecs.chunk_bounds(n, c):
+            values = update_slice(s, e, trial=False)
+            # The parameter first: encoding below may scale the FP32 slices in place.
             if master == "remainder":
                 codecs.split_master_into(
-                    p32, p_flat[s:e], flat["master_param"][s:e], scratch=bits_buf[:k]
-                )
+                    values["master_param"], p_flat[s:e], flat["master_param"][s:e],
+                    scratch=bits_buf[: e - s],
+                )  # fmt: skip
             elif not fp32_param:
-                p_flat[s:e].copy_(p32)  # round-to-nearest-even into the bf16/fp16 param
+                p_flat[s:e].copy_(values["master_param"])  # round-to-nearest-even
+            for name, kind in (
+                ("exp_avg", m_mode),
+                ("exp_avg_sq", v_mode),
+                ("master_param", master),
+            ):
+                if kind in ("chunk", "scaled"):
+                    codecs.encode_into(
+                        values[name], flat[name][s:e], dtypes[name], new_scale.get(name),
+                        overwrite_x=True, multiplier=encode_mult.get(name),
+                    )  # fmt: skip
 
+        for name in scaled:
+            self._scales[param][name].copy_(new_scale[name])
         if fp32_param and "master_param" in state:
             # TE leaves an fp32 parameter's master untouched; we keep it equal to the param.
-            if mode["master_param"] == "whole":
-                whole["master_param"].copy_(p_flat)
-            elif mode["master_param"] == "live":
+            if mode["master_param"] == "live":
                 flat["master_param"].copy_(p_flat)
-        for name, buf in whole.items():
-            dtype = dtypes[name]
-            scale = codecs.scale_from_amax(codecs.amax_of(buf), dtype)
-            codecs.encode_into(buf, flat[name], dtype, scale, overwrite_x=True)
-            self._scales[param][name].copy_(scale)
+            else:
+                dtype = dtypes["master_param"]
+                scale = codecs.scale_from_amax(codecs.amax_of(p_flat), dtype)
+                for s, e in codecs.chunk_bounds(n, c):
+                    codecs.encode_into(p_flat[s:e], flat["master_param"][s:e], dtype, scale)
+                self._scales[param]["master_param"].copy_(scale)
         if not contiguous:
             p_local.copy_(p_work)
 
     # ------------------------------------------------------------------ checkpoints
-
-    def _index_map(self) -> dict[int, Tensor]:
-        index: dict[int, Tensor] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                index[len(index)] = p
-        return index
 
     def state_dict(self) -> dict[str, Any]:
         """FusedAdam's portable checkpoint: torch's layout with every state expanded to FP32.
