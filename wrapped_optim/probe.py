@@ -175,8 +175,9 @@ def count_unstaged_expansions(stack: Any) -> Iterator[None]:
     Inside the block every expansion a precision-aware holder's ``get_unscaled_state``
     returns for a compressed state is recorded for as long as the tensor is alive (a bare
     state dict keeps all of them), and every ``set_scaled_state`` call records one whole
-    FP32 tensor on the device for its duration -- the least a whole-tensor quantization of
-    a host checkpoint needs. CUDA probes measure instead; this is for CPU runs.
+    FP32 tensor on the device for its duration -- what a whole-tensor loader such as TE's
+    needs at least for a host checkpoint (a model of that loader, not a measurement of the
+    holder's own code). CUDA probes measure instead; this is for CPU runs.
 
     Example:
         >>> import torch
