@@ -627,3 +627,36 @@ def test_load_state_dict_hooks_run() -> None:
     opt.register_state_dict_post_hook(lambda o, sd: seen.append("sd-post"))
     opt.load_state_dict(opt.state_dict())
     assert seen == ["sd-post", "pre", "post"]
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [("fp32", "fp8-moments"), ("fp8-moments", "bf16-moments"), ("fp16-moments", "fp32")],
+)
+def test_checkpoints_move_between_storage_formats(source: str, target: str) -> None:
+    """The portable format is FP32: a checkpoint from one storage config loads into another
+    (quantized on the way in) and training continues."""
+    params, opt = _trained(source, FP32, [(4, 6)], 3)
+    sd = clone_sd(opt.state_dict())
+    other_params = clone_params(params)
+    other = PrecisionAwareAdamW(other_params, lr=1e-2, weight_decay=0.1, **CONFIGS[target])
+    other.load_state_dict(sd)
+    p = other_params[0]
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert other.state[p][name].dtype == other.name_to_dtype_map[name]
+        expanded = other.get_unscaled_state(p, name)
+        assert torch.allclose(expanded, sd["state"][0][name], rtol=0.07, atol=1e-12)
+    assert other.param_groups[0]["step"] == 3
+    set_grads(other_params, 3)
+    other.step()
+    assert other.param_groups[0]["step"] == 4 and torch.isfinite(p).all()
+
+
+def test_gpu_check_module_logic_runs_on_cpu() -> None:
+    """wrapped_optim.bench.gpu_precision_adam runs its checks on CUDA in the GPU job; the same
+    checks on CPU here keep that module honest on machines without a GPU."""
+    from wrapped_optim.bench.gpu_precision_adam import _checks
+
+    results = _checks("cpu")
+    assert len(results) == 16
+    assert all(ok for _, ok in results), [label for label, ok in results if not ok]

@@ -3,6 +3,7 @@
 Public API only; see the README and docs/ for the concepts.
 """
 
+from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer, save_optimizer
 from wrapped_optim.config import (
     BuildConfig,
     ConfigError,
@@ -31,6 +32,7 @@ __all__ = [
     "HybridConfig",
     "HybridSyncOptimizer",
     "LRScheduleConfig",
+    "OptimizerCheckpointError",
     "OptimizerSpec",
     "OptimizerWrapper",
     "SchedulerConfig",
@@ -41,7 +43,9 @@ __all__ = [
     "__version__",
     "build_optimizer",
     "init_optimizer_state",
+    "load_optimizer",
     "patch_attribute",
+    "save_optimizer",
     "setup_optimizer",
     "wrap",
 ]

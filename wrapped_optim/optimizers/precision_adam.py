@@ -614,6 +614,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if kind == "scaled"
         ]
         old_scale = {name: self._scales[param][name].clone() for name in scaled}
+        decode_mult = {n: codecs.decode_multiplier(old_scale[n], dtypes[n]) for n in scaled}
         fused_step = None
         if self._use_fused(device, group):
             fused_step = torch.tensor(float(step), dtype=torch.float32, device=device)
@@ -639,8 +640,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 live = flat[name][s:e]
                 return buf[: e - s].copy_(live) if trial else live
             out = buf[: e - s]
-            scale = old_scale[name] if kind == "scaled" else None
-            codecs.decode_into(flat[name][s:e], out, dtypes[name], scale)
+            codecs.decode_into(
+                flat[name][s:e], out, dtypes[name], None, multiplier=decode_mult.get(name)
+            )
             return out
 
         def update_slice(s: int, e: int, trial: bool) -> dict[str, Tensor]:
@@ -683,6 +685,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 for name in scaled:
                     amax[name] = codecs.combine_amax(amax[name], codecs.amax_of(values[name]))
             new_scale = {name: codecs.scale_from_amax(amax[name], dtypes[name]) for name in scaled}
+        encode_mult = {n: codecs.encode_multiplier(new_scale[n], dtypes[n]) for n in scaled}
 
         for s, e in codecs.chunk_bounds(n, c):
             values = update_slice(s, e, trial=False)
@@ -702,7 +705,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 if kind in ("chunk", "scaled"):
                     codecs.encode_into(
                         values[name], flat[name][s:e], dtypes[name], new_scale.get(name),
-                        overwrite_x=True,
+                        overwrite_x=True, multiplier=encode_mult.get(name),
                     )  # fmt: skip
 
         for name in scaled:
