@@ -203,11 +203,8 @@ def test_staged_saves_and_loads_exactly_what_unstaged_does(
 @pytest.mark.parametrize("kind", [pytest.param(k, id=k) for k in KINDS])
 def test_init_optimizer_state_does_not_change_training(kind: str) -> None:
 
-    # SGD with dampening is a known deviation, pinned by its own strict-xfail test below.
-    setups = _setups(kind, ()).filter(lambda s: not dict(s.optimizer.options).get("dampening", 0.0))
-
     @_SETTINGS
-    @given(setups, st.integers(1, 2))
+    @given(_setups(kind, ()), st.integers(1, 2))
     def check(setup: ws.Setup, steps: int) -> None:
         _, plain = setup.make()
         _, initialised = setup.make()
@@ -228,13 +225,6 @@ def test_init_optimizer_state_does_not_change_training(kind: str) -> None:
     check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="init_optimizer_state creates SGD momentum buffers of zeros; torch's first real "
-    "step then applies dampening to the grad (buf = 0.9*0 + (1-dampening)*g) instead of "
-    "adopting it (buf = g), so every later update differs (issue 6; torch's own DCP "
-    "initialiser has the same flaw, pytorch #164929)",
-)
 def test_init_optimizer_state_keeps_sgd_dampening_updates() -> None:
     def run(initialise: bool) -> torch.Tensor:
         param = torch.nn.Parameter(torch.ones(2))
