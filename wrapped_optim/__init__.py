@@ -18,6 +18,7 @@ from wrapped_optim.config import (
 from wrapped_optim.factory import build_optimizer, setup_optimizer, wrap
 from wrapped_optim.fsdp import FSDPAwareOptimizer, init_optimizer_state
 from wrapped_optim.hybrid import HybridSyncOptimizer, StaleMasterError
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 from wrapped_optim.patching import patch_attribute
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
@@ -30,11 +31,13 @@ __all__ = [
     "FSDPAwareOptimizer",
     "FSDPConfig",
     "HybridConfig",
+    "HybridOffloadOptimizer",
     "HybridSyncOptimizer",
     "LRScheduleConfig",
     "OptimizerCheckpointError",
     "OptimizerSpec",
     "OptimizerWrapper",
+    "PrecisionAwareAdamW",
     "SchedulerConfig",
     "StackConfig",
     "StagedCheckpointOptimizer",
