@@ -66,14 +66,6 @@ KNOWN_BUG_RULES: dict[tuple[str, str], str] = {
             "other_optimizer_class": "SGD momentum_buffer state is accepted for AdamW",
         }.items()
     },
-    **{
-        ("precision_adamw", case): f"{_PRECISION}: {detail}"
-        for case, detail in {
-            "missing_hyper_parameter": "a group without 'lr' is accepted; the next step fails",
-            "wrong_hyper_parameter_type": "lr='fast' is accepted; the next step fails",
-            "negative_second_moment": "a negative exp_avg_sq is accepted (sqrt gives NaN)",
-        }.items()
-    },
 }
 
 

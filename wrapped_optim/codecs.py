@@ -317,7 +317,9 @@ def decode_into(
             if scale is None:
                 raise ValueError(f"decoding {dtype} needs the tensor's scale")
             multiplier = decode_multiplier(scale.to(device=out.device, dtype=torch.float32), dtype)
-        view.mul_(multiplier)
+        # A per-tensor multiplier has one element; as a 0-d tensor it broadcasts into any
+        # view in place, 0-d parameters included.
+        view.mul_(multiplier.reshape(()) if multiplier.numel() == 1 else multiplier)
     if view.data_ptr() != out.data_ptr():  # pragma: no cover - reshape of a strided out
         out.copy_(view.reshape(out.shape))
 

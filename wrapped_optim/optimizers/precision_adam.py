@@ -514,11 +514,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             batches: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, ...]]] = {}
             small: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
             for p in group["params"]:
-                if not self.state[p]:
-                    self.initialize_state(p)
                 grad = self._grad_of(p)
                 if grad is None:
-                    continue
+                    continue  # frozen or unused this step: no state, as torch's optimizers do
+                if not self.state[p]:
+                    self.initialize_state(p)
                 if grad.is_sparse:
                     raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients.")
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -963,7 +963,15 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     )
                 if not bool(torch.isfinite(local).all()):
                     raise ValueError(f"param {key}: state {name!r} has non-finite values")
+                if name == "exp_avg_sq" and bool((local < 0).any()):
+                    raise ValueError(
+                        f"param {key}: state 'exp_avg_sq' has negative values (a second moment "
+                        "is a running mean of squares)"
+                    )
             resolved[key] = param
+        # After the states, so a checkpoint of another optimizer class is named by its state.
+        for i, saved in enumerate(saved_groups):
+            _check_hyper_parameters(i, saved)
         return resolved, saved_groups
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1015,6 +1023,29 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             raise
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _check_hyper_parameters(index: int, group: dict[str, Any]) -> None:
+    """A loaded group must carry every hyper-parameter step() reads, with usable types."""
+    for name in ("lr", "eps", "weight_decay"):
+        if name not in group:
+            raise ValueError(f"parameter group {index}: missing hyper-parameter {name!r}")
+        value = group[name]
+        if isinstance(value, Tensor):
+            if value.numel() != 1 or not value.is_floating_point():
+                raise ValueError(
+                    f"parameter group {index}: {name!r} must be a number or a one-element "
+                    f"floating tensor, got a {value.dtype} tensor of shape {tuple(value.shape)}"
+                )
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"parameter group {index}: {name!r} must be a number, got {value!r}")
+    betas = group.get("betas")
+    if (
+        not isinstance(betas, tuple | list)
+        or len(betas) != 2
+        or not all(isinstance(b, int | float) and not isinstance(b, bool) for b in betas)
+    ):
+        raise ValueError(f"parameter group {index}: 'betas' must be two numbers, got {betas!r}")
 
 
 def _copy_value(value: Any) -> Any:
