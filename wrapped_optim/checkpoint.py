@@ -66,6 +66,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.tensor import DTensor
 
+from wrapped_optim.adapters.dtensor import like_param
 from wrapped_optim.adapters.precision import is_precision_aware_holder, supports_chunked_state
 from wrapped_optim.adapters.walk import walk_leaves
 from wrapped_optim.hybrid import HybridSyncOptimizer
@@ -207,22 +208,6 @@ def _is_meta(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_meta
 
 
-def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a DTensor with ``param``'s mesh, placements and global shape."""
-    dparam = cast(Any, param)
-    return cast(
-        torch.Tensor,
-        DTensor.from_local(
-            local,
-            dparam.device_mesh,
-            dparam.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        ),
-    )
-
-
 def _placeholder_state_dict(
     leaf: torch.optim.Optimizer,
 ) -> tuple[dict[str, Any], dict[tuple[int, str], DeferredState]]:
@@ -242,7 +227,7 @@ def _placeholder_state_dict(
             return cast(torch.Tensor, original(param, state_name))
         if isinstance(param, DTensor):  # the local shard's expansion, as a DTensor
             local = torch.empty(param.to_local().shape, dtype=torch.float32, device="meta")
-            return _like_param(param, local)
+            return like_param(param, local)
         return torch.empty(param.shape, dtype=torch.float32, device="meta")
 
     with patch_attribute(leaf, "get_unscaled_state", placeholder):
@@ -870,7 +855,7 @@ def _holder_target(
     fp32_storage = leaf.name_to_dtype_map[name] == torch.float32
     if fp32_storage and isinstance(current, torch.Tensor) and current.shape == local_shape:
         # The live tensor is the state: read in place (through a DTensor view for a shard).
-        tensor = _like_param(param, current) if isinstance(param, DTensor) else current
+        tensor = like_param(param, current) if isinstance(param, DTensor) else current
         return _Target(md.size, tensor=tensor, live=current)
     dtype = torch.int16 if remainder else torch.float32
     chunks = param.__create_chunk_list__() if isinstance(param, DTensor) else None

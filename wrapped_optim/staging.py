@@ -33,6 +33,7 @@ from typing import Any
 import attrs
 import torch
 
+from wrapped_optim.adapters.dtensor import is_dtensor
 from wrapped_optim.adapters.hybrid import is_hybrid_offload
 from wrapped_optim.adapters.megatron import config_flag
 from wrapped_optim.adapters.precision import supports_chunked_state
@@ -118,9 +119,7 @@ def _supports_chunks(obj: Any) -> bool:
     return supports_chunked_state(obj)
 
 
-def _is_dtensor(t: Any) -> bool:
-    # DTensor states are sharded views of a global tensor; they are handed through unstaged.
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+# DTensor states are sharded views of a global tensor; they are handed through unstaged.
 
 
 def _save_gate(leaf: LeafContext) -> str | None:
@@ -313,7 +312,7 @@ def _staged_reader(
         compressed = mapping.get(state_name, _FP32) != _FP32
         if busy:
             return original(param, state_name)
-        if _is_dtensor(param):
+        if is_dtensor(param):
             stats.passthrough_reads += 1
             return original(param, state_name)
         if compressed and chunked:
@@ -410,7 +409,7 @@ def _chunked_writer(
         nonlocal busy
         if (
             busy
-            or _is_dtensor(param)
+            or is_dtensor(param)
             or not isinstance(unscaled_state, torch.Tensor)
             or unscaled_state.numel() != param.numel()
             or unscaled_state.dtype not in (_FP32, torch.int16)

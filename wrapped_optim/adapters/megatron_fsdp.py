@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from wrapped_optim.adapters.dtensor import local_tensor
 from wrapped_optim.adapters.walk import walk_leaves
 
 __all__ = [
@@ -112,23 +113,6 @@ def fsdp_parameter_group_of(param: torch.Tensor) -> Any | None:
     if group is None or not callable(getattr(group, "sync_model_weight_from_main_weight", None)):
         return None
     return group
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank-local storage of a DTensor, or the tensor itself.
-
-    Example:
-        >>> import torch
-        >>> t = torch.ones(2)
-        >>> local_tensor(t) is t
-        True
-    """
-    to_local = getattr(tensor, "to_local", None)
-    if to_local is None:
-        return tensor
-    with torch.no_grad():
-        local: torch.Tensor = to_local()
-        return local
 
 
 def swap_grad(param: torch.Tensor, grad: torch.Tensor | None, grad_dtype: Any) -> None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from wrapped_optim import codecs
+from wrapped_optim.adapters.dtensor import like_param, local_tensor
 
 __all__ = ["PrecisionAwareAdamW"]
 
@@ -26,26 +27,6 @@ _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 # Devices with torch's fused (single-pass) Adam/AdamW kernels.
 _FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu")
 _MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
-
-_DTENSOR_TYPES: tuple[type, ...]
-try:  # torch.distributed may be missing on exotic builds
-    from torch.distributed.tensor import DTensor
-
-    _DTENSOR_TYPES = (DTensor,)
-except ImportError:  # pragma: no cover
-    _DTENSOR_TYPES = ()
-
-
-def _is_dtensor(t: Any) -> bool:
-    return isinstance(t, _DTENSOR_TYPES)
-
-
-def _local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (FSDP2 parameter, grad or state), or the tensor itself."""
-    if _is_dtensor(t):
-        local: Tensor = cast(Any, t).to_local()
-        return local
-    return t
 
 
 class PrecisionAwareAdamW(torch.optim.Optimizer):
@@ -206,21 +187,10 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         return torch.int16 if self._uses_remainder(param, state_name) else torch.float32
 
     def _wrap_like(self, param: Tensor, local: Tensor) -> Tensor:
-        if not _is_dtensor(param):
-            return local
-        dparam = cast(Any, param)
-        wrapped: Tensor = DTensor.from_local(
-            local,
-            dparam.device_mesh,
-            dparam.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
-        return wrapped
+        return like_param(param, local)
 
     def _initialize_state(self, param: Tensor, state_name: str, zero_buffer: bool) -> None:
-        local = _local(param)
+        local = local_tensor(param)
         if self._uses_remainder(param, state_name):
             dtype = torch.int16
         else:
@@ -260,7 +230,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if self.master_weights:
             self._initialize_state(param, "master_param", zero_buffer=False)
             if not uses:
-                self.set_scaled_state(param, "master_param", _local(param).detach().float())
+                self.set_scaled_state(param, "master_param", local_tensor(param).detach().float())
 
     # ------------------------------------------------------------------ state API
 
@@ -292,16 +262,16 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             raise ValueError("'master_param' state needs master_weights=True")
         if not isinstance(value, Tensor):
             raise TypeError(f"{what} for state {state_name!r} must be a tensor, got {type(value)}")
-        local = _local(value)
+        local = local_tensor(value)
         expected = self._expansion_dtype(param, state_name)
         if local.dtype != expected:
             raise ValueError(
                 f"{what} for state {state_name!r} has dtype {local.dtype}, expected {expected}"
             )
-        if local.numel() != _local(param).numel():
+        if local.numel() != local_tensor(param).numel():
             raise ValueError(
                 f"{what} for state {state_name!r} has {local.numel()} elements, the parameter "
-                f"(local shard) has {_local(param).numel()}"
+                f"(local shard) has {local_tensor(param).numel()}"
             )
         return local
 
@@ -530,7 +500,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 if views is not None:
                     batches.setdefault((views[0].device, views[0].dtype), []).append(views)
                 elif self._packable(p, grad, group):
-                    small.setdefault(_local(p).device, []).append((p, grad))
+                    small.setdefault(local_tensor(p).device, []).append((p, grad))
                 else:
                     self._update(p, grad, group)
             for (device, _), items in batches.items():
@@ -544,7 +514,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     def _packable(self, param: Tensor, grad: Tensor, group: dict[str, Any]) -> bool:
         """Small parameters whose state needs only per-element conversion (bf16/fp32 moments,
         an fp32 or remainder master) are updated many at a time (one fused call per pack)."""
-        p, g = _local(param), _local(grad)
+        p, g = local_tensor(param), local_tensor(grad)
         if not self._pack_small:
             return False
         if p.numel() > self.chunk_numel // 4 or not p.is_contiguous() or g.device != p.device:
@@ -574,7 +544,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         start = 0
         pack: list[tuple[Tensor, Tensor]] = []
         for param, grad in [*pairs, (None, None)]:
-            n = 0 if param is None else _local(param).numel()
+            n = 0 if param is None else local_tensor(param).numel()
             if pack and (param is None or start + n > c):
                 self._flush_pack(pack, group, step, (g_buf, m_buf, v_buf, p_buf, t1, t2))
                 pack, start = [], 0
@@ -601,8 +571,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         offset = 0
         for param, grad in pack:
             state = self.state[param]
-            p_flat = _local(param).view(-1)
-            g_flat = _local(grad).reshape(-1)
+            p_flat = local_tensor(param).view(-1)
+            g_flat = local_tensor(grad).reshape(-1)
             k = p_flat.numel()
             sl = slice(offset, offset + k)
             offset += k
@@ -651,8 +621,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         stored: FP32 param and moments, or bf16 param, grad and moments (the kernel loads
         bf16 to FP32, updates and stores with round-to-nearest-even: decode -> FP32 update
         -> encode in one pass). None when a master copy or a scaled format is involved."""
-        p = _local(param)
-        g = _local(grad)
+        p = local_tensor(param)
+        g = local_tensor(grad)
         state = self.state[param]
         if "master_param" in state or not p.is_contiguous() or g.device != p.device:
             return None
@@ -667,8 +637,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
     def _update(self, param: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
         """One parameter, slice by slice: expand each slice of state to FP32, update, store."""
-        p_local = _local(param)
-        g_flat = _local(grad).reshape(-1)
+        p_local = local_tensor(param)
+        g_flat = local_tensor(grad).reshape(-1)
         n = p_local.numel()
         if g_flat.numel() != n:
             raise RuntimeError(
@@ -932,13 +902,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 if entry.get(name) is None:
                     why = " (master_weights=True)" if name == "master_param" else ""
                     raise ValueError(f"param {key}: missing state {name!r}{why}")
-            local_param = _local(param)
+            local_param = local_tensor(param)
             for name, value in entry.items():
                 if not isinstance(value, Tensor):
                     raise ValueError(
                         f"param {key}: state {name!r} must be a tensor, got {type(value)}"
                     )
-                local = _local(value)
+                local = local_tensor(value)
                 if tuple(local.shape) != tuple(local_param.shape):
                     raise ValueError(
                         f"param {key}: state {name!r} has shape {tuple(local.shape)}, the "
