@@ -485,3 +485,35 @@ def test_a_failed_load_into_a_fresh_layout_keeps_the_old_one():
         opt.load_state_dict(payload)
     assert_same_snapshot(before, snapshot(opt, params))
     assert opt.sub_optimizers == subs
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_failed_copy_back_is_completed(monkeypatch, failures):
+    """The step is committed once both sub-optimizers stepped: a copy-back that raises is
+    retried at once and, failing again, completed by the next state_dict or step."""
+    groups = make_params([[(4,), (3,)]], [torch.bfloat16])
+    params = all_params(groups)
+    opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
+    twin_groups = clone_groups(groups)
+    twin = HybridOffloadOptimizer(twin_groups, offload_fraction=0.5, lr=0.1)
+    set_grads(params, 0)
+    set_grads(all_params(twin_groups), 0)
+    twin.step()
+    original = torch.Tensor.copy_
+    left = [failures]
+
+    def copy_(self, src, *args, **kwargs):
+        if self is params[-1] and left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("copy-back failed")
+        return original(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    if failures == 1:
+        opt.step()
+    else:
+        with pytest.raises(RuntimeError, match="copy-back failed"):
+            opt.step()
+        assert not torch.equal(params[-1], all_params(twin_groups)[-1])  # lags its master
+    monkeypatch.undo()
+    assert_same_snapshot(snapshot(twin, all_params(twin_groups)), snapshot(opt, params))

@@ -12,7 +12,7 @@ even when the parameter already lives on the host.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -42,7 +42,10 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     the sub-optimizers' state under the original parameters, with the stepped copy as
     ``"master_param"`` (when ``param_update_in_fp32``). ``**defaults`` (``lr``, ``betas``, ...)
     go to both sub-optimizers; group options are re-synced into them before every step, so LR
-    schedulers work.
+    schedulers work. A step is all or nothing: with ``atomic_step`` (the default) the host
+    sub-optimizer steps first and is put back if the device one raises (this keeps one copy of
+    the host params and state during the step; ``atomic_step=False`` saves it and leaves the
+    host half advanced on such a fault).
 
     ``load_state_dict`` rebuilds the copies and the sub-optimizers from the current parameters
     and then pushes the loaded state in, restoring each ``master_param`` into its copy (the model
@@ -617,6 +620,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     ) -> None:
         """Loads in place, keeping what it overwrites until it has finished."""
         old_groups = list(self.param_groups)
+        # A plain sub-optimizer's state is replaced, a holder's written into.
         snapshots = [
             _SubSnapshot.take(sub, clone_state=is_precision_aware_holder(sub))
             for sub in self.sub_optimizers
@@ -1166,14 +1170,13 @@ def _holder_source(value: torch.Tensor, inner: torch.Tensor, chunked: bool) -> t
 # Step rollback
 # ----------------------------------------------------------------------------------------
 class _SubSnapshot:
-    """What a sub-optimizer's step or a load changes (its params, state and group options),
-    kept so that it can be undone.
+    """What a sub-optimizer's step or a load changes, kept so that it can be undone exactly.
 
-    A plain torch optimizer's state tensors are cloned (or, with ``clone_state=False``, for a
-    caller that replaces ``sub.state`` rather than writing into it, only referenced); a
-    precision-aware holder's states are read through ``get_unscaled_state`` and written back
-    through ``set_scaled_state`` (exact for
-    :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW`, whose scales round-trip).
+    Kept: its params (the copies) and group options, its raw ``state`` (the stored tensors,
+    compressed ones as they are), and the instance dicts keyed by its params, such as a
+    precision-aware holder's scales. With ``clone_state=False`` (for a caller that replaces
+    ``state`` entries instead of writing into them) the state is only referenced. Restoring
+    writes the params back and refills those dicts in place (no attribute is reassigned).
     """
 
     def __init__(
@@ -1182,36 +1185,37 @@ class _SubSnapshot:
         params: dict[torch.Tensor, torch.Tensor],
         state: dict[torch.Tensor, dict[str, Any]],
         options: list[dict[str, Any]],
+        tables: dict[str, dict[Any, Any]],
     ) -> None:
         self.sub = sub
         self.params = params
         self.state = state
         self.options = options
+        self.tables = tables
 
     @classmethod
     @torch.no_grad()
     def take(cls, sub: torch.optim.Optimizer, *, clone_state: bool = True) -> _SubSnapshot:
         params = {p: p.detach().clone() for group in sub.param_groups for p in group["params"]}
-        holder = is_precision_aware_holder(sub)
         state: dict[torch.Tensor, dict[str, Any]] = {}
         for param, entry in sub.state.items():
-            if holder:
-                read = sub.get_unscaled_state  # type: ignore[attr-defined]
-                state[param] = {name: read(param, name) for name in list(entry)}
-            elif not clone_state:
+            if not clone_state:
                 state[param] = entry
             else:
                 state[param] = {
-                    name: value
-                    if value is param or not isinstance(value, torch.Tensor)
-                    else value.detach().clone()
+                    name: value if value is param else _deep_clone(value)
                     for name, value in entry.items()
                 }
         options = [
             {k: _clone_value(v) for k, v in group.items() if k != "params"}
             for group in sub.param_groups
         ]
-        return cls(sub, params, state, options)
+        tables = {
+            name: {key: _deep_clone(value) for key, value in table.items()}
+            for name, table in vars(sub).items()
+            if name != "state" and _keyed_by(table, params)
+        }
+        return cls(sub, params, state, options, tables)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -1222,15 +1226,32 @@ class _SubSnapshot:
             params = group["params"]
             group.clear()
             group.update(options, params=params)
-        if not is_precision_aware_holder(sub):
-            sub.state = defaultdict(dict, self.state)
-            return
-        write = sub.set_scaled_state  # type: ignore[attr-defined]
-        for param in [p for p in sub.state if p not in self.state]:
-            del sub.state[param]
-        for param, entry in self.state.items():
-            for name, value in entry.items():
-                write(param, name, value)
+        sub.state.clear()
+        sub.state.update(self.state)
+        for name, saved in self.tables.items():
+            table = vars(sub).get(name)
+            if isinstance(table, dict):
+                table.clear()
+                table.update(saved)
+
+
+def _keyed_by(table: Any, params: dict[torch.Tensor, torch.Tensor]) -> bool:
+    """A plain dict (not a hook registry) whose keys are all params of the sub-optimizer."""
+    return (
+        isinstance(table, dict)
+        and not isinstance(table, OrderedDict)
+        and all(isinstance(key, torch.Tensor) and key in params for key in table)
+    )
+
+
+def _deep_clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _deep_clone(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_deep_clone(v) for v in value)
+    return value
 
 
 def _clone_value(value: Any) -> Any:
