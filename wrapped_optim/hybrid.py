@@ -73,6 +73,8 @@ class HybridSyncOptimizer(OptimizerWrapper):
         True
     """
 
+    _push_pending: bool = False  # a committed load whose masters are not all pushed yet
+
     def __init__(self, inner: Any, *, on_stale: OnStale = "refresh") -> None:
         super().__init__(inner)
         if on_stale not in _ON_STALE:

@@ -86,6 +86,9 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     gpu_optimizer: torch.optim.Optimizer | None
     _host_group_index: list[int]
     _device_group_index: list[int]
+    # Class-level defaults, for instances pickled before these existed.
+    atomic_step: bool = True
+    _copy_back_pending: bool = False
 
     def __init__(
         self,
@@ -975,7 +978,7 @@ def _plain_value(
     if value.is_floating_point() or value.is_complex():
         if not bool(torch.isfinite(value).all()):
             raise ValueError(f"param {index!r}: state {name!r} has non-finite values")
-        if name in _NON_NEGATIVE_STATES and bool((value < 0).any()):
+        if name in _NON_NEGATIVE_STATES and value.is_floating_point() and bool((value < 0).any()):
             raise ValueError(f"param {index!r}: state {name!r} has negative values")
     if kind is not None and not kind.elementwise:
         template = kind.template
