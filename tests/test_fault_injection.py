@@ -218,12 +218,6 @@ KNOWN_BUG_RULES: dict[tuple[str, str], str] = {
         "fault between params leaves some params updated), so a retry uses the wrong bias "
         "correction"
     ),
-    ("precision_adamw[", "init_optimizer_state"): (
-        "init_optimizer_state (issue 6), when the leaf's step raises, keeps the group 'step' "
-        "counter the step created (at 0) although its docstring promises that everything but "
-        "the dropped state is restored: the param_groups gain a 'step' key (minor: the next "
-        "step still counts from 1)"
-    ),
 }
 
 

@@ -72,8 +72,6 @@ def _setups(kind: str, layers: tuple[str, ...]) -> st.SearchStrategy[ws.Setup]:
     return ws.setups(
         optimizers=ws.optimizer_configs(kinds=[kind]),
         stacks=ws.stack_configs(layers=layers, require_all=True),
-        # 0-d params with fp16/FP8 state fail to step: known bug, tested on its own below.
-        allow_zero_dim=kind != "precision_adamw",
     )
 
 
@@ -187,11 +185,8 @@ def test_staged_saves_and_loads_exactly_what_unstaged_does(
 @pytest.mark.parametrize("kind", [pytest.param(k, id=k) for k in KINDS])
 def test_init_optimizer_state_does_not_change_training(kind: str) -> None:
 
-    # SGD with dampening is a known deviation, pinned by its own strict-xfail test below.
-    setups = _setups(kind, ()).filter(lambda s: not dict(s.optimizer.options).get("dampening", 0.0))
-
     @_SETTINGS
-    @given(setups, st.integers(1, 2))
+    @given(_setups(kind, ()), st.integers(1, 2))
     def check(setup: ws.Setup, steps: int) -> None:
         _, plain = setup.make()
         _, initialised = setup.make()
@@ -212,13 +207,6 @@ def test_init_optimizer_state_does_not_change_training(kind: str) -> None:
     check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="init_optimizer_state creates SGD momentum buffers of zeros; torch's first real "
-    "step then applies dampening to the grad (buf = 0.9*0 + (1-dampening)*g) instead of "
-    "adopting it (buf = g), so every later update differs (issue 6; torch's own DCP "
-    "initialiser has the same flaw, pytorch #164929)",
-)
 def test_init_optimizer_state_keeps_sgd_dampening_updates() -> None:
     def run(initialise: bool) -> torch.Tensor:
         param = torch.nn.Parameter(torch.ones(2))
@@ -232,13 +220,6 @@ def test_init_optimizer_state_keeps_sgd_dampening_updates() -> None:
     assert torch.equal(run(False), run(True))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PrecisionAwareAdamW: a 0-d parameter with fp16 or FP8 (uint8) moments fails on "
-    "its second step: codecs.decode_into multiplies a 0-d view by a [1]-shaped scale "
-    "multiplier in place (RuntimeError: output with shape [] doesn't match the broadcast "
-    "shape [1]) (issue 3)",
-)
 @pytest.mark.parametrize("state_dtype", [torch.float16, torch.uint8], ids=["fp16", "fp8"])
 def test_zero_dim_param_with_scaled_state_steps(state_dtype: torch.dtype) -> None:
     from wrapped_optim.optimizers import PrecisionAwareAdamW
@@ -265,23 +246,7 @@ def test_hybrid_sync_over_precision_adamw_loads_its_own_checkpoint() -> None:
     assert_state_dict_equal(saved, checkpoint_roundtrip(opt.state_dict()))
 
 
-_FROZEN_STATE = (
-    "PrecisionAwareAdamW.step (issue 3) calls initialize_state before checking for a grad, so "
-    "frozen parameters (requires_grad=False, grad None) get full optimizer state and appear "
-    "in its checkpoints; torch's optimizers and TE FusedAdam skip them (memory for frozen "
-    "base weights, e.g. LoRA)"
-)
-
-
-@pytest.mark.parametrize(
-    "kind",
-    [
-        pytest.param(k, id=k, marks=[pytest.mark.xfail(strict=True, reason=_FROZEN_STATE)])
-        if k == "precision_adamw"
-        else pytest.param(k, id=k)
-        for k in KINDS
-    ],
-)
+@pytest.mark.parametrize("kind", KINDS)
 def test_frozen_params_get_no_state(kind: str) -> None:
     @_SETTINGS
     @given(_setups(kind, ()))

@@ -411,11 +411,7 @@ def test_unavailable_kinds_raise_import_error() -> None:
             spec.build([torch.nn.Parameter(torch.ones(1))])
 
 
-_OTHER_KINDS = [k for k in ws.available_optimizer_kinds() if k != "precision_adamw"]
-_PRECISION_KINDS = [k for k in ws.available_optimizer_kinds() if k == "precision_adamw"]
-_ALL_SETUPS = ws.setups(kinds=_OTHER_KINDS, max_groups=2, max_params=2)
-if _PRECISION_KINDS:  # 0-d params with fp16/FP8 state: known bug, see test_properties.py
-    _ALL_SETUPS |= ws.setups(kinds=_PRECISION_KINDS, max_groups=2, allow_zero_dim=False)
+_ALL_SETUPS = ws.setups(kinds=ws.available_optimizer_kinds(), max_groups=2, max_params=2)
 
 
 @settings(max_examples=10)

@@ -3,6 +3,7 @@
 Public API only; see the README and docs/ for the concepts.
 """
 
+from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer, save_optimizer
 from wrapped_optim.config import (
     BuildConfig,
     ConfigError,
@@ -17,6 +18,7 @@ from wrapped_optim.config import (
 from wrapped_optim.factory import build_optimizer, setup_optimizer, wrap
 from wrapped_optim.fsdp import FSDPAwareOptimizer, init_optimizer_state
 from wrapped_optim.hybrid import HybridSyncOptimizer, StaleMasterError
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 from wrapped_optim.patching import patch_attribute
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
@@ -29,10 +31,13 @@ __all__ = [
     "FSDPAwareOptimizer",
     "FSDPConfig",
     "HybridConfig",
+    "HybridOffloadOptimizer",
     "HybridSyncOptimizer",
     "LRScheduleConfig",
+    "OptimizerCheckpointError",
     "OptimizerSpec",
     "OptimizerWrapper",
+    "PrecisionAwareAdamW",
     "SchedulerConfig",
     "StackConfig",
     "StagedCheckpointOptimizer",
@@ -41,7 +46,9 @@ __all__ = [
     "__version__",
     "build_optimizer",
     "init_optimizer_state",
+    "load_optimizer",
     "patch_attribute",
+    "save_optimizer",
     "setup_optimizer",
     "wrap",
 ]

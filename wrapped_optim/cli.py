@@ -16,6 +16,13 @@ def run_demo(
     """``wrapped-optim demo``: 0 when every verification passed, 1 otherwise.
 
     See :mod:`wrapped_optim.demo` for what it shows.
+
+    Example:
+        >>> import contextlib, io
+        >>> with contextlib.redirect_stdout(io.StringIO()):
+        ...     code = run_demo(steps=8, progress=False)
+        >>> code
+        0
     """
     from wrapped_optim.demo import run_demo as demo
 

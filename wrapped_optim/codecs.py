@@ -218,6 +218,7 @@ def encode_into(
     scale: Tensor | None = None,
     *,
     overwrite_x: bool = False,
+    multiplier: Tensor | None = None,
 ) -> None:
     """Quantize FP32 ``x`` into the storage tensor ``out`` (same number of elements).
 
@@ -225,6 +226,7 @@ def encode_into(
     tensor's ``scale`` (from :func:`scale_from_amax` over the *whole* tensor), so a big tensor
     can be encoded one slice at a time. With ``overwrite_x`` the scaling is done in ``x``
     itself (the caller's scratch buffer) instead of a temporary. ``x`` is otherwise untouched.
+    A slice loop may pass ``multiplier=encode_multiplier(scale, dtype)`` computed once.
 
     Example:
         >>> import torch
@@ -245,9 +247,12 @@ def encode_into(
         out.copy_(x)  # bf16: torch's cast is round-to-nearest-even
         return
     _check_dtype(dtype)
-    if scale is None:
+    if multiplier is not None:  # precomputed encode_multiplier(scale), for slice loops
+        mult = multiplier
+    elif scale is None:
         raise ValueError(f"encoding into {dtype} needs the tensor's scale")
-    mult = encode_multiplier(scale.to(device=out.device, dtype=torch.float32), dtype)
+    else:
+        mult = encode_multiplier(scale.to(device=out.device, dtype=torch.float32), dtype)
     if overwrite_x and x.device == out.device and x.dtype == torch.float32:
         tmp = x.mul_(mult)
     else:
@@ -260,10 +265,19 @@ def encode_into(
         out.view(_E4M3).copy_(tmp)
 
 
-def decode_into(storage: Tensor, out: Tensor, dtype: torch.dtype, scale: Tensor | None) -> None:
+def decode_into(
+    storage: Tensor,
+    out: Tensor,
+    dtype: torch.dtype,
+    scale: Tensor | None,
+    *,
+    multiplier: Tensor | None = None,
+) -> None:
     """Expand ``storage`` into the float32 tensor ``out`` (same number of elements, any device).
 
-    Allocates nothing on ``out``'s device beyond what a cross-device copy needs.
+    Allocates nothing on ``out``'s device beyond what a cross-device copy needs (FP8: an
+    int32 index of ``out``'s size). A slice loop may pass ``multiplier=decode_multiplier(scale,
+    dtype)`` computed once.
 
     Example:
         >>> import torch
@@ -299,9 +313,13 @@ def decode_into(storage: Tensor, out: Tensor, dtype: torch.dtype, scale: Tensor 
     else:
         view.copy_(storage)
     if is_scaled(dtype):
-        if scale is None:
-            raise ValueError(f"decoding {dtype} needs the tensor's scale")
-        view.mul_(decode_multiplier(scale.to(device=out.device, dtype=torch.float32), dtype))
+        if multiplier is None:
+            if scale is None:
+                raise ValueError(f"decoding {dtype} needs the tensor's scale")
+            multiplier = decode_multiplier(scale.to(device=out.device, dtype=torch.float32), dtype)
+        # A per-tensor multiplier has one element; as a 0-d tensor it broadcasts into any
+        # view in place, 0-d parameters included.
+        view.mul_(multiplier.reshape(()) if multiplier.numel() == 1 else multiplier)
     if view.data_ptr() != out.data_ptr():  # pragma: no cover - reshape of a strided out
         out.copy_(view.reshape(out.shape))
 

@@ -66,7 +66,12 @@ _FINE_TUNE_STEPS = 5
 
 @attrs.frozen
 class DemoResult:
-    """What the demo measured; ``ok`` is False when any verification failed."""
+    """What the demo measured; ``ok`` is False when any verification failed.
+
+    Example:
+        >>> DemoResult(rows=(("resume bit-identical", "yes", "PASS"),), ok=True).ok
+        True
+    """
 
     rows: tuple[tuple[str, str, str], ...]
     ok: bool

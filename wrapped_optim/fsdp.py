@@ -10,6 +10,7 @@ step; :func:`init_optimizer_state` creates the state a checkpoint load needs.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,6 +34,14 @@ RefreshFn = Callable[[dict[str, Any]], None]
 # Hyper-parameters zeroed while init_optimizer_state steps, so the step cannot move a weight
 # nor leave weight-decay traces in the new state.
 _ZEROED_HYPERPARAMETERS = ("lr", "weight_decay")
+
+# State entries whose mere presence changes an optimizer's update rule: torch's SGD adopts the
+# first grad as its momentum buffer (buf = g) when it has none, but decays an existing one
+# (buf = momentum * buf + (1 - dampening) * g). init_optimizer_state's zero buffers are load
+# targets only; until something writes into them, the first real step must not see them.
+_ADOPTED_ON_FIRST_STEP: tuple[tuple[type[torch.optim.Optimizer], tuple[str, ...]], ...] = (
+    (torch.optim.SGD, ("momentum_buffer",)),
+)
 
 
 class _CastBuffers:
@@ -292,10 +301,13 @@ def _snapshot_group(group: dict[str, Any]) -> dict[str, tuple[Any, torch.Tensor 
 
 
 def _restore_group(
-    group: dict[str, Any], snapshot: dict[str, tuple[Any, torch.Tensor | None]]
+    group: dict[str, Any],
+    snapshot: dict[str, tuple[Any, torch.Tensor | None]],
+    *,
+    keep_step_counter: bool,
 ) -> None:
     for key in [key for key in group if key != "params" and key not in snapshot]:
-        if key == "step":
+        if key == "step" and keep_step_counter:
             # A group-level step counter the step created (TE FusedAdam, PrecisionAwareAdamW):
             # keep it, at 0 — what an untouched optimizer counts from — so that a DCP load,
             # which only fills keys its template has, restores the saved count.
@@ -374,7 +386,8 @@ def _init_leaf(leaf: torch.optim.Optimizer, precision_aware: bool) -> None:
         succeeded = True
     finally:
         for group, snapshot in zip(leaf.param_groups, snapshots, strict=True):
-            _restore_group(group, snapshot)
+            # After a failed step the state is dropped, so no counter is kept either.
+            _restore_group(group, snapshot, keep_step_counter=succeeded)
         with torch.no_grad():
             for param, before in zip(params, locals_before, strict=True):
                 now = local_tensor(param)
@@ -384,6 +397,52 @@ def _init_leaf(leaf: torch.optim.Optimizer, precision_aware: bool) -> None:
         if not succeeded:
             leaf.state.clear()
     _reset_step_counters(leaf)
+    _hide_placeholders_from_first_step(leaf)
+
+
+def _write_count(tensor: torch.Tensor) -> tuple[int, int]:
+    # Version counters of the tensor and its rank-local storage (a DTensor's shard is written
+    # in place by a DCP load): any in-place write bumps one of them.
+    return tensor._version, local_tensor(tensor)._version
+
+
+def _hide_placeholders_from_first_step(leaf: torch.optim.Optimizer) -> None:
+    """Makes the leaf's first real step ignore the state entries it would adopt from the grad.
+
+    The entries stay in ``leaf.state`` (a checkpoint load needs them as targets). A step
+    pre-hook removes, just before the first step, every such entry that is still the very
+    tensor created here and has not been written since; the step then creates it from the grad
+    as on an untouched optimizer. Anything loaded (new tensors, or in-place writes as DCP
+    does) is kept.
+    """
+    keys = tuple(
+        key for cls, names in _ADOPTED_ON_FIRST_STEP if isinstance(leaf, cls) for key in names
+    )
+    marks: list[tuple[torch.Tensor, str, weakref.ref[torch.Tensor], tuple[int, int]]] = []
+    for param, state in leaf.state.items():
+        for key in keys:
+            value = state.get(key) if isinstance(state, dict) else None
+            if isinstance(value, torch.Tensor):
+                marks.append((param, key, weakref.ref(value), _write_count(value)))
+    if not marks:
+        return
+
+    def drop_untouched_placeholders(optimizer: Any, args: Any, kwargs: Any) -> None:
+        # One-shot. Removing a hook while torch iterates its hooks is an error, so this one
+        # stays registered but holds nothing after its first call.
+        for param, key, placeholder, count in marks:
+            state = optimizer.state.get(param)
+            value = placeholder()
+            if value is None or not isinstance(state, dict) or state.get(key) is not value:
+                continue  # replaced, e.g. by load_state_dict
+            if _write_count(state[key]) != count:
+                continue  # loaded into in place, e.g. by a DCP load
+            del state[key]
+            if not state:
+                del optimizer.state[param]
+        marks.clear()
+
+    leaf.register_step_pre_hook(drop_untouched_placeholders)
 
 
 def init_optimizer_state(optimizer: Any) -> bool:
@@ -404,9 +463,16 @@ def init_optimizer_state(optimizer: Any) -> bool:
     - steps the leaf optimizer itself (no compute-weight refresh, no outer wrapper logic);
     - restores the weights bit for bit, the previous grads (or ``None``), and resets
       per-parameter ``step`` counters to 0: the next step is numbered 1, as on a fresh
-      optimizer.
+      optimizer;
+    - keeps state a first step would adopt from the grad (``torch.optim.SGD``'s
+      ``momentum_buffer``: ``buf = grad`` when missing, ``momentum * buf + (1 - dampening) *
+      grad`` when present) as zero load targets, and registers a one-shot step pre-hook that
+      removes those still untouched just before the first real step. A checkpoint loaded into
+      them (new tensors, or in place as DCP does) is kept; without a load, training equals an
+      untouched optimizer's.
 
-    If the step raises, the leaf's new state is dropped and everything else is restored.
+    If the step raises, the leaf's new state is dropped and everything else, including the
+    parameter groups, is restored exactly.
     Returns ``True`` when state was created; ``False`` (doing nothing) when every leaf
     already had state.
 
@@ -422,6 +488,14 @@ def init_optimizer_state(optimizer: Any) -> bool:
         (['exp_avg', 'exp_avg_sq', 'step'], 0.0, None, tensor([1., 1.]))
         >>> init_optimizer_state(opt)
         False
+        >>> q = torch.nn.Parameter(torch.ones(1))
+        >>> sgd = torch.optim.SGD([q], lr=0.1, momentum=0.9, dampening=0.5)
+        >>> init_optimizer_state(sgd), sgd.state[q]["momentum_buffer"]
+        (True, tensor([0.]))
+        >>> q.grad = torch.ones(1)
+        >>> sgd.step()  # adopts the grad as torch's first step does: buf = grad
+        >>> sgd.state[q]["momentum_buffer"], q.data
+        (tensor([1.]), tensor([0.9000]))
     """
     precision_aware = _stack_is_precision_aware(optimizer)
     created = False

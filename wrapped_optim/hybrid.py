@@ -37,7 +37,24 @@ _ON_STALE = ("refresh", "raise", "ignore")
 
 
 class StaleMasterError(RuntimeError):
-    """The optimizer's master copies disagree with the model weights it is about to update."""
+    """The optimizer's master copies disagree with the model weights it is about to update.
+
+    Raised by the first step after construction or a load when ``on_stale="raise"``.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+        >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+        >>> opt = HybridSyncOptimizer(HybridOffloadOptimizer([p], lr=0.1), on_stale="raise")
+        >>> with torch.no_grad():
+        ...     _ = p.fill_(2.0)  # a model-only load the optimizer did not see
+        >>> p.grad = torch.ones(2, dtype=torch.bfloat16)
+        >>> try:
+        ...     opt.step()
+        ... except StaleMasterError:
+        ...     print("stale masters refused")
+        stale masters refused
+    """
 
 
 class HybridSyncOptimizer(OptimizerWrapper):

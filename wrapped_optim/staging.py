@@ -72,6 +72,10 @@ class LeafDecision:
         eligible: whether the path applies to this leaf.
         reason: ``"eligible"`` or the first gate that failed, in words.
         chunked: for save/load staging, whether the holder offers the chunk API.
+
+    Example:
+        >>> LeafDecision(index=0, optimizer=None, eligible=False, reason="stub").reason
+        'stub'
     """
 
     index: int

@@ -20,11 +20,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("fsdp2")]
 
 CHECKPOINT_STEP = 3
 CONTINUE_STEPS = 3
-OPTIMIZERS = ["adamw", "precision_aware_adamw"]
+# SGD with dampening: init_optimizer_state's zero momentum buffers must take the loaded
+# values (DCP writes into the DTensor shards in place), not be dropped as placeholders.
+OPTIMIZERS = ["adamw", "precision_aware_adamw", "sgd_dampening"]
 # PrecisionAwareAdamW consumes low-precision grads itself: no cast needed.
-PRECISION_AWARE = {"adamw": False, "precision_aware_adamw": True}
+PRECISION_AWARE = {"adamw": False, "precision_aware_adamw": True, "sgd_dampening": False}
 # States kept in FP8 with a per-shard scale: re-quantized when the sharding changes.
-FP8_STATES = {"adamw": (), "precision_aware_adamw": ("exp_avg_sq",)}
+FP8_STATES = {"adamw": (), "precision_aware_adamw": ("exp_avg_sq",), "sgd_dampening": ()}
 
 
 # ----------------------------------------------------------------------------------------
@@ -58,6 +60,8 @@ def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
             exp_avg_dtype=torch.bfloat16,
             exp_avg_sq_dtype=torch.uint8,
         )
+    if name == "sgd_dampening":
+        return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, dampening=0.1)
     raise ValueError(name)
 
 

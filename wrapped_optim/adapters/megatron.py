@@ -24,7 +24,12 @@ def megatron_available() -> bool:
 
 
 def megatron_optimizer_module() -> ModuleType:
-    """``megatron.core.optimizer``, or an ImportError that says how to get it."""
+    """``megatron.core.optimizer``, or an ImportError that says how to get it.
+
+    Example:
+        >>> megatron_optimizer_module().__name__  # with megatron-core installed
+        'megatron.core.optimizer'
+    """
     try:
         return importlib.import_module("megatron.core.optimizer")
     except ImportError as error:

@@ -31,6 +31,12 @@ class LeafContext:
         ddp_config: the container's ``ddp_config``, or ``None``.
         is_stub: the container's ``is_stub_optimizer`` flag.
         index: position of the leaf in walk order (stubs included).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> leaf = LeafContext(optimizer=None, config=SimpleNamespace(lr=0.1), is_stub=True)
+        >>> leaf.is_stub, leaf.config.lr
+        (True, 0.1)
     """
 
     optimizer: Any

@@ -205,9 +205,10 @@ def run(quick: bool = False) -> str:
         "AdamW step on CPU. When parameters, gradients and moments are all bf16, torch's "
         "fused kernel does decode, update and encode in one pass, and the step matches "
         "torch's speed (`ours bf16 params + bf16 moments`). fp32 state uses the same fused "
-        "kernel as torch, batched across parameters. fp16/FP8 moments expand each tensor "
-        "whole (the new scale needs the new amax), remainders add integer bit arithmetic: "
-        "they trade time for memory.",
+        "kernel as torch, batched across parameters. fp16/FP8 states take two sliced passes "
+        "(the new scale needs the new amax of the whole tensor; the first pass only collects "
+        "it, so memory stays bounded), remainders add integer bit arithmetic: both trade time "
+        "for memory.",
         "",
     ]
     lines += [

@@ -163,6 +163,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self.fused = fused
         self._scales: dict[Tensor, dict[str, Tensor]] = {}
         self._scratch: dict[torch.device, Tensor] = {}  # step workspace, never saved
+        self._pack_small = True  # small parameters share fused calls (tests turn it off)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's Optimizer pickles only defaults/state/param_groups; our configuration and
@@ -511,12 +512,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             # Parameters whose state needs no conversion go to torch's fused kernel together,
             # one call per (device, dtype), as torch.optim.AdamW(fused=True) does.
             batches: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, ...]]] = {}
+            small: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
             for p in group["params"]:
-                if not self.state[p]:
-                    self.initialize_state(p)
                 grad = self._grad_of(p)
                 if grad is None:
-                    continue
+                    continue  # frozen or unused this step: no state, as torch's optimizers do
+                if not self.state[p]:
+                    self.initialize_state(p)
                 if grad.is_sparse:
                     raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients.")
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -525,15 +527,122 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                         f"got {p.dtype}"
                     )
                 views = self._direct_views(p, grad, group)
-                if views is None:
-                    self._update(p, grad, group)
-                else:
+                if views is not None:
                     batches.setdefault((views[0].device, views[0].dtype), []).append(views)
+                elif self._packable(p, grad, group):
+                    small.setdefault(_local(p).device, []).append((p, grad))
+                else:
+                    self._update(p, grad, group)
             for (device, _), items in batches.items():
                 step = torch.tensor(float(group["step"]), dtype=torch.float32, device=device)
                 ps, gs, ms, vs = (list(column) for column in zip(*items, strict=True))
                 self._fused_math(ps, gs, ms, vs, group, [step] * len(ps))
+            for device, pairs in small.items():
+                self._update_packed(pairs, group, device)
         return loss
+
+    def _packable(self, param: Tensor, grad: Tensor, group: dict[str, Any]) -> bool:
+        """Small parameters whose state needs only per-element conversion (bf16/fp32 moments,
+        an fp32 or remainder master) are updated many at a time (one fused call per pack)."""
+        p, g = _local(param), _local(grad)
+        if not self._pack_small:
+            return False
+        if p.numel() > self.chunk_numel // 4 or not p.is_contiguous() or g.device != p.device:
+            return False
+        if not self._use_fused(p.device, group):
+            return False
+        state = self.state[param]
+        for name, storage in state.items():
+            if name == "master_param":
+                if param.dtype == torch.float32:  # its master is synced after the update
+                    return False
+                if not self._uses_remainder(param) and storage.dtype != torch.float32:
+                    return False
+            elif storage.dtype not in (torch.float32, torch.bfloat16):
+                return False
+        return True
+
+    def _update_packed(
+        self, pairs: list[tuple[Tensor, Tensor]], group: dict[str, Any], device: torch.device
+    ) -> None:
+        """:meth:`_update` for many small parameters at once: their slices are packed into one
+        workspace and updated by one fused call, with the same per-element arithmetic."""
+        c = self.chunk_numel
+        scratch = self._scratch_for(device, 6 * c)
+        g_buf, m_buf, v_buf, p_buf, t1, t2 = scratch.view(6, c).unbind(0)
+        step = torch.tensor(float(group["step"]), dtype=torch.float32, device=device)
+        start = 0
+        pack: list[tuple[Tensor, Tensor]] = []
+        for param, grad in [*pairs, (None, None)]:
+            n = 0 if param is None else _local(param).numel()
+            if pack and (param is None or start + n > c):
+                self._flush_pack(pack, group, step, (g_buf, m_buf, v_buf, p_buf, t1, t2))
+                pack, start = [], 0
+            if param is not None and grad is not None:
+                pack.append((param, grad))
+                start += n
+
+    def _flush_pack(
+        self,
+        pack: list[tuple[Tensor, Tensor]],
+        group: dict[str, Any],
+        step: Tensor,
+        buffers: tuple[Tensor, ...],
+    ) -> None:
+        g_buf, m_buf, v_buf, p_buf, t1, t2 = buffers
+        ps: list[Tensor] = []
+        gs: list[Tensor] = []
+        ms: list[Tensor] = []
+        vs: list[Tensor] = []
+        decode: list[tuple[Tensor, Tensor]] = []  # (fp32 slice, stored)
+        encode: list[tuple[Tensor, Tensor]] = []  # (stored, fp32 slice)
+        write_param: list[tuple[Tensor, Tensor]] = []  # (param, fp32 slice)
+        remainders: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+        offset = 0
+        for param, grad in pack:
+            state = self.state[param]
+            p_flat = _local(param).view(-1)
+            g_flat = _local(grad).reshape(-1)
+            k = p_flat.numel()
+            sl = slice(offset, offset + k)
+            offset += k
+            if g_flat.dtype == torch.float32:
+                gs.append(g_flat)
+            else:
+                decode.append((g_buf[sl], g_flat))
+                gs.append(g_buf[sl])
+            for name, buf, out in (("exp_avg", m_buf, ms), ("exp_avg_sq", v_buf, vs)):
+                stored = state[name].view(-1)
+                if stored.dtype == torch.float32:
+                    out.append(stored)
+                else:  # bf16: expanded exactly, re-encoded with round-to-nearest-even
+                    decode.append((buf[sl], stored))
+                    encode.append((stored, buf[sl]))
+                    out.append(buf[sl])
+            if "master_param" not in state:
+                if param.dtype == torch.float32:
+                    ps.append(p_flat)
+                else:
+                    decode.append((p_buf[sl], p_flat))
+                    write_param.append((p_flat, p_buf[sl]))
+                    ps.append(p_buf[sl])
+            elif self._uses_remainder(param):
+                rem = state["master_param"].view(-1)
+                ps.append(codecs.join_master(p_flat, rem, out=p_buf[sl], scratch=t2[sl]))
+                remainders.append((p_buf[sl], p_flat, rem, t1[sl].view(torch.int32)))
+            else:
+                master = state["master_param"].view(-1)
+                ps.append(master)
+                write_param.append((p_flat, master))
+        if decode:
+            torch._foreach_copy_([d for d, _ in decode], [src for _, src in decode])
+        self._fused_math(ps, gs, ms, vs, group, [step] * len(ps))
+        if encode:
+            torch._foreach_copy_([d for d, _ in encode], [src for _, src in encode])
+        if write_param:
+            torch._foreach_copy_([d for d, _ in write_param], [src for _, src in write_param])
+        for values, p_flat, rem, bits in remainders:
+            codecs.split_master_into(values, p_flat, rem, scratch=bits)
 
     def _direct_views(
         self, param: Tensor, grad: Tensor, group: dict[str, Any]
@@ -614,6 +723,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if kind == "scaled"
         ]
         old_scale = {name: self._scales[param][name].clone() for name in scaled}
+        decode_mult = {n: codecs.decode_multiplier(old_scale[n], dtypes[n]) for n in scaled}
         fused_step = None
         if self._use_fused(device, group):
             fused_step = torch.tensor(float(step), dtype=torch.float32, device=device)
@@ -639,8 +749,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 live = flat[name][s:e]
                 return buf[: e - s].copy_(live) if trial else live
             out = buf[: e - s]
-            scale = old_scale[name] if kind == "scaled" else None
-            codecs.decode_into(flat[name][s:e], out, dtypes[name], scale)
+            codecs.decode_into(
+                flat[name][s:e], out, dtypes[name], None, multiplier=decode_mult.get(name)
+            )
             return out
 
         def update_slice(s: int, e: int, trial: bool) -> dict[str, Tensor]:
@@ -683,6 +794,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 for name in scaled:
                     amax[name] = codecs.combine_amax(amax[name], codecs.amax_of(values[name]))
             new_scale = {name: codecs.scale_from_amax(amax[name], dtypes[name]) for name in scaled}
+        encode_mult = {n: codecs.encode_multiplier(new_scale[n], dtypes[n]) for n in scaled}
 
         for s, e in codecs.chunk_bounds(n, c):
             values = update_slice(s, e, trial=False)
@@ -702,7 +814,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 if kind in ("chunk", "scaled"):
                     codecs.encode_into(
                         values[name], flat[name][s:e], dtypes[name], new_scale.get(name),
-                        overwrite_x=True,
+                        overwrite_x=True, multiplier=encode_mult.get(name),
                     )  # fmt: skip
 
         for name in scaled:
@@ -851,7 +963,15 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     )
                 if not bool(torch.isfinite(local).all()):
                     raise ValueError(f"param {key}: state {name!r} has non-finite values")
+                if name == "exp_avg_sq" and bool((local < 0).any()):
+                    raise ValueError(
+                        f"param {key}: state 'exp_avg_sq' has negative values (a second moment "
+                        "is a running mean of squares)"
+                    )
             resolved[key] = param
+        # After the states, so a checkpoint of another optimizer class is named by its state.
+        for i, saved in enumerate(saved_groups):
+            _check_hyper_parameters(i, saved)
         return resolved, saved_groups
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -903,6 +1023,29 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             raise
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _check_hyper_parameters(index: int, group: dict[str, Any]) -> None:
+    """A loaded group must carry every hyper-parameter step() reads, with usable types."""
+    for name in ("lr", "eps", "weight_decay"):
+        if name not in group:
+            raise ValueError(f"parameter group {index}: missing hyper-parameter {name!r}")
+        value = group[name]
+        if isinstance(value, Tensor):
+            if value.numel() != 1 or not value.is_floating_point():
+                raise ValueError(
+                    f"parameter group {index}: {name!r} must be a number or a one-element "
+                    f"floating tensor, got a {value.dtype} tensor of shape {tuple(value.shape)}"
+                )
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"parameter group {index}: {name!r} must be a number, got {value!r}")
+    betas = group.get("betas")
+    if (
+        not isinstance(betas, tuple | list)
+        or len(betas) != 2
+        or not all(isinstance(b, int | float) and not isinstance(b, bool) for b in betas)
+    ):
+        raise ValueError(f"parameter group {index}: 'betas' must be two numbers, got {betas!r}")
 
 
 def _copy_value(value: Any) -> Any:
