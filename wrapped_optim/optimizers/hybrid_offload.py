@@ -1209,8 +1209,9 @@ class _SubSnapshot:
                     name: value if value is param else _deep_clone(value)
                     for name, value in entry.items()
                 }
+        # The same option objects (a scheduler may hold a tensor lr); a step count is copied.
         options = [
-            {k: _clone_value(v) for k, v in group.items() if k != "params"}
+            {k: _clone_value(v) if k == "step" else v for k, v in group.items() if k != "params"}
             for group in sub.param_groups
         ]
         tables = {
