@@ -218,16 +218,6 @@ KNOWN_BUG_RULES: dict[tuple[str, str], str] = {
         "fault between params leaves some params updated), so a retry uses the wrong bias "
         "correction"
     ),
-    ("hybrid_offload", "step"): (
-        "HybridOffloadOptimizer.step (issue 5) steps the device sub-optimizer, then the host "
-        "one, then copies results back: a fault in the host step or in a copy-back leaves "
-        "some params/states advanced and others not"
-    ),
-    ("hybrid_offload", "load_state_dict"): (
-        "HybridOffloadOptimizer.load_state_dict (issue 5) commits (param_groups, _build, "
-        "state) before copying the masters in: a fault in a copy leaves a half-loaded state "
-        "('nothing below can fail' does not hold for tensor copies / allocation)"
-    ),
 }
 
 

@@ -334,3 +334,186 @@ def test_deepcopy_keeps_the_copies_and_sub_optimizers_consistent():
     twin.step()
     for p, t in zip(params, twin_params, strict=True):
         assert torch.equal(p, t)
+
+
+# ----------------------------------------------------------------------------------------
+# Validation of plain sub-optimizer state, atomic load and step
+# ----------------------------------------------------------------------------------------
+def _sgd_state(sd):
+    sd["state"] = {i: {"momentum_buffer": e["exp_avg"].clone()} for i, e in sd["state"].items()}
+
+
+def _set(name, value):
+    return lambda sd: sd["state"][1].__setitem__(name, value(sd["state"][1]))
+
+
+BAD_STATES = {
+    "wrong shape": (_set("exp_avg", lambda e: torch.zeros(5)), "param 1: state 'exp_avg'"),
+    "integer": (
+        _set("exp_avg", lambda e: torch.zeros(e["exp_avg"].shape, dtype=torch.int32)),
+        "param 1: state 'exp_avg'",
+    ),
+    "list": (_set("exp_avg", lambda e: e["exp_avg"].tolist()), "param 1: state 'exp_avg'"),
+    "missing name": (lambda sd: sd["state"][1].pop("exp_avg_sq"), "param 1: missing.*exp_avg_sq"),
+    "extra name": (_set("bogus", lambda e: torch.zeros(1)), "param 1: unknown state 'bogus'"),
+    "nan": (
+        _set("exp_avg", lambda e: torch.full_like(e["exp_avg"], float("nan"))),
+        "param 1: state 'exp_avg' has non-finite",
+    ),
+    "inf": (
+        _set("exp_avg_sq", lambda e: torch.full_like(e["exp_avg_sq"], float("inf"))),
+        "param 1: state 'exp_avg_sq' has non-finite",
+    ),
+    "negative second moment": (
+        _set("exp_avg_sq", lambda e: -torch.ones_like(e["exp_avg_sq"])),
+        "param 1: state 'exp_avg_sq' has negative",
+    ),
+    "string step": (_set("step", lambda e: "three"), "param 1: invalid step"),
+    "state None": (lambda sd: sd["state"].__setitem__(1, None), "state of param 1 must be a dict"),
+    "sgd state for adamw": (_sgd_state, "param 0: unknown state 'momentum_buffer'"),
+    "no state entry": (lambda sd: sd.pop("state"), "no 'state' entry"),
+    "missing lr": (lambda sd: sd["param_groups"][0].pop("lr"), "param group 0: .*'lr'"),
+    "string lr": (
+        lambda sd: sd["param_groups"][0].__setitem__("lr", "fast"),
+        "param group 0: .*'lr'",
+    ),
+}
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["stepped", "fresh"])
+@pytest.mark.parametrize("case", list(BAD_STATES), ids=list(BAD_STATES))
+def test_bad_plain_state_is_rejected_naming_param_and_state(case, fresh):
+    """Into a stepped optimizer (names from its state) and a fresh one (names probed)."""
+    corrupt, message = BAD_STATES[case]
+    groups = make_params([[(4,), (2, 2)]], [torch.bfloat16, torch.float32])
+    source = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
+    set_grads(all_params(groups), 0)
+    source.step()
+    payload = copy.deepcopy(source.state_dict())
+    corrupt(payload)
+    pristine = copy.deepcopy(payload)
+    target_groups = clone_groups(groups) if fresh else groups
+    opt = source if not fresh else HybridOffloadOptimizer(target_groups, offload_fraction=0.5)
+    params = all_params(target_groups)
+    before = snapshot(opt, params)
+    subs = list(opt.sub_optimizers)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(payload)
+    assert_same_snapshot(before, snapshot(opt, params))
+    assert opt.sub_optimizers == subs
+    assert payload.keys() == pristine.keys()
+    for key, entry in pristine.get("state", {}).items():
+        if isinstance(entry, dict):
+            for name, value in entry.items():
+                got = payload["state"][key][name]
+                assert (
+                    got == value
+                    if not isinstance(value, torch.Tensor)
+                    else (torch.equal(got, value) or (got.isnan().any() and value.isnan().any()))
+                )
+
+
+def test_probed_names_follow_the_group_options():
+    """A fresh optimizer expects what its sub-optimizer class keeps: amsgrad adds a state."""
+    groups = make_params([[(3,)]], [torch.float32])
+    source = HybridOffloadOptimizer(groups, offload_fraction=1.0, lr=0.1, amsgrad=True)
+    set_grads(all_params(groups), 0)
+    source.step()
+    payload = source.state_dict()
+    assert "max_exp_avg_sq" in payload["state"][0]
+    fresh = HybridOffloadOptimizer(make_params([[(3,)]], [torch.float32]), amsgrad=True)
+    fresh.load_state_dict(payload)
+    # (torch wrote amsgrad=True into ``groups``: build the plain one from new groups)
+    plain = HybridOffloadOptimizer(make_params([[(3,)]], [torch.float32]), offload_fraction=1.0)
+    with pytest.raises(ValueError, match="unknown state 'max_exp_avg_sq'"):
+        plain.load_state_dict(payload)
+
+
+class FlakyAdamW(torch.optim.AdamW):
+    """AdamW whose next step raises once when ``fail`` is set (a device fault)."""
+
+    fail = False
+
+    def step(self, closure=None):
+        if FlakyAdamW.fail:
+            FlakyAdamW.fail = False
+            raise RuntimeError("device step failed")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_failed_device_step_leaves_the_host_step_undone(atomic):
+    groups = make_params([[(4,), (3,)]], [torch.bfloat16])
+    params = all_params(groups)
+    opt = HybridOffloadOptimizer(
+        groups, offload_fraction=0.5, gpu_optimizer_cls=FlakyAdamW, atomic_step=atomic, lr=0.1
+    )
+    twin_groups = clone_groups(groups)
+    twin = HybridOffloadOptimizer(twin_groups, offload_fraction=0.5, lr=0.1)
+    for step in range(2):
+        set_grads(params, step)
+        set_grads(all_params(twin_groups), step)
+        opt.step()
+        twin.step()
+    before = snapshot(opt, params)
+    set_grads(params, 2)
+    set_grads(all_params(twin_groups), 2)
+    FlakyAdamW.fail = True
+    with pytest.raises(RuntimeError, match="device step failed"):
+        opt.step()
+    if not atomic:  # the documented trade: the host half has advanced
+        with pytest.raises(AssertionError):
+            assert_same_snapshot(before, snapshot(opt, params))
+        return
+    assert_same_snapshot(before, snapshot(opt, params))
+    opt.step()  # the retry is the step the fault interrupted
+    twin.step()
+    assert_same_snapshot(snapshot(twin, all_params(twin_groups)), snapshot(opt, params))
+
+
+def test_a_failed_load_into_a_fresh_layout_keeps_the_old_one():
+    """The loaded copies and sub-optimizers are built aside: a fault there changes nothing."""
+    groups = make_params([[(4,), (3,)]], [torch.bfloat16])
+    params = all_params(groups)
+    opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, gpu_optimizer_cls=FlakyAdamW)
+    set_grads(params, 0)
+    opt.step()
+    payload = copy.deepcopy(opt.state_dict())
+    before, subs = snapshot(opt, params), list(opt.sub_optimizers)
+    opt.gpu_optimizer_cls = lambda *a, **k: (_ for _ in ()).throw(MemoryError("no memory"))
+    with pytest.raises(MemoryError):
+        opt.load_state_dict(payload)
+    assert_same_snapshot(before, snapshot(opt, params))
+    assert opt.sub_optimizers == subs
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_failed_copy_back_is_completed(monkeypatch, failures):
+    """The step is committed once both sub-optimizers stepped: a copy-back that raises is
+    retried at once and, failing again, completed by the next state_dict or step."""
+    groups = make_params([[(4,), (3,)]], [torch.bfloat16])
+    params = all_params(groups)
+    opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
+    twin_groups = clone_groups(groups)
+    twin = HybridOffloadOptimizer(twin_groups, offload_fraction=0.5, lr=0.1)
+    set_grads(params, 0)
+    set_grads(all_params(twin_groups), 0)
+    twin.step()
+    original = torch.Tensor.copy_
+    left = [failures]
+
+    def copy_(self, src, *args, **kwargs):
+        if self is params[-1] and left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("copy-back failed")
+        return original(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    if failures == 1:
+        opt.step()
+    else:
+        with pytest.raises(RuntimeError, match="copy-back failed"):
+            opt.step()
+        assert not torch.equal(params[-1], all_params(twin_groups)[-1])  # lags its master
+    monkeypatch.undo()
+    assert_same_snapshot(snapshot(twin, all_params(twin_groups)), snapshot(opt, params))

@@ -547,3 +547,73 @@ def test_rejected_checkpoint_leaves_everything_unchanged(corrupt, message, kind)
     twin = build(twin_model, 0.5, kind)
     train(twin_model, twin, 2)
     assert train(model, opt, 2, start=2) == train(twin_model, twin, 2, start=2)
+
+
+# ------------------------------------------------------------------------------------------
+# Faults inside precision-aware sub-optimizers: loads and steps are undone exactly
+# ------------------------------------------------------------------------------------------
+class FlakyHolder(PrecisionAwareAdamW):
+    """Raises at the n-th ``step`` or ``set_scaled_state`` call from now (a foreign fault)."""
+
+    steps_left: int | None = None
+    writes_left: int | None = None
+
+    def step(self, closure: Any = None) -> Any:
+        if FlakyHolder.steps_left is not None:
+            FlakyHolder.steps_left -= 1
+            if FlakyHolder.steps_left < 0:
+                FlakyHolder.steps_left = None
+                raise RuntimeError("holder step failed")
+        return super().step(closure)
+
+    def set_scaled_state(self, param: torch.Tensor, state_name: str, unscaled: Any) -> None:
+        if FlakyHolder.writes_left is not None:
+            FlakyHolder.writes_left -= 1
+            if FlakyHolder.writes_left < 0:
+                FlakyHolder.writes_left = None
+                raise RuntimeError("holder write failed")
+        super().set_scaled_state(param, state_name, unscaled)
+
+
+def test_a_load_that_fails_inside_a_holder_is_undone():
+    source_model = make_model(0)
+    source = hybrid(source_model, 0.5, exp_avg_dtype=FP8, exp_avg_sq_dtype=FP16)
+    train(source_model, source, 3)
+    payload = copy.deepcopy(source.state_dict())
+    model = make_model(0)
+    opt = hybrid(model, 0.5, exp_avg_dtype=FP8, exp_avg_sq_dtype=FP16, cls=FlakyHolder)
+    train(model, opt, 2)
+    before, weights_before = raw_snapshot(opt), weights(model)
+    FlakyHolder.writes_left = 5
+    with pytest.raises(RuntimeError, match="holder write failed"):
+        opt.load_state_dict(payload)
+    assert_same_snapshot(before, raw_snapshot(opt))
+    assert_same_tensors(weights_before, weights(model))
+    opt.load_state_dict(payload)  # the retry loads what a fault-free load does
+    twin_model = make_model(0)
+    twin = hybrid(twin_model, 0.5, exp_avg_dtype=FP8, exp_avg_sq_dtype=FP16)
+    train(twin_model, twin, 2)
+    twin.load_state_dict(payload)
+    assert_same_snapshot(raw_snapshot(twin), raw_snapshot(opt))
+
+
+def test_a_step_that_fails_in_the_device_holder_undoes_the_host_one():
+    model = make_model(0)
+    opt = hybrid(model, 0.5, exp_avg_dtype=FP8, exp_avg_sq_dtype=FP16, cls=FlakyHolder)
+    twin_model = make_model(0)
+    twin = hybrid(twin_model, 0.5, exp_avg_dtype=FP8, exp_avg_sq_dtype=FP16)
+    assert train(model, opt, 2) == train(twin_model, twin, 2)
+    before, weights_before = raw_snapshot(opt), weights(model)
+    opt.zero_grad()
+    lm_loss(model, batch(2)).backward()
+    FlakyHolder.steps_left = 1  # the host holder steps, the device one raises
+    with pytest.raises(RuntimeError, match="holder step failed"):
+        opt.step()
+    assert_same_snapshot(before, raw_snapshot(opt))
+    assert_same_tensors(weights_before, weights(model))
+    opt.step()  # the retry is the interrupted step
+    twin.zero_grad()
+    lm_loss(twin_model, batch(2)).backward()
+    twin.step()
+    assert_same_snapshot(raw_snapshot(twin), raw_snapshot(opt))
+    assert_same_tensors(weights(twin_model), weights(model))

@@ -238,7 +238,8 @@ def test_full_resume_is_bit_identical_and_keeps_low_bits(fraction, style):
 
 
 def test_unwrapped_megatron_style_payload_fails_without_restoration():
-    with pytest.raises(KeyError, match="step"):
+    # Rejected by the load itself (no per-param step, an fp32_param it does not know).
+    with pytest.raises(ValueError, match="step"):
         interrupted_run(0.5, megatron_style, wrap=False)
 
 
@@ -291,6 +292,22 @@ def test_restore_omitted_state_never_modifies_the_callers_dict():
     assert fixed["state"][0]["step"].item() == 4.0
     assert sorted(entry) == ["exp_avg", "fp32_param"]
     assert restore_omitted_state([sd]) == [sd]
+
+
+def test_group_step_optimizers_get_no_per_param_step():
+    from wrapped_optim.adapters.hybrid import keeps_per_param_step
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    sd = {"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": [{"params": [0], "step": 4}]}
+    assert "step" not in restore_omitted_state(sd, per_param_step=False)["state"][0]
+    param = torch.nn.Parameter(torch.ones(2))
+    adamw = torch.optim.AdamW([param])
+    holder = PrecisionAwareAdamW([param])
+    assert keeps_per_param_step(adamw) and keeps_per_param_step(hybrid(make_model(0)))
+    assert not keeps_per_param_step(HybridSyncOptimizer(holder))
+    param.grad = torch.ones(2)
+    holder.step()
+    assert not keeps_per_param_step(holder)  # its state has no per-param step either
 
 
 def test_wrapper_is_transparent_and_findable():

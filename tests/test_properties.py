@@ -46,20 +46,6 @@ _SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
-# A real bug found here, reported to the lead.
-_SYNC_INJECTS_STEP = (
-    "HybridSyncOptimizer._load_state_dict (issue 5) runs restore_omitted_state on every "
-    "payload: it adds a per-param 'step' whenever the group has one, so a PrecisionAwareAdamW "
-    "(group-level step, like FusedAdam) under it rejects its own checkpoint: "
-    "ValueError: param 0: unknown state 'step'"
-)
-
-
-# Combinations left out of the matrix because of a known bug, each pinned by its own small
-# strict-xfail test below (hypothesis would spend the budget shrinking the same failure).
-def _excluded(kind: str, layers: tuple[str, ...]) -> bool:
-    return kind == "precision_adamw" and "hybrid" in layers
-
 
 def _layer_sets(*, nonempty: bool = False) -> list[tuple[str, ...]]:
     sets = [
@@ -76,8 +62,6 @@ def _combos(prop: str, *, nonempty: bool = False, needs: str | None = None) -> l
     for kind in KINDS:
         for layers in _layer_sets(nonempty=nonempty):
             if needs is not None and needs not in layers:
-                continue
-            if _excluded(kind, layers):
                 continue
             label = "+".join(layers) or "bare"
             params.append(pytest.param(kind, layers, id=f"{kind}-{label}"))
@@ -248,8 +232,8 @@ def test_zero_dim_param_with_scaled_state_steps(state_dtype: torch.dtype) -> Non
     assert opt.state_dict()["state"][0]["exp_avg"].shape == ()
 
 
-@pytest.mark.xfail(strict=True, reason=_SYNC_INJECTS_STEP)
 def test_hybrid_sync_over_precision_adamw_loads_its_own_checkpoint() -> None:
+    """A group-step optimizer under HybridSyncOptimizer gets no per-param step injected."""
     from wrapped_optim.hybrid import HybridSyncOptimizer
     from wrapped_optim.optimizers import PrecisionAwareAdamW
 
@@ -257,7 +241,9 @@ def test_hybrid_sync_over_precision_adamw_loads_its_own_checkpoint() -> None:
     opt = HybridSyncOptimizer(PrecisionAwareAdamW([param], lr=0.1))
     param.grad = torch.ones(2)
     opt.step()
+    saved = checkpoint_roundtrip(opt.state_dict())
     opt.load_state_dict(opt.state_dict())
+    assert_state_dict_equal(saved, checkpoint_roundtrip(opt.state_dict()))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -23,6 +23,7 @@ from wrapped_optim.adapters.hybrid import (
     MasterCopies,
     find_hybrid_offload,
     hybrid_master_copies,
+    keeps_per_param_step,
     push_state_to_sub_optimizers,
     restore_omitted_state,
     restoring_omitted_megatron_state,
@@ -89,12 +90,15 @@ class HybridSyncOptimizer(OptimizerWrapper):
         True
     """
 
+    _push_pending: bool = False  # a committed load whose masters are not all pushed yet
+
     def __init__(self, inner: Any, *, on_stale: OnStale = "refresh") -> None:
         super().__init__(inner)
         if on_stale not in _ON_STALE:
             raise ValueError(f"on_stale must be one of {_ON_STALE}, got {on_stale!r}")
         self.on_stale: OnStale = on_stale
         self._guard_armed = True
+        self._push_pending = False
 
     @property
     def hybrid_optimizers(self) -> list[Any]:
@@ -134,6 +138,8 @@ class HybridSyncOptimizer(OptimizerWrapper):
     # Step and guard
     # ----------------------------------------------------------------------------------
     def _step(self, closure: Callable[[], Any] | None) -> Any:
+        if self._push_pending:
+            self._push_masters()
         if self._guard_armed:
             self.check_masters()
         return self._inner_step(closure)
@@ -232,8 +238,18 @@ class HybridSyncOptimizer(OptimizerWrapper):
             entry.push_master()
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        payload = restore_omitted_state(state_dict)
+        payload = restore_omitted_state(state_dict, per_param_step=keeps_per_param_step(self.inner))
         with restoring_omitted_megatron_state(self.inner):
             self.inner.load_state_dict(payload)
-        self.sync_from_masters()
+        # The load is committed: the masters are the truth now. Pushing them is idempotent:
+        # a push that raises is retried at once and, failing again, before the next step.
+        self._push_pending = True
         self._guard_armed = True
+        try:
+            self._push_masters()
+        except Exception:
+            self._push_masters()
+
+    def _push_masters(self) -> None:
+        self.sync_from_masters()
+        self._push_pending = False

@@ -36,6 +36,7 @@ __all__ = [
     "find_hybrid_offload",
     "hybrid_master_copies",
     "is_hybrid_offload",
+    "keeps_per_param_step",
     "restore_omitted_state",
     "restoring_omitted_megatron_state",
 ]
@@ -331,11 +332,43 @@ def push_state_to_sub_optimizers(stack: Any) -> None:
                         sub.state[copy] = state
 
 
-def restore_omitted_state(state_dict: Any) -> Any:
+def keeps_per_param_step(stack: Any) -> bool:
+    """Whether the optimizers of ``stack`` keep a per-parameter ``"step"`` (torch's Adam family)
+    rather than one step per group (TE FusedAdam and other precision-aware holders).
+
+    True when any leaf's state already has a per-parameter step, False when every leaf is a
+    precision-aware holder, True otherwise (torch's layout; a hybrid optimizer over
+    precision-aware sub-optimizers accepts a per-parameter step that matches its group's).
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> keeps_per_param_step(torch.optim.AdamW([p])), keeps_per_param_step(
+        ...     PrecisionAwareAdamW([p]))
+        (True, False)
+    """
+    leaves = [
+        leaf.optimizer
+        for leaf in walk_leaves(stack)
+        if not leaf.is_stub and leaf.optimizer is not None
+    ]
+    for optimizer in leaves:
+        state = getattr(optimizer, "state", None)
+        if isinstance(state, Mapping) and any(
+            isinstance(entry, Mapping) and "step" in entry for entry in state.values()
+        ):
+            return True
+    return not (leaves and all(is_precision_aware_holder(o) for o in leaves))
+
+
+def restore_omitted_state(state_dict: Any, *, per_param_step: bool = True) -> Any:
     """A torch-format optimizer state dict with what Megatron-style payloads omit put back.
 
     - a per-parameter ``"step"`` missing while the parameter's group has a ``"step"``: the
-      group's step, as the float32 tensor torch's Adam family keeps;
+      group's step, as the float32 tensor torch's Adam family keeps — only with
+      ``per_param_step`` (see :func:`keeps_per_param_step`): an optimizer that keeps one
+      step per group (FusedAdam's layout) would reject it;
     - a ``"master_param"`` missing while the entry has the checkpoint's FP32 param
       (``"fp32_param"``): that tensor, under the name the hybrid optimizer loads.
 
@@ -372,7 +405,12 @@ def restore_omitted_state(state_dict: Any) -> Any:
             restored[index] = entry
             continue
         fixed = dict(entry)
-        if "step" not in fixed and index in group_step and group_step[index] is not None:
+        if (
+            per_param_step
+            and "step" not in fixed
+            and index in group_step
+            and group_step[index] is not None
+        ):
             step = group_step[index]
             value = step.item() if isinstance(step, torch.Tensor) else step
             fixed["step"] = torch.tensor(float(value), dtype=torch.float32)

@@ -11,10 +11,12 @@ even when the parameter already lives on the host.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import math
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import attrs
 import torch
 
 from wrapped_optim.adapters.hybrid import MasterCopies
@@ -40,7 +42,10 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     the sub-optimizers' state under the original parameters, with the stepped copy as
     ``"master_param"`` (when ``param_update_in_fp32``). ``**defaults`` (``lr``, ``betas``, ...)
     go to both sub-optimizers; group options are re-synced into them before every step, so LR
-    schedulers work.
+    schedulers work. A step is all or nothing: with ``atomic_step`` (the default) the host
+    sub-optimizer steps first and is put back if the device one raises (this keeps one copy of
+    the host params and state during the step; ``atomic_step=False`` saves it and leaves the
+    host half advanced on such a fault).
 
     ``load_state_dict`` rebuilds the copies and the sub-optimizers from the current parameters
     and then pushes the loaded state in, restoring each ``master_param`` into its copy (the model
@@ -72,6 +77,19 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         torch.float32
     """
 
+    gpu_params_map_cpu_copy: dict[torch.Tensor, torch.Tensor]
+    cpu_copys_map_gpu_param: dict[torch.Tensor, torch.Tensor]
+    param_to_fp32_param: dict[torch.Tensor, torch.Tensor]
+    param_to_inner_param: dict[torch.Tensor, torch.Tensor]
+    inner_param_to_orig_param: dict[torch.Tensor, torch.Tensor]
+    cpu_optimizers: list[torch.optim.Optimizer]
+    gpu_optimizer: torch.optim.Optimizer | None
+    _host_group_index: list[int]
+    _device_group_index: list[int]
+    # Class-level defaults, for instances pickled before these existed.
+    atomic_step: bool = True
+    _copy_back_pending: bool = False
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -79,6 +97,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         cpu_optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
         gpu_optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
         param_update_in_fp32: bool = True,
+        atomic_step: bool = True,
         **defaults: Any,
     ) -> None:
         if not 0.0 <= float(offload_fraction) <= 1.0:
@@ -90,6 +109,8 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         self.cpu_optimizer_cls = cpu_optimizer_cls
         self.gpu_optimizer_cls = gpu_optimizer_cls
         self.param_update_in_fp32 = bool(param_update_in_fp32)
+        self.atomic_step = bool(atomic_step)
+        self._copy_back_pending = False
         self._built = False
         super().__init__(params, defaults)
         self._build()
@@ -115,20 +136,31 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                 placement[param] = (False, dtype, param.device)
         return placement
 
-    @torch.no_grad()
     def _build(self) -> None:
         """(Re)creates every copy from the current params and fresh sub-optimizers."""
-        self.gpu_params_map_cpu_copy: dict[torch.Tensor, torch.Tensor] = {}
-        self.cpu_copys_map_gpu_param: dict[torch.Tensor, torch.Tensor] = {}
-        self.param_to_fp32_param: dict[torch.Tensor, torch.Tensor] = {}
-        self.param_to_inner_param: dict[torch.Tensor, torch.Tensor] = {}
-        self.inner_param_to_orig_param: dict[torch.Tensor, torch.Tensor] = {}
+        self._adopt(self._new_layout(self.param_groups))
+
+    def _adopt(self, layout: dict[str, Any]) -> None:
+        """Installs a layout made by :meth:`_new_layout`: plain assignments, nothing can fail."""
+        for name, value in layout.items():
+            setattr(self, name, value)
+        self._built = True
+
+    @torch.no_grad()
+    def _new_layout(self, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+        """New copies of the current params and new sub-optimizers over them, for the group
+        options of ``param_groups``; nothing of this optimizer changes (see :meth:`_adopt`)."""
+        gpu_params_map_cpu_copy: dict[torch.Tensor, torch.Tensor] = {}
+        cpu_copys_map_gpu_param: dict[torch.Tensor, torch.Tensor] = {}
+        param_to_fp32_param: dict[torch.Tensor, torch.Tensor] = {}
+        param_to_inner_param: dict[torch.Tensor, torch.Tensor] = {}
+        inner_param_to_orig_param: dict[torch.Tensor, torch.Tensor] = {}
         placement = self._placement()
         host_groups: list[dict[str, Any]] = []
         device_groups: list[dict[str, Any]] = []
-        self._host_group_index: list[int] = []
-        self._device_group_index: list[int] = []
-        for group_index, group in enumerate(self.param_groups):
+        host_group_index: list[int] = []
+        device_group_index: list[int] = []
+        for group_index, group in enumerate(param_groups):
             options = {k: v for k, v in group.items() if k != "params"}
             host_params, device_params = [], []
             for param in group["params"]:
@@ -137,8 +169,8 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                     pin = param.is_cuda and self.pin_cpu_params
                     inner = torch.empty(param.shape, dtype=dtype, device="cpu", pin_memory=pin)
                     inner.copy_(param.detach())
-                    self.gpu_params_map_cpu_copy[param] = inner
-                    self.cpu_copys_map_gpu_param[inner] = param
+                    gpu_params_map_cpu_copy[param] = inner
+                    cpu_copys_map_gpu_param[inner] = param
                     host_params.append(inner)
                 elif dtype != param.dtype:
                     inner = param.detach().to(dtype=dtype, copy=True)
@@ -147,24 +179,34 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                     inner = param
                     device_params.append(param)
                 if dtype != param.dtype:
-                    self.param_to_fp32_param[param] = inner
-                self.param_to_inner_param[param] = inner
-                self.inner_param_to_orig_param[inner] = param
+                    param_to_fp32_param[param] = inner
+                param_to_inner_param[param] = inner
+                inner_param_to_orig_param[inner] = param
             if host_params:
                 host_groups.append({**options, "params": host_params})
-                self._host_group_index.append(group_index)
+                host_group_index.append(group_index)
             if device_params:
                 device_groups.append({**options, "params": device_params})
-                self._device_group_index.append(group_index)
+                device_group_index.append(group_index)
         # The defaults also go in as constructor keywords, as Megatron's HybridDeviceOptimizer
         # does: options such as PrecisionAwareAdamW's exp_avg_dtype are constructor-only.
-        self.cpu_optimizers: list[torch.optim.Optimizer] = (
+        cpu_optimizers: list[torch.optim.Optimizer] = (
             [self.cpu_optimizer_cls(host_groups, **self.defaults)] if host_groups else []
         )
-        self.gpu_optimizer: torch.optim.Optimizer | None = (
+        gpu_optimizer: torch.optim.Optimizer | None = (
             self.gpu_optimizer_cls(device_groups, **self.defaults) if device_groups else None
         )
-        self._built = True
+        return {
+            "gpu_params_map_cpu_copy": gpu_params_map_cpu_copy,
+            "cpu_copys_map_gpu_param": cpu_copys_map_gpu_param,
+            "param_to_fp32_param": param_to_fp32_param,
+            "param_to_inner_param": param_to_inner_param,
+            "inner_param_to_orig_param": inner_param_to_orig_param,
+            "_host_group_index": host_group_index,
+            "_device_group_index": device_group_index,
+            "cpu_optimizers": cpu_optimizers,
+            "gpu_optimizer": gpu_optimizer,
+        }
 
     @property
     def sub_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -264,7 +306,12 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Copies grads to the copies, steps both sub-optimizers, copies the results back.
 
-        A closure is evaluated once, before the sub-optimizers step.
+        A closure is evaluated once, before the sub-optimizers step. A step is all or
+        nothing: with two sub-optimizers, the host one steps first and, when ``atomic_step``
+        (the default), a snapshot of its params and state is kept until the device one has
+        stepped too — if that raises, the host one is put back. The copy-back is idempotent:
+        one that raises is retried at once and, if it fails again, at the start of the next
+        ``step`` or ``state_dict``.
 
         Example:
             >>> import torch
@@ -275,21 +322,49 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             >>> p.tolist()
             [0.5, 0.5]
         """
+        self._finish_copy_back()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._sync_groups_to_sub_optimizers()
         self._copy_grads_to_copies()
-        for sub in reversed(self.sub_optimizers):  # device first, as Megatron does
-            sub.step()
-        with torch.no_grad():
-            for param, inner in self.param_to_inner_param.items():
-                if inner is not param:
-                    param.copy_(inner)
+        subs = self.sub_optimizers  # the host one first: its snapshot lives in host memory
+        snapshot = (
+            _SubSnapshot.take(subs[0])
+            if self.atomic_step and len(subs) > 1 and subs[0] in self.cpu_optimizers
+            else None
+        )
+        try:
+            for sub in subs:
+                sub.step()
+        except BaseException:
+            if snapshot is not None:
+                snapshot.restore()
+            self._expose_state()
+            raise
+        del snapshot
+        # Committed: the copies hold the new values; what follows only publishes them.
+        self._copy_back_pending = True
         self._sync_steps_from_holders()
         self._expose_state()
+        try:
+            self._copy_back()
+        except Exception:
+            self._copy_back()  # a transient fault: once more, then the next call retries
         return loss
+
+    @torch.no_grad()
+    def _copy_back(self) -> None:
+        for param, inner in self.param_to_inner_param.items():
+            if inner is not param:
+                param.copy_(inner)
+        self._copy_back_pending = False
+
+    def _finish_copy_back(self) -> None:
+        """Completes a copy-back that raised twice (the params then lag their copies)."""
+        if self._copy_back_pending:
+            self._copy_back()
 
     def dummy_step(self) -> None:
         """Creates the sub-optimizers' state without changing any parameter.
@@ -418,6 +493,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             >>> sorted(sd["state"][0]), sd["param_groups"][0]["step"]
             (['exp_avg', 'exp_avg_sq', 'master_param'], 1)
         """
+        self._finish_copy_back()
         holder_of = self._holder_of()
         if not holder_of:
             return super().state_dict()
@@ -456,14 +532,23 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict; rebuilds copies and sub-optimizers, then pushes the state in.
 
-        Every check happens before the first change: a rejected payload leaves the optimizer
-        exactly as it was, and the payload's tensors are copied, never adopted.
+        The whole payload is validated before the first change (structure, group
+        hyper-parameters, and every param's state: the names its sub-optimizer keeps, shapes,
+        dtypes, finiteness, steps): a rejected payload raises ``ValueError`` naming the param
+        and state, and leaves the optimizer exactly as it was. The payload's tensors are
+        copied, never adopted. Expected state names, for a plain torch sub-optimizer: those
+        the param's current state has; for a param without state yet, those a throwaway
+        instance of the sub-optimizer class creates for a two-element param of the same dtype
+        and group options in one step.
 
-        With a precision-aware sub-optimizer nothing is rebuilt: each state is written into
-        it through its ``set_scaled_state`` (the instance attribute) and its group step is
-        restored from the saved ``param_groups``; a plain sub-optimizer beside it gets its
-        state replaced, as torch's own loader does; the copies keep their identity and take
-        the current weights, then the saved masters.
+        With plain sub-optimizers, the new copies, sub-optimizers and state are built beside
+        the current ones and swapped in by plain assignments, so a fault while building
+        changes nothing. With a precision-aware sub-optimizer nothing is rebuilt: each state
+        is written into it through its ``set_scaled_state`` (the instance attribute) and its
+        group step is restored from the saved ``param_groups``; a plain sub-optimizer beside
+        it gets its state replaced, as torch's own loader does; the copies keep their identity
+        and take the current weights, then the saved masters. What that path overwrites is
+        kept until it has finished and put back if anything raises.
 
         Example:
             >>> import torch
@@ -477,28 +562,82 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             >>> twin_master = twin.state[twin.param_groups[0]["params"][0]]["master_param"]
             >>> torch.equal(twin_master, opt.state[p]["master_param"])
             True
+            >>> saved["state"][0]["exp_avg"] = torch.zeros(5)
+            >>> twin.load_state_dict(saved)
+            Traceback (most recent call last):
+            ValueError: param 0: state 'exp_avg' has shape (5,), the param has (2,)
         """
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
         groups, states, holder_states = self._prepare_load(state_dict)
-        # Commit: nothing below can fail on a validated payload.
-        self.param_groups[:] = groups
         if self._holders():
-            self._commit_with_holders(states, holder_states)
+            self._load_with_holders(groups, states, holder_states)
         else:
-            self._build()
-            self.state = defaultdict(dict)
-            with torch.no_grad():
-                for sub in self.sub_optimizers:
-                    for inner in [p for group in sub.param_groups for p in group["params"]]:
-                        self._load_plain_entry(sub, inner, states)
-                        param = self.inner_param_to_orig_param[inner]
-                        if param in states:
-                            self.state[param] = states[param]
+            self._load_plain(groups, states)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    @torch.no_grad()
+    def _load_plain(
+        self, groups: list[dict[str, Any]], states: dict[torch.Tensor, dict[str, Any]]
+    ) -> None:
+        """Builds the loaded layout beside the current one, then swaps it in."""
+        layout = self._new_layout(groups)
+        subs = list(layout["cpu_optimizers"])
+        if layout["gpu_optimizer"] is not None:
+            subs.append(layout["gpu_optimizer"])
+        orig_of = layout["inner_param_to_orig_param"]
+        new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        # A param that is its own stepped copy takes its master last, undone on a fault.
+        own_masters: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for sub in subs:
+            for inner in [p for group in sub.param_groups for p in group["params"]]:
+                param = orig_of[inner]
+                if param not in states:
+                    continue
+                entry = dict(states[param])
+                master = entry.pop("master_param", None)
+                if master is not None:
+                    if inner is param:
+                        own_masters.append((param, master))
+                    else:
+                        inner.copy_(master.reshape(inner.shape))
+                    if self.param_update_in_fp32:
+                        entry["master_param"] = inner
+                sub.state[inner] = entry
+                new_state[param] = entry
+        _write_all(own_masters)
+        # Commit: plain assignments only.
+        self.param_groups[:] = groups
+        self._adopt(layout)
+        self.state = new_state
+        self._copy_back_pending = False
+
+    def _load_with_holders(
+        self,
+        groups: list[dict[str, Any]],
+        states: dict[torch.Tensor, dict[str, Any]],
+        holder_states: dict[torch.Tensor, dict[str, torch.Tensor]],
+    ) -> None:
+        """Loads in place, keeping what it overwrites until it has finished."""
+        old_groups = list(self.param_groups)
+        # A plain sub-optimizer's state is replaced, a holder's written into.
+        snapshots = [
+            _SubSnapshot.take(sub, clone_state=is_precision_aware_holder(sub))
+            for sub in self.sub_optimizers
+        ]
+        try:
+            self.param_groups[:] = groups
+            self._commit_with_holders(states, holder_states)
+        except BaseException:
+            self.param_groups[:] = old_groups
+            for snapshot in snapshots:
+                snapshot.restore()
+            self._expose_state()
+            raise
+        self._copy_back_pending = False
 
     def _load_plain_entry(
         self,
@@ -509,7 +648,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         param = self.inner_param_to_orig_param[inner]
         if param not in states:
             return
-        entry = states[param]
+        entry = dict(states[param])
         master = entry.pop("master_param", None)
         if master is not None:
             inner.copy_(master.reshape(inner.shape))
@@ -558,19 +697,33 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         self._expose_state()
 
     def _prepare_load(
-        self, state_dict: Mapping[str, Any]
+        self, state_dict: Any
     ) -> tuple[
         list[dict[str, Any]],
         dict[torch.Tensor, dict[str, Any]],
         dict[torch.Tensor, dict[str, torch.Tensor]],
     ]:
-        if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict:
-            raise ValueError("an optimizer state dict needs 'state' and 'param_groups' entries")
-        saved_groups = state_dict["param_groups"]
-        saved_states = state_dict.get("state", {})
-        if len(saved_groups) != len(self.param_groups):
+        """Validates the whole payload; returns the merged groups and copied states."""
+        if not isinstance(state_dict, Mapping):
             raise ValueError(
-                f"the state dict has {len(saved_groups)} param groups, this optimizer has "
+                "an optimizer state dict must be a dict with 'state' and 'param_groups', got "
+                f"{type(state_dict).__name__}"
+            )
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
+                raise ValueError(f"the optimizer state dict has no {key!r} entry")
+        saved_groups = state_dict["param_groups"]
+        saved_states = state_dict["state"]
+        if not isinstance(saved_states, Mapping):
+            raise ValueError(
+                f"the state dict's 'state' must be a dict, got {type(saved_states).__name__}"
+            )
+        if not isinstance(saved_groups, list | tuple) or len(saved_groups) != len(
+            self.param_groups
+        ):
+            count = len(saved_groups) if isinstance(saved_groups, list | tuple) else "no list of"
+            raise ValueError(
+                f"the state dict has {count} param groups, this optimizer has "
                 f"{len(self.param_groups)}"
             )
         index_to_param: dict[Any, torch.Tensor] = {}
@@ -579,6 +732,8 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         for group_index, (group, saved) in enumerate(
             zip(self.param_groups, saved_groups, strict=True)
         ):
+            if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), list | tuple):
+                raise ValueError(f"param group {group_index} of the state dict has no params list")
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"param group {group_index} has {len(group['params'])} params, the state "
@@ -586,9 +741,14 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                 )
             index_to_param.update(zip(saved["params"], group["params"], strict=True))
             group_of.update({id(p): group_index for p in group["params"]})
-            groups.append({**saved, "params": group["params"]})
+            # Switches the checkpoint lacks keep this optimizer's value (see
+            # _check_hyper_parameters); a step count only ever comes from the checkpoint.
+            merged = {k: v for k, v in group.items() if k not in ("params", "step")}
+            merged.update({k: _clone_value(v) for k, v in saved.items() if k != "params"})
+            groups.append({**merged, "params": group["params"]})
         placement = self._placement()
         holder_of = self._holder_of()
+        references = _References(self)
         states: dict[torch.Tensor, dict[str, Any]] = {}
         holder_states: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         param_steps: dict[int, tuple[Any, int]] = {}  # group -> (first param, its step)
@@ -606,10 +766,13 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                     _agree_on_step(index, step, group_index, groups, param_steps)
                 continue
             _, dtype, device = placement[param]
-            states[param] = {
-                key: self._loaded_value(index, param, key, value, dtype, device)
-                for key, value in entry.items()
-            }
+            states[param] = _plain_entry(
+                index, param, entry, references.expected(inner), dtype, device
+            )
+        for group_index, (group, saved) in enumerate(
+            zip(self.param_groups, saved_groups, strict=True)
+        ):
+            _check_hyper_parameters(group_index, group, saved)
         for group_index, (_, step) in param_steps.items():
             groups[group_index].setdefault("step", step)
         if holder_of:
@@ -620,29 +783,282 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                     _step_count(group["step"], f"param group {group_index}")
         return groups, states, holder_states
 
-    @staticmethod
-    def _loaded_value(
-        index: Any,
-        param: torch.Tensor,
-        key: str,
-        value: Any,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> Any:
+
+# ----------------------------------------------------------------------------------------
+# Plain torch sub-optimizers: what their state must look like
+# ----------------------------------------------------------------------------------------
+# States that are sums of squares: a negative value makes the next update NaN.
+_NON_NEGATIVE_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta"})
+
+
+@attrs.frozen
+class _Expected:
+    """What one state of a plain sub-optimizer looks like (from a live or a probe state)."""
+
+    tensor: bool
+    elementwise: bool = False  # shaped like its param
+    floating: bool = False
+    shape: tuple[int, ...] = ()
+    template: torch.Tensor | None = None  # dtype and device of a scalar tensor (a step)
+
+    @classmethod
+    def of(cls, value: Any, param_shape: torch.Size) -> _Expected:
         if not isinstance(value, torch.Tensor):
-            return value
-        if key == "step":
-            return value.detach().clone()
-        if key == "master_param" and (
-            not value.is_floating_point() or value.numel() != param.numel()
-        ):
+            return cls(tensor=False)
+        return cls(
+            tensor=True,
+            elementwise=value.shape == param_shape,
+            floating=value.is_floating_point(),
+            shape=tuple(value.shape),
+            template=value if value.dim() == 0 else None,
+        )
+
+
+class _References:
+    """The state names (and kinds) each copy's sub-optimizer keeps, for validating a load.
+
+    A copy with state: its current state. One without: the state a throwaway instance of
+    the sub-optimizer class creates, in one step, for a two-element param of the copy's
+    dtype and device under the same group options (probed once per group and dtype; a class
+    that cannot be probed so gives ``None``: the names are not checked).
+    """
+
+    def __init__(self, owner: HybridOffloadOptimizer) -> None:
+        self.owner = owner
+        self.sub_of: dict[int, tuple[torch.optim.Optimizer, int]] = {}
+        for sub in owner.sub_optimizers:
+            for group_index, group in enumerate(sub.param_groups):
+                for inner in group["params"]:
+                    self.sub_of[id(inner)] = (sub, group_index)
+        self.probes: dict[tuple[int, int, torch.dtype, torch.device], Any] = {}
+
+    def expected(self, inner: torch.Tensor) -> dict[str, _Expected] | None:
+        sub, group_index = self.sub_of[id(inner)]
+        current = sub.state.get(inner)
+        if current:
+            return {
+                name: _Expected.of(value, inner.shape)
+                for name, value in current.items()
+                if name != "master_param"
+            }
+        key = (id(sub), group_index, inner.dtype, inner.device)
+        if key not in self.probes:
+            self.probes[key] = self._probe(sub, group_index, inner)
+        probed = self.probes[key]
+        if probed is None:
+            return None
+        return {
+            name: attrs.evolve(kind, elementwise=True, shape=tuple(inner.shape))
+            if kind.elementwise
+            else kind
+            for name, kind in probed.items()
+        }
+
+    def _probe(
+        self, sub: torch.optim.Optimizer, group_index: int, inner: torch.Tensor
+    ) -> dict[str, _Expected] | None:
+        owner = self.owner
+        factory = (
+            owner.cpu_optimizer_cls if sub in owner.cpu_optimizers else owner.gpu_optimizer_cls
+        )
+        options = {
+            k: _clone_value(v) for k, v in sub.param_groups[group_index].items() if k != "params"
+        }
+        probe = torch.zeros(2, dtype=inner.dtype, device=inner.device, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        try:
+            twin = factory([{**options, "params": [probe]}], **owner.defaults)
+            twin.step()
+            state = dict(twin.state.get(probe) or {})
+        except Exception:
+            return None
+        return {
+            name: _Expected.of(value, probe.shape)
+            for name, value in state.items()
+            if name != "master_param"
+        }
+
+
+def _plain_entry(
+    index: Any,
+    param: torch.Tensor,
+    entry: Any,
+    expected: dict[str, _Expected] | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Validates one param's saved state for a plain sub-optimizer and copies it."""
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"state of param {index!r} must be a dict, got {type(entry).__name__}")
+    if expected is not None:
+        names = set(entry) - {"master_param"}
+        unknown = sorted(names - set(expected))
+        missing = sorted(set(expected) - names)
+        problems = [f"unknown state {name!r}" for name in unknown]
+        if missing:
+            problems.append(f"missing state {missing}")
+        if problems:
             raise ValueError(
-                f"master_param of param {index!r} must be a floating tensor with "
-                f"{param.numel()} elements, got {value.dtype} with {value.numel()}"
+                f"param {index!r}: {', '.join(problems)}; its sub-optimizer keeps "
+                f"{sorted(expected)} (and master_param)"
             )
-        if value.is_floating_point():
-            return value.detach().to(device=device, dtype=dtype, copy=True)
-        return value.detach().to(device=device, copy=True)
+    return {
+        name: _plain_value(
+            index, param, name, value, None if expected is None else expected[name], dtype, device
+        )
+        if name != "master_param"
+        else _master_value(index, param, value, dtype, device)
+        for name, value in entry.items()
+    }
+
+
+def _master_value(
+    index: Any, param: torch.Tensor, value: Any, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    if (
+        not isinstance(value, torch.Tensor)
+        or not value.is_floating_point()
+        or value.numel() != param.numel()
+    ):
+        got = (
+            f"{value.dtype} with {value.numel()}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        raise ValueError(
+            f"master_param of param {index!r} must be a floating tensor with "
+            f"{param.numel()} elements, got {got}"
+        )
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"param {index!r}: state 'master_param' has non-finite values")
+    return value.detach().to(device=device, dtype=dtype, copy=True)
+
+
+def _plain_value(
+    index: Any,
+    param: torch.Tensor,
+    name: str,
+    value: Any,
+    kind: _Expected | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Any:
+    """One checked, copied state value (never the caller's tensor)."""
+    if name == "step":
+        _step_count(value, f"param {index!r}")
+        template = kind.template if kind is not None else None
+        if isinstance(value, torch.Tensor):
+            if template is not None:
+                return value.detach().to(dtype=template.dtype, device=template.device, copy=True)
+            return value.detach().clone()
+        if template is not None:
+            return torch.tensor(float(value), dtype=template.dtype, device=template.device)
+        return value
+    if kind is not None and not kind.tensor:
+        if isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"param {index!r}: state {name!r} must not be a tensor, got {type(value).__name__}"
+            )
+        return value
+    if not isinstance(value, torch.Tensor):
+        if kind is None:
+            return value
+        raise ValueError(
+            f"param {index!r}: state {name!r} must be a tensor, got {type(value).__name__}"
+        )
+    if kind is not None:
+        want = tuple(param.shape) if kind.elementwise else kind.shape
+        if tuple(value.shape) != want:
+            raise ValueError(
+                f"param {index!r}: state {name!r} has shape {tuple(value.shape)}, the "
+                f"{'param has' if kind.elementwise else 'sub-optimizer keeps'} {want}"
+            )
+        if kind.floating and not value.is_floating_point():
+            raise ValueError(f"param {index!r}: state {name!r} is {value.dtype}, not floating")
+    if value.is_floating_point() or value.is_complex():
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"param {index!r}: state {name!r} has non-finite values")
+        if name in _NON_NEGATIVE_STATES and value.is_floating_point() and bool((value < 0).any()):
+            raise ValueError(f"param {index!r}: state {name!r} has negative values")
+    if kind is not None and not kind.elementwise:
+        template = kind.template
+        if template is not None:
+            return value.detach().to(dtype=template.dtype, device=template.device, copy=True)
+        return value.detach().clone()
+    if value.is_floating_point():
+        return value.detach().to(device=device, dtype=dtype, copy=True)
+    return value.detach().to(device=device, copy=True)
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.dtype != torch.bool
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_hyper_parameters(group_index: int, group: Mapping[str, Any], saved: Any) -> None:
+    """The saved group has every numeric hyper-parameter of this group, each of its kind.
+
+    A missing switch (a bool or ``None`` option, such as ``foreach`` or a flag a newer torch
+    added) takes this optimizer's value, as torch's ``__setstate__`` fills such keys in.
+    """
+    where = f"param group {group_index}"
+    for key, current in group.items():
+        if key in ("params", "param_names", "step"):
+            continue
+        numeric = _is_number(current) or (
+            isinstance(current, tuple | list) and all(_is_number(v) for v in current)
+        )
+        if key not in saved:
+            if numeric:
+                raise ValueError(f"{where}: missing hyper-parameter {key!r}")
+            continue
+        value = saved[key]
+        if _is_number(current):
+            number = (
+                value.item() if _is_number(value) and isinstance(value, torch.Tensor) else value
+            )
+            if not _is_number(value) or not math.isfinite(float(number)):
+                raise ValueError(
+                    f"{where}: hyper-parameter {key!r} must be a finite number like "
+                    f"{current!r}, got {value!r}"
+                )
+        elif isinstance(current, tuple | list) and numeric:
+            if (
+                not isinstance(value, tuple | list)
+                or len(value) != len(current)
+                or not all(_is_number(v) for v in value)
+            ):
+                raise ValueError(
+                    f"{where}: hyper-parameter {key!r} must be {len(current)} numbers like "
+                    f"{current!r}, got {value!r}"
+                )
+        elif isinstance(current, bool) and not isinstance(value, bool):
+            raise ValueError(
+                f"{where}: hyper-parameter {key!r} must be a bool like {current!r}, got {value!r}"
+            )
+        elif isinstance(current, str) and not isinstance(value, str):
+            raise ValueError(
+                f"{where}: hyper-parameter {key!r} must be a str like {current!r}, got {value!r}"
+            )
+
+
+def _write_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``target.copy_(source)`` for every pair, all or nothing."""
+    if not pairs:
+        return
+    kept = [target.detach().clone() for target, _ in pairs]
+    done = 0
+    try:
+        with torch.no_grad():
+            for target, source in pairs:
+                target.copy_(source.reshape(target.shape))
+                done += 1
+    except BaseException:
+        with torch.no_grad():
+            for (target, _), old in zip(pairs[: done + 1], kept, strict=False):
+                target.copy_(old)
+        raise
 
 
 # ----------------------------------------------------------------------------------------
@@ -751,3 +1167,96 @@ def _holder_source(value: torch.Tensor, inner: torch.Tensor, chunked: bool) -> t
     if chunked:
         return value.detach().to(torch.float32)
     return value.detach().to(device=inner.device, dtype=torch.float32, copy=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Step rollback
+# ----------------------------------------------------------------------------------------
+class _SubSnapshot:
+    """What a sub-optimizer's step or a load changes, kept so that it can be undone exactly.
+
+    Kept: its params (the copies) and group options, its raw ``state`` (the stored tensors,
+    compressed ones as they are), and the instance dicts keyed by its params, such as a
+    precision-aware holder's scales. With ``clone_state=False`` (for a caller that replaces
+    ``state`` entries instead of writing into them) the state is only referenced. Restoring
+    writes the params back and refills those dicts in place (no attribute is reassigned).
+    """
+
+    def __init__(
+        self,
+        sub: torch.optim.Optimizer,
+        params: dict[torch.Tensor, torch.Tensor],
+        state: dict[torch.Tensor, dict[str, Any]],
+        options: list[dict[str, Any]],
+        tables: dict[str, dict[Any, Any]],
+    ) -> None:
+        self.sub = sub
+        self.params = params
+        self.state = state
+        self.options = options
+        self.tables = tables
+
+    @classmethod
+    @torch.no_grad()
+    def take(cls, sub: torch.optim.Optimizer, *, clone_state: bool = True) -> _SubSnapshot:
+        params = {p: p.detach().clone() for group in sub.param_groups for p in group["params"]}
+        state: dict[torch.Tensor, dict[str, Any]] = {}
+        for param, entry in sub.state.items():
+            if not clone_state:
+                state[param] = entry
+            else:
+                state[param] = {
+                    name: value if value is param else _deep_clone(value)
+                    for name, value in entry.items()
+                }
+        # The same option objects (a scheduler may hold a tensor lr); a step count is copied.
+        options = [
+            {k: _clone_value(v) if k == "step" else v for k, v in group.items() if k != "params"}
+            for group in sub.param_groups
+        ]
+        tables = {
+            name: {key: _deep_clone(value) for key, value in table.items()}
+            for name, table in vars(sub).items()
+            if name != "state" and _keyed_by(table, params)
+        }
+        return cls(sub, params, state, options, tables)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        sub = self.sub
+        for param, value in self.params.items():
+            param.copy_(value)
+        for group, options in zip(sub.param_groups, self.options, strict=True):
+            params = group["params"]
+            group.clear()
+            group.update(options, params=params)
+        sub.state.clear()
+        sub.state.update(self.state)
+        for name, saved in self.tables.items():
+            table = vars(sub).get(name)
+            if isinstance(table, dict):
+                table.clear()
+                table.update(saved)
+
+
+def _keyed_by(table: Any, params: dict[torch.Tensor, torch.Tensor]) -> bool:
+    """A plain dict (not a hook registry) whose keys are all params of the sub-optimizer."""
+    return (
+        isinstance(table, dict)
+        and not isinstance(table, OrderedDict)
+        and all(isinstance(key, torch.Tensor) and key in params for key in table)
+    )
+
+
+def _deep_clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _deep_clone(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_deep_clone(v) for v in value)
+    return value
+
+
+def _clone_value(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
