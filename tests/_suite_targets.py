@@ -126,7 +126,10 @@ def _available_targets() -> list[Target]:
     offload = load("wrapped_optim.optimizers", "HybridOffloadOptimizer")
     sync = load("wrapped_optim.hybrid", "HybridSyncOptimizer")
     if offload is not None:
-        inner = lambda groups: offload(groups, offload_fraction=0.5, lr=0.05)  # noqa: E731
+        # atomic_step: the suites hold every step to "unchanged or consistently advanced".
+        inner = lambda groups: offload(  # noqa: E731
+            groups, offload_fraction=0.5, lr=0.05, atomic_step=True
+        )
         targets.append(Target("hybrid_offload[bf16]", inner, dtype=torch.bfloat16, validating=True))
         if sync is not None:
             targets.append(

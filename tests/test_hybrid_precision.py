@@ -47,9 +47,11 @@ def hybrid(
     exp_avg_dtype: torch.dtype = BF16,
     exp_avg_sq_dtype: torch.dtype = BF16,
     cls: type = PrecisionAwareAdamW,
+    atomic_step: bool = False,
 ) -> HybridOffloadOptimizer:
     return HybridOffloadOptimizer(
         model.parameters(),
+        atomic_step=atomic_step,
         offload_fraction=fraction,
         cpu_optimizer_cls=cls,
         gpu_optimizer_cls=cls,
@@ -599,7 +601,9 @@ def test_a_load_that_fails_inside_a_holder_is_undone():
 
 def test_a_step_that_fails_in_the_device_holder_undoes_the_host_one():
     model = make_model(0)
-    opt = hybrid(model, 0.5, exp_avg_dtype=FP8, exp_avg_sq_dtype=FP16, cls=FlakyHolder)
+    opt = hybrid(
+        model, 0.5, exp_avg_dtype=FP8, exp_avg_sq_dtype=FP16, cls=FlakyHolder, atomic_step=True
+    )
     twin_model = make_model(0)
     twin = hybrid(twin_model, 0.5, exp_avg_dtype=FP8, exp_avg_sq_dtype=FP16)
     assert train(model, opt, 2) == train(twin_model, twin, 2)
