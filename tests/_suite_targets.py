@@ -185,7 +185,8 @@ PRECISION_CONFIGS: list[tuple[str, torch.dtype, dict[str, Any]]] = [
 
 
 def _precision(cls: Any, options: dict[str, Any]) -> Callable[[list[dict[str, Any]]], Any]:
-    return lambda groups: cls(groups, lr=0.05, **options)
+    # atomic_step: the suites hold every step to "unchanged or consistently advanced".
+    return lambda groups: cls(groups, lr=0.05, atomic_step=True, **options)
 
 
 TARGETS: dict[str, Target] = {target.name: target for target in _available_targets()}

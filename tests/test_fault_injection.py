@@ -211,21 +211,12 @@ OPERATIONS = {
 }
 
 # Real bugs found here, reported to the lead: (target-name fragment, operation) -> why.
-KNOWN_BUG_RULES: dict[tuple[str, str], str] = {
-    ("precision_adamw[", "step"): (
-        "PrecisionAwareAdamW.step (issue 3) advances the group 'step' before updating the "
-        "params: a fault in the first state copy leaves step=2 with step-1 moments (and a "
-        "fault between params leaves some params updated), so a retry uses the wrong bias "
-        "correction"
-    ),
-}
+KNOWN_BUG_RULES: dict[tuple[str, str], str] = {}
 
 
 def _known_bug(target: Target, operation: str) -> str | None:
     for (fragment, op), reason in KNOWN_BUG_RULES.items():
         if fragment in target.name and op == operation:
-            if fragment == "precision_adamw[" and "[fp32]" in target.name:
-                continue  # the fp32 path makes no copy before its update
             return reason
     return None
 

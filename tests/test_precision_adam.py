@@ -690,3 +690,36 @@ def test_small_params_packed_together_equal_one_by_one(config: str, dtype: torch
         packed.step()
         single.step()
     assert_same_optimizer(packed, single)
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_atomic_step_undoes_a_step_that_raises_partway(atomic: bool) -> None:
+    # Two params: the second update raises after the first has been applied.
+    a, b = make_params([(4,), (3,)], FP32)
+    opt = PrecisionAwareAdamW([a, b], lr=0.1, exp_avg_dtype=FP8, atomic_step=atomic)
+    opt._pack_small = False  # one _update call per param, so the fault lands between them
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    params_before = [a.detach().clone(), b.detach().clone()]
+    original = opt._update
+    calls = []
+
+    def failing_update(param: torch.Tensor, *args: Any) -> None:
+        calls.append(param)
+        if len(calls) == 2:
+            raise RuntimeError("device failure")
+        original(param, *args)
+
+    opt._update = failing_update  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="device failure"):
+        opt.step()
+    after = opt.state_dict()
+    unchanged = torch.equal(a, params_before[0]) and after["param_groups"][0]["step"] == 1
+    assert unchanged is atomic
+    if atomic:
+        assert torch.equal(b, params_before[1])
+        for index in (0, 1):
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(after["state"][index][name], before["state"][index][name])

@@ -39,7 +39,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     a bf16 parameter, ``use_decoupled_grad`` reads ``param.decoupled_grad`` instead of
     ``param.grad``. Ours: ``chunk_numel`` is how many elements the step expands to FP32 at
     once; ``fused`` picks the FP32 update: torch's fused AdamW kernel (``None``: where torch
-    has one) or TE's elementwise formula (``False``).
+    has one) or TE's elementwise formula (``False``); ``atomic_step=True`` makes a step all or
+    nothing (a copy of what it changes is kept during the step and put back if it raises).
 
     The update is TE's: with ``adam_w_mode`` (default) ``p -= lr * (m_hat / (sqrt(v_hat) +
     eps) + weight_decay * p)``; otherwise L2 mode adds ``weight_decay * p`` to the gradient.
@@ -81,6 +82,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         store_param_remainders: bool = False,
         chunk_numel: int = 1 << 16,
         fused: bool | None = None,
+        atomic_step: bool = False,
     ) -> None:
         if amsgrad:
             raise RuntimeError("PrecisionAwareAdamW (like FusedAdam) does not support AMSGrad.")
@@ -142,6 +144,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         )
         self.chunk_numel = chunk_numel
         self.fused = fused
+        self.atomic_step = bool(atomic_step)
         self._scales: dict[Tensor, dict[str, Tensor]] = {}
         self._scratch: dict[torch.device, Tensor] = {}  # step workspace, never saved
         self._pack_small = True  # small parameters share fused calls (tests turn it off)
@@ -475,6 +478,53 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.atomic_step:
+            self._step_groups()
+            return loss
+        snapshot = self._snapshot()
+        try:
+            self._step_groups()
+        except BaseException:
+            self._restore(snapshot)
+            raise
+        return loss
+
+    def _snapshot(self) -> tuple[list[Any], dict[Tensor, Any]]:
+        """What a step may change, for ``atomic_step``: group counters, params with a grad,
+        their state and scales (one copy of each, kept for the duration of the step)."""
+        steps = [group.get("step") for group in self.param_groups]
+        saved: dict[Tensor, Any] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self._grad_of(p) is None:
+                    continue
+                state = {
+                    k: v.clone() if isinstance(v, Tensor) else v for k, v in self.state[p].items()
+                }
+                scales = {k: v.clone() for k, v in self._scales.get(p, {}).items()}
+                saved[p] = (p.detach().clone(), state, scales, p in self._scales)
+        return steps, saved
+
+    @torch.no_grad()
+    def _restore(self, snapshot: tuple[list[Any], dict[Tensor, Any]]) -> None:
+        steps, saved = snapshot
+        for group, step in zip(self.param_groups, steps, strict=True):
+            if step is None:
+                group.pop("step", None)
+            else:
+                group["step"] = step
+        for p, (value, state, scales, had_scales) in saved.items():
+            p.copy_(value)
+            if state:
+                self.state[p] = state
+            else:
+                self.state.pop(p, None)
+            if had_scales:
+                self._scales[p] = scales
+            else:
+                self._scales.pop(p, None)
+
+    def _step_groups(self) -> None:
         for group in self.param_groups:
             if not group["params"]:
                 continue
@@ -509,7 +559,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 self._fused_math(ps, gs, ms, vs, group, [step] * len(ps))
             for device, pairs in small.items():
                 self._update_packed(pairs, group, device)
-        return loss
 
     def _packable(self, param: Tensor, grad: Tensor, group: dict[str, Any]) -> bool:
         """Small parameters whose state needs only per-element conversion (bf16/fp32 moments,
