@@ -40,7 +40,14 @@ import torch
 
 __all__ = ["CHECKS", "main", "run_checks"]
 
-CHECKS = ("gpu_staged", "gpu_hybrid", "gpu_factory", "gpu_hybrid_precision")
+CHECKS = (
+    "gpu_staged",
+    "gpu_precision_adam",
+    "gpu_hybrid",
+    "gpu_hybrid_precision",
+    "gpu_factory",
+    "gpu_streaming",
+)
 
 
 def _header() -> str:
