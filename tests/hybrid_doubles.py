@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from megatron_doubles import ChainedOptimizerDouble as ChainedOptimizerDouble
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -38,6 +39,11 @@ class Range:
 
 class DistributedOptimizerDouble:
     """DistributedOptimizer around a hybrid offload optimizer, one rank owning every param."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """MegatronOptimizer's promoted ``param_groups``."""
+        return self.optimizer.param_groups  # type: ignore[no-any-return]
 
     def __init__(self, model: torch.nn.Module, make_hybrid: Any, precision_aware: bool) -> None:
         self.config = SimpleNamespace(
@@ -177,35 +183,3 @@ class DistributedOptimizerDouble:
     def reload_model_params(self, state_dict: Any = None) -> None:
         # Megatron's _copy_model_params_to_main_params for a hybrid optimizer.
         self.optimizer.update_fp32_param_by_new_param()
-
-
-class ChainedOptimizerDouble:
-    """Megatron's ChainedOptimizer: a list of optimizers behind one interface."""
-
-    def __init__(self, chained_optimizers: list[Any]) -> None:
-        self.chained_optimizers = chained_optimizers
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for opt in self.chained_optimizers for g in opt.optimizer.param_groups]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.chained_optimizers:
-            opt.zero_grad(set_to_none)
-
-    def step(self) -> None:
-        for opt in self.chained_optimizers:
-            opt.step()
-
-    def state_dict(self) -> list[dict[str, Any]]:
-        return [opt.state_dict() for opt in self.chained_optimizers]
-
-    def load_state_dict(self, state_dict: list[dict[str, Any]]) -> None:
-        if len(state_dict) != len(self.chained_optimizers):
-            raise ValueError("state dict does not match the chained optimizers")
-        for opt, sd in zip(self.chained_optimizers, state_dict, strict=True):
-            opt.load_state_dict(sd)
-
-    def reload_model_params(self, state_dict: Any = None) -> None:
-        for opt in self.chained_optimizers:
-            opt.reload_model_params(state_dict)
