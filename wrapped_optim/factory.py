@@ -90,14 +90,11 @@ def _derive_section(section: str, base: Any) -> Any:
     """The section derivation picks for ``base`` (an unwrapped optimizer stack), or False."""
     leaves = list(walk_leaves(base))
     if section == "staged":
-        from wrapped_optim.adapters.hybrid import is_hybrid_offload
-        from wrapped_optim.adapters.precision import is_precision_aware_holder
-        from wrapped_optim.staging import no_copy_decisions
+        from wrapped_optim.staging import no_copy_decisions, staging_decisions
 
-        holders = [leaf.optimizer for leaf in leaves if not leaf.is_stub]
-        # A hybrid offload optimizer's sub-optimizers hold its state.
-        holders += [sub for o in holders if is_hybrid_offload(o) for sub in o.sub_optimizers]
-        if any(is_precision_aware_holder(holder) for holder in holders):
+        # The engine's own decisions (hybrid sub-optimizers and Megatron's gates included):
+        # staging is derived exactly where it would act.
+        if any(decision.eligible for decision in staging_decisions(base)):
             return StagedConfig()
         if any(decision.eligible for decision in no_copy_decisions(base)):
             # A Megatron distributed FP32 Adam: its state can be adopted without copies.
@@ -153,8 +150,9 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
     ``StagedCheckpointOptimizer`` (the module docstring says why). Per section of ``config``:
     a section object adds the layer with those options, ``False`` leaves it out (and removes
     one already there), ``None`` keeps an existing layer or derives the decision from the
-    optimizer itself — a precision-aware state holder (also as a hybrid offload optimizer's
-    sub-optimizer) or a Megatron distributed optimizer anywhere in the stack -> staging; a
+    optimizer itself — a leaf the staging engine would stage (``staging_decisions``: a
+    precision-aware holder with compressed state, also as a hybrid offload optimizer's
+    sub-optimizer) or a no-copy-eligible Megatron distributed optimizer -> staging; a
     hybrid offload optimizer -> hybrid sync; params whose ``grad_dtype`` differs from their
     dtype -> FSDP-aware.
 
