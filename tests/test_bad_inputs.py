@@ -30,6 +30,7 @@ from wrapped_optim.testing import (
     assert_state_dict_equal,
     checkpoint_roundtrip,
     optimizer_params,
+    state_dict_differences,
     synthetic_gradients,
 )
 
@@ -191,4 +192,8 @@ def test_catalogue_has_at_least_twenty_kinds() -> None:
 def test_torch_accepts_silently(case: BadCase) -> None:
     """Why the catalogue needs our layers: torch 2.13's loader takes these without a word."""
     _, opt = TARGETS["adamw"].stepped()
-    opt.load_state_dict(bad_copy(case, checkpoint_roundtrip(opt.state_dict())))
+    good = checkpoint_roundtrip(opt.state_dict())
+    bad = bad_copy(case, good)
+    opt.load_state_dict(bad)  # no error...
+    # ...and the damage is now the optimizer's state, waiting for the next step.
+    assert state_dict_differences(opt.state_dict(), good), f"{case.name}: nothing was taken"
