@@ -243,3 +243,20 @@ def test_deepcopy_and_pickle() -> None:
     torch.save(opt, buffer)
     buffer.seek(0)
     assert isinstance(torch.load(buffer, weights_only=False), Tagged)
+
+
+def test_state_loaded_notifies_every_layer_innermost_first() -> None:
+    seen: list[str] = []
+
+    class Noting(OptimizerWrapper):
+        def __init__(self, inner: Any, name: str) -> None:
+            super().__init__(inner)
+            self.name = name
+
+        def _on_state_loaded(self) -> None:
+            seen.append(self.name)
+
+    sgd = torch.optim.SGD(make_params(), lr=0.1)
+    stack = Noting(OptimizerWrapper(Noting(sgd, "inner")), "outer")
+    stack.state_loaded()
+    assert seen == ["inner", "outer"]

@@ -69,7 +69,6 @@ from torch.distributed.tensor import DTensor
 from wrapped_optim.adapters.dtensor import like_param
 from wrapped_optim.adapters.precision import is_precision_aware_holder, supports_chunked_state
 from wrapped_optim.adapters.walk import walk_leaves
-from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.patching import patch_attribute
 from wrapped_optim.wrapper import OptimizerWrapper
 
@@ -925,9 +924,7 @@ def _apply(optimizer: Any, leaf: torch.optim.Optimizer, planner: StreamingLoadPl
         # (the optimizer had none) gets the whole payload and may copy it.
         leaf.load_state_dict(state_dict)
     if isinstance(optimizer, OptimizerWrapper):
-        for layer in optimizer.layers():
-            if isinstance(layer, HybridSyncOptimizer):
-                layer.sync_from_masters()  # masters -> copies, sub-optimizers, model weights
+        optimizer.state_loaded()  # e.g. hybrid masters -> copies, sub-optimizers, weights
 
 
 def _apply_in_place(leaf: torch.optim.Optimizer, planner: StreamingLoadPlanner) -> None:

@@ -241,6 +241,9 @@ class HybridSyncOptimizer(OptimizerWrapper):
         payload = restore_omitted_state(state_dict, per_param_step=keeps_per_param_step(self.inner))
         with restoring_omitted_megatron_state(self.inner):
             self.inner.load_state_dict(payload)
+        self._on_state_loaded()
+
+    def _on_state_loaded(self) -> None:
         # The load is committed: the masters are the truth now. Pushing them is idempotent:
         # a push that raises is retried at once and, failing again, before the next step.
         self._push_pending = True

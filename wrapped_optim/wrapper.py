@@ -181,6 +181,27 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
 
+    def state_loaded(self) -> None:
+        """Tells every layer that state was written into the stack by another path.
+
+        ``load_state_dict`` lets each layer re-establish its invariants (e.g. hybrid master
+        copies pushed everywhere). A loader that writes state directly into the optimizer's
+        tensors -- :func:`wrapped_optim.checkpoint.load_optimizer`, or your own -- calls this
+        afterwards so the layers do the same.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim import OptimizerWrapper
+            >>> opt = OptimizerWrapper(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1))
+            >>> opt.state_loaded()  # a plain wrapper has nothing to re-establish
+        """
+        for layer in reversed(self.layers()):  # innermost first, as loads complete
+            if isinstance(layer, OptimizerWrapper):
+                layer._on_state_loaded()
+
+    def _on_state_loaded(self) -> None:
+        """What this layer re-establishes after its stack's state was loaded."""
+
     # ----------------------------------------------------------------------------------
     # Navigating the stack
     # ----------------------------------------------------------------------------------
