@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -26,3 +29,10 @@ settings.register_profile("dev", max_examples=10, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(1)
+
+# The compiled CPU AdamW kernel is built afresh for each test run (about a second), so a stale
+# build in the user's cache can never stand in for the source under test.
+if "WRAPPED_OPTIM_KERNEL_CACHE" not in os.environ:
+    _kernel_cache = tempfile.mkdtemp(prefix="wrapped-optim-kernel-")
+    os.environ["WRAPPED_OPTIM_KERNEL_CACHE"] = _kernel_cache
+    atexit.register(shutil.rmtree, _kernel_cache, ignore_errors=True)

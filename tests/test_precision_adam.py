@@ -288,17 +288,23 @@ PARAM_TOL = {
 }
 
 
+@pytest.mark.parametrize("cpu_kernel", [None, False])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", PARAM_DTYPES)
-def test_step_tracks_fp32_reference(config: str, dtype: torch.dtype) -> None:
-    """Every config x param dtype trains close to an all-FP32 run."""
+def test_step_tracks_fp32_reference(
+    config: str, dtype: torch.dtype, cpu_kernel: bool | None
+) -> None:
+    """Every config x param dtype trains close to an all-FP32 run, with and without the
+    compiled CPU kernel."""
     shapes = [(33, 17), (50,)]
     params = make_params(shapes, dtype)
     ref_params = [torch.nn.Parameter(p.detach().float().clone()) for p in params]  # same start
     start = [p.detach().clone() for p in ref_params]
     ref = PrecisionAwareAdamW(ref_params, lr=1e-2, weight_decay=0.01)
     kw = CONFIGS[config]
-    opt = PrecisionAwareAdamW(params, lr=1e-2, weight_decay=0.01, chunk_numel=100, **kw)
+    opt = PrecisionAwareAdamW(
+        params, lr=1e-2, weight_decay=0.01, chunk_numel=100, cpu_kernel=cpu_kernel, **kw
+    )
     for i in range(20):
         set_grads(ref_params, i)
         for p, r in zip(params, ref_params, strict=True):
@@ -504,6 +510,7 @@ def test_state_dict_goes_through_instance_patches() -> None:
     after=st.integers(1, 4),
     chunk=st.integers(1, 40),
     fused=st.sampled_from([None, False]),
+    cpu_kernel=st.sampled_from([None, False]),
 )
 def test_save_load_continue_is_bit_identical(
     config: str,
@@ -513,8 +520,15 @@ def test_save_load_continue_is_bit_identical(
     after: int,
     chunk: int,
     fused: bool | None,
+    cpu_kernel: bool | None,
 ) -> None:
-    kw = {"lr": 1e-2, "weight_decay": 0.05, "chunk_numel": chunk, "fused": fused}
+    kw = {
+        "lr": 1e-2,
+        "weight_decay": 0.05,
+        "chunk_numel": chunk,
+        "fused": fused,
+        "cpu_kernel": cpu_kernel,
+    }
     kw.update(CONFIGS[config])
     params = make_params(shapes, dtype)
     opt = PrecisionAwareAdamW(params, **kw)
@@ -674,11 +688,12 @@ def test_gpu_check_module_logic_runs_on_cpu() -> None:
 def test_small_params_packed_together_equal_one_by_one(config: str, dtype: torch.dtype) -> None:
     """Small parameters are updated many per fused call; the result is bitwise that of the
     one-parameter-at-a-time path. (Results may differ in the last bit between chunk sizes:
-    torch's fused kernel rounds its vectorized body and scalar tail differently.)"""
+    torch's fused kernel rounds its vectorized body and scalar tail differently.) Packing is
+    the pure-torch path: the compiled CPU kernel updates such parameters one call each."""
     shapes = [(7,), (3, 5), (64,), (1,), (40, 3)]
     packed_params = make_params(shapes, dtype)
     single_params = clone_params(packed_params)
-    kw = {"lr": 1e-2, "weight_decay": 0.1, **CONFIGS[config]}
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "cpu_kernel": False, **CONFIGS[config]}
     if config == "remainders":
         kw["exp_avg_sq_dtype"] = BF16  # fp16 would take the two-pass path
     packed = PrecisionAwareAdamW(packed_params, chunk_numel=1024, **kw)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from wrapped_optim import codecs
 from wrapped_optim.adapters.dtensor import like_param, local_tensor
+from wrapped_optim.optimizers import cpu_kernel as _cpu_kernel
 
 __all__ = ["PrecisionAwareAdamW"]
 
@@ -27,6 +28,8 @@ _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 # Devices with torch's fused (single-pass) Adam/AdamW kernels.
 _FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu")
 _MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
+# (param, grad, exp_avg, exp_avg_sq, master or None), flat, as the CPU kernel takes them.
+_KernelOperands = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]
 
 
 class PrecisionAwareAdamW(torch.optim.Optimizer):
@@ -39,8 +42,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     a bf16 parameter, ``use_decoupled_grad`` reads ``param.decoupled_grad`` instead of
     ``param.grad``. Ours: ``chunk_numel`` is how many elements the step expands to FP32 at
     once; ``fused`` picks the FP32 update: torch's fused AdamW kernel (``None``: where torch
-    has one) or TE's elementwise formula (``False``); ``atomic_step=True`` makes a step all or
-    nothing (a copy of what it changes is kept during the step and put back if it raises).
+    has one) or TE's elementwise formula (``False``); ``cpu_kernel`` updates CPU parameters
+    whose state needs conversion (bf16 moments beside FP32 params, a bf16 param with an FP32
+    master or remainder) in one pass with the compiled kernel of
+    :mod:`~wrapped_optim.optimizers.cpu_kernel` (TE's formula; ``None``: when it can be built
+    and ``fused`` is not ``True``, ``True``: required, ``False``: never); ``atomic_step=True``
+    makes a step all or nothing (a copy of what it changes is kept during the step and put
+    back if it raises).
 
     The update is TE's: with ``adam_w_mode`` (default) ``p -= lr * (m_hat / (sqrt(v_hat) +
     eps) + weight_decay * p)``; otherwise L2 mode adds ``weight_decay * p`` to the gradient.
@@ -82,6 +90,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         store_param_remainders: bool = False,
         chunk_numel: int = 1 << 16,
         fused: bool | None = None,
+        cpu_kernel: bool | None = None,
         atomic_step: bool = False,
     ) -> None:
         if amsgrad:
@@ -118,6 +127,15 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid weight_decay value: {weight_decay}")
         if chunk_numel <= 0:
             raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
+        if cpu_kernel and fused:
+            raise ValueError(
+                "cpu_kernel=True and fused=True ask for two different kernels; pick one"
+            )
+        if cpu_kernel and not _cpu_kernel.available():
+            raise RuntimeError(
+                f"cpu_kernel=True, but the CPU AdamW kernel is unavailable: "
+                f"{_cpu_kernel.status().reason}"
+            )
         defaults = {
             "lr": lr,
             "bias_correction": bias_correction,
@@ -144,6 +162,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         )
         self.chunk_numel = chunk_numel
         self.fused = fused
+        self.cpu_kernel = cpu_kernel
         self.atomic_step = bool(atomic_step)
         self._scales: dict[Tensor, dict[str, Tensor]] = {}
         self._scratch: dict[torch.device, Tensor] = {}  # step workspace, never saved
@@ -547,8 +566,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                         f"got {p.dtype}"
                     )
                 views = self._direct_views(p, grad, group)
+                operands = None if views is not None else self._kernel_operands(p, grad)
                 if views is not None:
                     batches.setdefault((views[0].device, views[0].dtype), []).append(views)
+                elif operands is not None:
+                    self._kernel_update(operands, group)
                 elif self._packable(p, grad, group):
                     small.setdefault(local_tensor(p).device, []).append((p, grad))
                 else:
@@ -559,6 +581,60 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 self._fused_math(ps, gs, ms, vs, group, [step] * len(ps))
             for device, pairs in small.items():
                 self._update_packed(pairs, group, device)
+
+    def _kernel_on(self) -> bool:
+        if self.cpu_kernel is False or (self.cpu_kernel is None and self.fused is True):
+            return False
+        return _cpu_kernel.available()
+
+    def _kernel_operands(self, param: Tensor, grad: Tensor) -> _KernelOperands | None:
+        """Flat (param, grad, exp_avg, exp_avg_sq, master) for the one-pass CPU kernel, or
+        None when its formats or layout are not ones the kernel reads."""
+        if not self._kernel_on():
+            return None
+        p, g = local_tensor(param), local_tensor(grad)
+        if p.device.type != "cpu" or g.device != p.device or g.numel() != p.numel():
+            return None
+        state = self.state[param]
+        stored = [state["exp_avg"], state["exp_avg_sq"]]
+        if any(t.dtype not in (torch.float32, torch.bfloat16) for t in stored):
+            return None
+        if g.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        master: Tensor | None = state.get("master_param")
+        if p.dtype == torch.float32:
+            if master is not None:  # synced after the update; the general path does that
+                return None
+        elif p.dtype != torch.bfloat16 or master is None:
+            return None  # fp16 params, or bf16 params updated in place without a master
+        elif master.dtype != torch.float32 and not self._uses_remainder(param):
+            return None  # an fp16 master
+        if master is not None:
+            stored.append(master)
+        if not p.is_contiguous() or not all(t.is_contiguous() for t in stored):
+            return None
+        flat = [t.view(-1) for t in stored]
+        return (
+            p.view(-1),
+            g.reshape(-1).contiguous(),
+            flat[0],
+            flat[1],
+            flat[2] if master is not None else None,
+        )
+
+    def _kernel_update(self, operands: _KernelOperands, group: dict[str, Any]) -> None:
+        p, g, m, v, master = operands
+        beta1, beta2 = group["betas"]
+        step = group["step"]
+        correct = group["bias_correction"]
+        _cpu_kernel.adamw_step_(
+            p, g, m, v, master,
+            lr=float(group["lr"]), betas=(beta1, beta2), eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            bias_correction1=1.0 - beta1**step if correct else 1.0,
+            bias_correction2=1.0 - beta2**step if correct else 1.0,
+            adam_w_mode=bool(self.adam_w_mode),
+        )  # fmt: skip
 
     def _packable(self, param: Tensor, grad: Tensor, group: dict[str, Any]) -> bool:
         """Small parameters whose state needs only per-element conversion (bf16/fp32 moments,

@@ -1,0 +1,444 @@
+"""The compiled one-pass CPU AdamW kernel: bitwise against the same update in single torch
+ops, thread-split invariance, its build and cache, its errors, and PrecisionAwareAdamW's use
+of it (and fallback without it)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from wrapped_optim import codecs
+from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+# gcc or clang is part of every supported build machine; without one the kernel is off and
+# these tests say so instead of passing vacuously.
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernel.available(), reason=f"CPU kernel unavailable: {cpu_kernel.status().reason}"
+)
+
+
+@pytest.fixture
+def fresh_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty cache directory and a kernel that is built (or refused) again on first use;
+    afterwards the session's kernel is reloaded from its own cache."""
+    monkeypatch.setenv("WRAPPED_OPTIM_KERNEL_CACHE", str(tmp_path))
+    cpu_kernel._reset_for_tests()
+    yield tmp_path
+    monkeypatch.undo()
+    cpu_kernel._reset_for_tests()
+
+
+def f32(x: float) -> float:
+    """x rounded to the nearest float32, as the kernel receives it."""
+    return float(torch.tensor(x, dtype=FP32))
+
+
+def reference_step(
+    p32: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    wd: float,
+    bc1: float,
+    bc2: float,
+    adam_w_mode: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TE's update in FP32, one correctly rounded op at a time (no fused multiply-add), with
+    every hyper-parameter rounded to float32 as the kernel's are. The square root is taken
+    in float64 and rounded once, which is the correctly rounded FP32 root: torch's own CPU
+    ``sqrt`` may be off by one ulp (it goes through a vector math library)."""
+    g = g.float()
+    m = m.float()
+    v = v.float()
+    lr, eps, wd = f32(lr), f32(eps), f32(wd)
+    b1, omb1, b2, omb2 = f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2)
+    if not adam_w_mode:
+        g = g + p32 * wd
+    m = m * b1 + g * omb1
+    v = v * b2 + (g * omb2) * g
+    denom = torch.sqrt((v / f32(bc2)).double()).float() + eps
+    update = (m / f32(bc1)) / denom
+    if adam_w_mode:
+        update = update + p32 * wd
+    return p32 - update * lr, m, v
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+@needs_kernel
+@given(
+    n=st.integers(1, 300),
+    master=st.sampled_from(["none", "fp32", "remainder"]),
+    grad_dtype=st.sampled_from([FP32, BF16]),
+    m_dtype=st.sampled_from([FP32, BF16]),
+    v_dtype=st.sampled_from([FP32, BF16]),
+    adam_w_mode=st.booleans(),
+    wd=st.sampled_from([0.0, 0.01, 0.3]),
+    step=st.integers(1, 1000),
+    lr=st.floats(1e-6, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_equals_single_torch_ops_bitwise(
+    n: int,
+    master: str,
+    grad_dtype: torch.dtype,
+    m_dtype: torch.dtype,
+    v_dtype: torch.dtype,
+    adam_w_mode: bool,
+    wd: float,
+    step: int,
+    lr: float,
+    seed: int,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(n, generator=gen) * 3
+    g = torch.randn(n, generator=gen).to(grad_dtype)
+    m = (torch.randn(n, generator=gen) * 0.1).to(m_dtype)
+    v = (torch.rand(n, generator=gen) * 0.01).to(v_dtype)
+    beta1, beta2, eps = 0.9, 0.95, 1e-8
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    if master == "none":
+        param, master_t = values.clone(), None
+        p32 = values
+    elif master == "fp32":
+        param, master_t = values.to(BF16), values.clone()
+        p32 = values
+    else:
+        param, master_t = codecs.split_master(values)
+        p32 = codecs.join_master(param, master_t)
+    want_p, want_m, want_v = reference_step(
+        p32.clone(), g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd,
+        bc1=bc1, bc2=bc2, adam_w_mode=adam_w_mode,
+    )  # fmt: skip
+    cpu_kernel.adamw_step_(
+        param, g, m, v, master_t, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd,
+        bias_correction1=bc1, bias_correction2=bc2, adam_w_mode=adam_w_mode,
+    )  # fmt: skip
+    assert torch.equal(m, want_m.to(m_dtype))
+    assert torch.equal(v, want_v.to(v_dtype))
+    if master == "none":
+        assert torch.equal(param, want_p)
+    elif master == "fp32":
+        assert master_t is not None
+        assert torch.equal(master_t, want_p)
+        assert torch.equal(param, want_p.to(BF16))
+    else:
+        assert master_t is not None
+        assert torch.equal(codecs.join_master(param, master_t), want_p)
+
+
+@needs_kernel
+def test_bf16_encoding_is_torchs_round_to_nearest_even() -> None:
+    """beta1 = 0, lr = 0: the stored first moment is ``0 * 0 + 1 * g`` encoded by the kernel."""
+    specials = torch.tensor(
+        [0.0, -0.0, 1e-45, -1e-45, 1.1754942e-38, 3.4028235e38, -3.4028235e38, 1.0 + 2**-8,
+         1.0 + 3 * 2**-8, 65504.0, float("inf"), float("-inf"), float("nan")]
+    )  # fmt: skip
+    g = torch.cat([specials, torch.randn(4096) * 1e3, torch.randn(4096) * 1e-30])
+    bits = torch.randint(0, 2**31 - 1, (4096,), dtype=torch.int32).view(FP32)  # any finite
+    g = torch.cat([g, bits[torch.isfinite(bits)]])
+    m = torch.zeros(g.numel(), dtype=BF16)
+    v = torch.zeros(g.numel())
+    p = torch.zeros(g.numel())
+    cpu_kernel.adamw_step_(p, g, m, v, lr=0.0, betas=(0.0, 0.5), eps=1.0, weight_decay=0.0)
+    want = (torch.zeros_like(g) * 0.0 + g * 1.0).to(BF16)  # +0 + -0 is +0: math, not encoding
+    nan = torch.isnan(g)
+    assert torch.isnan(m[nan]).all()
+    assert torch.equal(m[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_thread_split_changes_nothing(threads: int) -> None:
+    n = 5 * (1 << 16) + 13  # not a multiple of the 64-element range border
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen).to(BF16)
+    m = torch.randn(n, generator=gen).to(BF16)
+    v = torch.rand(n, generator=gen).to(BF16)
+    results = []
+    for count in (1, threads):
+        pc, mc, vc = p.clone(), m.clone(), v.clone()
+        cpu_kernel.adamw_step_(
+            pc, g, mc, vc, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+            bias_correction1=0.1, bias_correction2=0.001, num_threads=count,
+        )  # fmt: skip
+        results.append((pc, mc, vc))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(results[0][0], p)  # it did update
+
+
+@needs_kernel
+def test_operands_are_checked_before_anything_is_written() -> None:
+    p = torch.ones(4)
+    g, m, v = torch.ones(4), torch.zeros(4, dtype=BF16), torch.zeros(4, dtype=BF16)
+    hyper: dict[str, Any] = {"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}
+    cases = [
+        ((p, g[:3], m, v), {}, "grad has 3 elements, the parameter has 4"),
+        ((p, g, m.float().to(torch.float16), v), {}, r"exp_avg has dtype torch.float16"),
+        ((torch.ones(4, 2).t(), torch.ones(2, 4), torch.zeros(8), torch.zeros(8)), {},
+         "param must be contiguous"),
+        ((p, g, m, torch.zeros(4, dtype=BF16, device="meta")), {},
+         "exp_avg_sq must be a CPU tensor, got one on meta"),
+        ((p, g, m, v, torch.ones(4)), {}, r"param has dtype torch.float32; the kernel takes"),
+        ((p.to(BF16), g, m, v, torch.ones(4, dtype=torch.int32)), {}, "master has dtype"),
+        ((p, g, m, v), {"num_threads": 0}, "num_threads must be at least 1"),
+    ]  # fmt: skip
+    for args, extra, match in cases:
+        before = [t.clone() for t in args if t.device.type == "cpu"]
+        with pytest.raises(ValueError, match=match):
+            cpu_kernel.adamw_step_(*args, **hyper, **extra)
+        after = [t for t in args if t.device.type == "cpu"]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+# ----------------------------------------------------------------------------- build and cache
+
+
+@needs_kernel
+def test_builds_once_into_its_cache(fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = cpu_kernel.status()
+    assert first.available and first.library is not None
+    assert first.library.parent == fresh_kernel
+    assert [f.name for f in fresh_kernel.iterdir()] == [first.library.name]  # no temporaries
+    cpu_kernel._reset_for_tests()
+
+    def no_compiler(*args: Any) -> None:
+        raise AssertionError("rebuilt although the cache holds the library")
+
+    monkeypatch.setattr(cpu_kernel, "_compile", no_compiler)
+    assert cpu_kernel.status() == first
+
+
+def test_disabled_by_environment(fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WRAPPED_OPTIM_CPU_KERNEL", "0")
+    s = cpu_kernel.status()
+    assert not s.available and s.library is None
+    assert s.reason == "disabled by WRAPPED_OPTIM_CPU_KERNEL=0"
+    with pytest.raises(RuntimeError, match="unavailable: disabled by"):
+        cpu_kernel.adamw_step_(
+            torch.ones(1), torch.ones(1), torch.ones(1), torch.ones(1),
+            lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="cpu_kernel=True, but the CPU AdamW kernel"):
+        PrecisionAwareAdamW([torch.nn.Parameter(torch.ones(1))], cpu_kernel=True)
+    assert list(fresh_kernel.iterdir()) == []
+
+
+def test_without_a_compiler(fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(fresh_kernel))
+    monkeypatch.delenv("CC", raising=False)
+    s = cpu_kernel.status()
+    assert not s.available
+    assert s.reason == "no C compiler found (set CC to one)"
+
+
+def test_a_failing_compiler_leaves_no_files(
+    fresh_kernel: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path_factory.mktemp("bin")
+    fake = bin_dir / "broken-cc"
+    fake.write_text("#!/bin/sh\necho 'broken-cc 1.0'\n[ \"$1\" = --version ] && exit 0\n"
+                    "echo 'error: no' >&2\nexit 1\n")  # fmt: skip
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(fake))
+    s = cpu_kernel.status()
+    assert not s.available
+    assert s.reason is not None and "failed to build _adamw_cpu.c" in s.reason
+    assert "error: no" in s.reason
+    assert list(fresh_kernel.iterdir()) == []
+
+
+def test_unwritable_explicit_cache_is_reported(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = fresh_kernel / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("WRAPPED_OPTIM_KERNEL_CACHE", str(blocker / "cache"))
+    s = cpu_kernel.status()
+    if cpu_kernel._find_compiler() is None:
+        assert s.reason == "no C compiler found (set CC to one)"
+    else:
+        assert s.reason is not None and "no writable kernel cache directory" in s.reason
+
+
+def test_source_ships_with_the_package() -> None:
+    """The C file is package data: a wheel without it would silently run the slow path."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    patterns = data["tool"]["setuptools"]["package-data"]["wrapped_optim"]
+    source = cpu_kernel._SOURCE.relative_to(root / "wrapped_optim")
+    assert any(source.match(pattern) for pattern in patterns), patterns
+    assert cpu_kernel._SOURCE.is_file()
+
+
+# ----------------------------------------------------------------------------- in the optimizer
+
+
+CONFIGS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
+    "fp32 params, bf16 moments": (FP32, {"exp_avg_dtype": BF16, "exp_avg_sq_dtype": BF16}),
+    "fp32 params, bf16 m": (FP32, {"exp_avg_dtype": BF16}),
+    "bf16 params, fp32 master, bf16 moments": (
+        BF16,
+        {"master_weights": True, "exp_avg_dtype": BF16, "exp_avg_sq_dtype": BF16},
+    ),
+    "bf16 params, remainders, fp32 moments": (
+        BF16,
+        {"master_weights": True, "store_param_remainders": True},
+    ),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_optimizer_steps_are_the_kernel_formula(config: str, adam_w_mode: bool) -> None:
+    """Through the optimizer (groups, bias correction, tensor lr, decoupled grads), five steps
+    equal the single-op reference bit for bit; the kernel is what ran."""
+    dtype, kw = CONFIGS[config]
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(33, 7), (5,), (64, 65)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    groups = [
+        {"params": params[:2]},
+        {"params": params[2:], "lr": torch.tensor(3e-3), "weight_decay": 0.2,
+         "betas": (0.8, 0.9)},
+    ]  # fmt: skip
+    opt = PrecisionAwareAdamW(
+        groups, lr=1e-2, weight_decay=0.05, adam_w_mode=adam_w_mode, use_decoupled_grad=True,
+        cpu_kernel=True, **kw,
+    )  # fmt: skip
+    ref: dict[int, list[torch.Tensor]] = {}
+    for i, p in enumerate(params):
+        opt.initialize_state(p)
+        state = opt.state[p]
+        if "master_param" not in state:
+            p32 = p.detach().float()
+        elif opt._uses_remainder(p):
+            p32 = codecs.join_master(p.detach(), state["master_param"])
+        else:
+            p32 = state["master_param"]
+        ref[i] = [p32.reshape(-1).clone(), torch.zeros(p.numel()), torch.zeros(p.numel())]
+    calls = []
+    original = cpu_kernel.adamw_step_
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        original(*args, **kwargs)
+
+    m_dtype, v_dtype = opt.exp_avg_dtype, opt.exp_avg_sq_dtype
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernel, "adamw_step_", counting)
+        for step in range(1, 6):
+            for i, p in enumerate(params):
+                g = torch.randn(p.shape, generator=gen).to(dtype)
+                p.decoupled_grad = g
+                group = groups[0] if i < 2 else groups[1]
+                b1, b2 = group.get("betas", (0.9, 0.999))
+                lr = float(group.get("lr", 1e-2))
+                wd = group.get("weight_decay", 0.05)
+                p32, m, v = ref[i]
+                p32, m, v = reference_step(
+                    p32, g.reshape(-1), m, v, lr=lr, beta1=b1, beta2=b2, eps=1e-8, wd=wd,
+                    bc1=1 - b1**step, bc2=1 - b2**step, adam_w_mode=adam_w_mode,
+                )  # fmt: skip
+                # What the state stores, not the FP32 value, is what the next step reads.
+                ref[i] = [p32, m.to(m_dtype).float(), v.to(v_dtype).float()]
+            opt.step()
+    assert len(calls) == 5 * len(params)
+    for i, p in enumerate(params):
+        p32, m, v = ref[i]
+        assert torch.equal(opt.get_unscaled_state(p, "exp_avg").view(-1), m)
+        assert torch.equal(opt.get_unscaled_state(p, "exp_avg_sq").view(-1), v)
+        assert torch.equal(p.detach().view(-1), p32.to(dtype))
+        if "master_param" in opt.state[p]:
+            master = (
+                codecs.join_master(p.data, opt.state[p]["master_param"])
+                if opt._uses_remainder(p)
+                else opt.state[p]["master_param"]
+            )
+            assert torch.equal(master.reshape(-1), p32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_kernel_is_as_accurate_as_the_torch_path(config: str) -> None:
+    """Same formula, different rounding (torch's ops may fuse a multiply-add, its sqrt may be
+    an ulp off, and then a bf16 moment may round the other way): after 20 steps both paths
+    are equally far from an all-FP32 run and close to each other."""
+    dtype, kw = CONFIGS[config]
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(300, 31), (17,)]
+    ref_params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    start = [p.detach().clone() for p in ref_params]
+    a = [torch.nn.Parameter(p.detach().to(dtype, copy=True)) for p in ref_params]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    hyper = {"lr": 1e-2, "weight_decay": 0.1}
+    reference = PrecisionAwareAdamW(ref_params, **hyper)  # type: ignore[arg-type]
+    with_kernel = PrecisionAwareAdamW(a, cpu_kernel=True, **hyper, **kw)  # type: ignore[arg-type]
+    without = PrecisionAwareAdamW(b, cpu_kernel=False, **hyper, **kw)  # type: ignore[arg-type]
+    for _ in range(20):
+        for r, pa, pb in zip(ref_params, a, b, strict=True):
+            r.grad = torch.randn(r.shape, generator=gen)
+            pa.grad = r.grad.to(dtype)
+            pb.grad = pa.grad.clone()
+        reference.step()
+        with_kernel.step()
+        without.step()
+
+    def distance(params: list[torch.nn.Parameter], to: list[torch.Tensor]) -> float:
+        sq = sum(((p.detach().float() - t) ** 2).sum() for p, t in zip(params, to, strict=True))
+        return float(sq) ** 0.5
+
+    ref_values = [r.detach() for r in ref_params]
+    moved = distance(ref_params, start)
+    err_kernel, err_torch = distance(a, ref_values), distance(b, ref_values)
+    apart = distance(a, [p.detach().float() for p in b])
+    assert 0.8 <= err_kernel / max(err_torch, 1e-30) <= 1.25, (err_kernel, err_torch)
+    assert apart <= 0.5 * max(err_torch, 1e-3 * moved), (apart, err_torch, moved)
+
+
+def test_fused_true_keeps_torchs_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the compiled kernel ran although fused=True")
+
+    monkeypatch.setattr(cpu_kernel, "adamw_step_", forbidden)
+    p = torch.nn.Parameter(torch.ones(8))
+    for kw in ({"fused": True}, {"cpu_kernel": False}):
+        opt = PrecisionAwareAdamW([p], exp_avg_dtype=BF16, **kw)  # type: ignore[arg-type]
+        p.grad = torch.ones(8)
+        opt.step()
+    with pytest.raises(ValueError, match="cpu_kernel=True and fused=True"):
+        PrecisionAwareAdamW([p], cpu_kernel=True, fused=True)
+
+
+def test_without_the_kernel_the_optimizer_still_trains(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WRAPPED_OPTIM_CPU_KERNEL", "off")
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = PrecisionAwareAdamW([p], lr=0.1, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+    p.grad = torch.ones(8)
+    opt.step()
+    assert torch.allclose(p.detach(), torch.full((8,), 0.9))
+    assert not cpu_kernel.available()
+    assert os.environ["WRAPPED_OPTIM_CPU_KERNEL"] == "off"
