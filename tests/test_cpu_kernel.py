@@ -71,8 +71,8 @@ def reference_step(
         g = g + p32 * wd
     m = m * b1 + g * omb1
     v = v * b2 + (g * omb2) * g
-    denom = torch.sqrt((v / f32(bc2)).double()).float() + eps
-    update = (m / f32(bc1)) / denom
+    denom = torch.sqrt((v * f32(1.0 / bc2)).double()).float() + eps
+    update = (m * f32(1.0 / bc1)) / denom
     if adam_w_mode:
         update = update + p32 * wd
     return p32 - update * lr, m, v
@@ -127,8 +127,8 @@ def test_kernel_equals_single_torch_ops_bitwise(
         bc1=bc1, bc2=bc2, adam_w_mode=adam_w_mode,
     )  # fmt: skip
     cpu_kernel.adamw_step_(
-        param, g, m, v, master_t, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd,
-        bias_correction1=bc1, bias_correction2=bc2, adam_w_mode=adam_w_mode,
+        [param], [g], [m], [v], [master_t], lr=lr, betas=(beta1, beta2), eps=eps,
+        weight_decay=wd, bias_correction1=bc1, bias_correction2=bc2, adam_w_mode=adam_w_mode,
     )  # fmt: skip
     assert torch.equal(m, want_m.to(m_dtype))
     assert torch.equal(v, want_v.to(v_dtype))
@@ -156,33 +156,132 @@ def test_bf16_encoding_is_torchs_round_to_nearest_even() -> None:
     m = torch.zeros(g.numel(), dtype=BF16)
     v = torch.zeros(g.numel())
     p = torch.zeros(g.numel())
-    cpu_kernel.adamw_step_(p, g, m, v, lr=0.0, betas=(0.0, 0.5), eps=1.0, weight_decay=0.0)
+    cpu_kernel.adamw_step_([p], [g], [m], [v], lr=0.0, betas=(0.0, 0.5), eps=1.0, weight_decay=0)
     want = (torch.zeros_like(g) * 0.0 + g * 1.0).to(BF16)  # +0 + -0 is +0: math, not encoding
     nan = torch.isnan(g)
     assert torch.isnan(m[nan]).all()
     assert torch.equal(m[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
+def random_operands(
+    sizes: list[int], kinds: list[tuple[str, torch.dtype, torch.dtype, torch.dtype]], seed: int
+) -> list[list[Any]]:
+    """[params, grads, exp_avgs, exp_avg_sqs, masters] for tensors of the given sizes and
+    (master, grad, exp_avg, exp_avg_sq) storage kinds."""
+    gen = torch.Generator().manual_seed(seed)
+    columns: list[list[Any]] = [[], [], [], [], []]
+    for n, (master, g_dtype, m_dtype, v_dtype) in zip(sizes, kinds, strict=True):
+        values = torch.randn(n, generator=gen)
+        if master == "none":
+            param, master_t = values, None
+        elif master == "fp32":
+            param, master_t = values.to(BF16), values.clone()
+        else:
+            param, master_t = codecs.split_master(values)
+        g = torch.randn(n, generator=gen).to(g_dtype)
+        m = (torch.randn(n, generator=gen) * 0.1).to(m_dtype)
+        v = (torch.rand(n, generator=gen) * 0.01).to(v_dtype)
+        for column, value in zip(columns, (param, g, m, v, master_t), strict=True):
+            column.append(value)
+    return columns
+
+
+KINDS = st.tuples(
+    st.sampled_from(["none", "fp32", "remainder"]),
+    st.sampled_from([FP32, BF16]),
+    st.sampled_from([FP32, BF16]),
+    st.sampled_from([FP32, BF16]),
+)
+
+
 @needs_kernel
-@pytest.mark.parametrize("threads", [2, 3, 7])
-def test_thread_split_changes_nothing(threads: int) -> None:
-    n = 5 * (1 << 16) + 13  # not a multiple of the 64-element range border
-    gen = torch.Generator().manual_seed(0)
-    p = torch.randn(n, generator=gen)
-    g = torch.randn(n, generator=gen).to(BF16)
-    m = torch.randn(n, generator=gen).to(BF16)
-    v = torch.rand(n, generator=gen).to(BF16)
+@given(
+    tensors=st.lists(st.tuples(st.integers(0, 700), KINDS), min_size=1, max_size=5),
+    threads=st.integers(2, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_thread_split_changes_nothing(
+    tensors: list[tuple[int, tuple[str, torch.dtype, torch.dtype, torch.dtype]]],
+    threads: int,
+    seed: int,
+) -> None:
+    """Blocks cut across tensor borders at any point (blocks and the per-thread minimum are
+    made small so that small tensors are split): every element is updated once, as by one
+    thread."""
+    sizes = [n for n, _ in tensors]
+    kinds = [k for _, k in tensors]
     results = []
     for count in (1, threads):
-        pc, mc, vc = p.clone(), m.clone(), v.clone()
-        cpu_kernel.adamw_step_(
-            pc, g, mc, vc, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
-            bias_correction1=0.1, bias_correction2=0.001, num_threads=count,
-        )  # fmt: skip
-        results.append((pc, mc, vc))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
-    assert not torch.equal(results[0][0], p)  # it did update
+        columns = random_operands(sizes, kinds, seed)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_kernel, "_MIN_ELEMENTS_PER_THREAD", 1)
+            mp.setattr(cpu_kernel, "_BLOCK_ELEMENTS", 64)
+            cpu_kernel.adamw_step_(
+                *columns, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+                bias_correction1=0.1, bias_correction2=0.001, num_threads=count,
+            )  # fmt: skip
+        results.append(columns)
+    for one, many in zip(*results, strict=True):
+        for a, b in zip(one, many, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+    before = random_operands(sizes, kinds, seed)[2]
+    for m_after, m_before in zip(results[0][2], before, strict=True):
+        assert m_after.numel() == 0 or not torch.equal(m_after, m_before)  # it did update
+
+
+def _step_in_child(conn: Any) -> None:
+    cpu_kernel._MIN_ELEMENTS_PER_THREAD = 1
+    cpu_kernel._BLOCK_ELEMENTS = 64
+    columns = random_operands([500, 300], [("none", FP32, BF16, BF16)] * 2, seed=1)
+    cpu_kernel.adamw_step_(
+        *columns, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, num_threads=4
+    )
+    conn.send([t.tolist() for t in columns[0]])  # plain floats: no shared-memory handoff
+
+
+@needs_kernel
+def test_worker_pool_after_fork_and_from_several_python_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pool's workers do not survive fork(): a child starts its own. Python threads that
+    call at once are served one job at a time, each with every element updated once."""
+    import multiprocessing
+    import threading
+
+    monkeypatch.setattr(cpu_kernel, "_MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_kernel, "_BLOCK_ELEMENTS", 64)
+    hyper: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+    kinds = [("none", FP32, BF16, BF16)] * 2
+    expected = random_operands([500, 300], kinds, seed=1)
+    cpu_kernel.adamw_step_(*expected, **hyper, num_threads=1)
+    warm = random_operands([500, 300], kinds, seed=1)
+    cpu_kernel.adamw_step_(*warm, **hyper, num_threads=4)  # the parent's pool now exists
+
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=_step_in_child, args=(child_end,))
+    child.start()
+    assert parent_end.poll(60), "the forked child hung in the kernel"
+    got = parent_end.recv()
+    child.join(60)
+    assert child.exitcode == 0
+    assert all(torch.equal(torch.tensor(a), b) for a, b in zip(got, expected[0], strict=True))
+
+    jobs = [random_operands([500, 300], kinds, seed=1) for _ in range(6)]
+    threads = [
+        threading.Thread(
+            target=cpu_kernel.adamw_step_, args=job, kwargs={**hyper, "num_threads": 3}
+        )
+        for job in jobs
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for job in jobs:
+        for column, want in zip(job, expected, strict=True):
+            for a, b in zip(column, want, strict=True):
+                assert (a is None and b is None) or torch.equal(a, b)
 
 
 @needs_kernel
@@ -190,23 +289,28 @@ def test_operands_are_checked_before_anything_is_written() -> None:
     p = torch.ones(4)
     g, m, v = torch.ones(4), torch.zeros(4, dtype=BF16), torch.zeros(4, dtype=BF16)
     hyper: dict[str, Any] = {"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}
+    good = ([p.clone()], [g], [m.clone()], [v.clone()])  # a valid first entry: still unwritten
     cases = [
-        ((p, g[:3], m, v), {}, "grad has 3 elements, the parameter has 4"),
-        ((p, g, m.float().to(torch.float16), v), {}, r"exp_avg has dtype torch.float16"),
+        ((p, g[:3], m, v), {}, r"grads\[1\] has 3 elements, its parameter has 4"),
+        ((p, g, m.float().to(torch.float16), v), {}, r"exp_avgs\[1\] has dtype torch.float16"),
         ((torch.ones(4, 2).t(), torch.ones(2, 4), torch.zeros(8), torch.zeros(8)), {},
-         "param must be contiguous"),
+         r"params\[1\] must be contiguous"),
         ((p, g, m, torch.zeros(4, dtype=BF16, device="meta")), {},
-         "exp_avg_sq must be a CPU tensor, got one on meta"),
-        ((p, g, m, v, torch.ones(4)), {}, r"param has dtype torch.float32; the kernel takes"),
-        ((p.to(BF16), g, m, v, torch.ones(4, dtype=torch.int32)), {}, "master has dtype"),
+         r"exp_avg_sqs\[1\] must be a CPU tensor, got one on meta"),
+        ((p, g, m, v, torch.ones(4)), {}, r"params\[1\] has dtype torch.float32; the kernel"),
+        ((p.to(BF16), g, m, v, torch.ones(4, dtype=torch.int32)), {}, r"masters\[1\] has"),
         ((p, g, m, v), {"num_threads": 0}, "num_threads must be at least 1"),
     ]  # fmt: skip
     for args, extra, match in cases:
-        before = [t.clone() for t in args if t.device.type == "cpu"]
+        columns = [[*column, arg] for column, arg in zip(good, args, strict=False)]
+        masters = [None, args[4]] if len(args) == 5 else None
+        before = [t.clone() for column in columns for t in column if t.device.type == "cpu"]
         with pytest.raises(ValueError, match=match):
-            cpu_kernel.adamw_step_(*args, **hyper, **extra)
-        after = [t for t in args if t.device.type == "cpu"]
+            cpu_kernel.adamw_step_(*columns, masters, **hyper, **extra)
+        after = [t for column in columns for t in column if t.device.type == "cpu"]
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    with pytest.raises(ValueError, match="one entry per parameter; got 1, 1, 1, 0 and 1"):
+        cpu_kernel.adamw_step_([p], [g], [m], [], **hyper)
 
 
 # ----------------------------------------------------------------------------- build and cache
@@ -234,7 +338,7 @@ def test_disabled_by_environment(fresh_kernel: Path, monkeypatch: pytest.MonkeyP
     assert s.reason == "disabled by WRAPPED_OPTIM_CPU_KERNEL=0"
     with pytest.raises(RuntimeError, match="unavailable: disabled by"):
         cpu_kernel.adamw_step_(
-            torch.ones(1), torch.ones(1), torch.ones(1), torch.ones(1),
+            [torch.ones(1)], [torch.ones(1)], [torch.ones(1)], [torch.ones(1)],
             lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0,
         )  # fmt: skip
     with pytest.raises(RuntimeError, match="cpu_kernel=True, but the CPU AdamW kernel"):
@@ -364,7 +468,7 @@ def test_optimizer_steps_are_the_kernel_formula(config: str, adam_w_mode: bool) 
                 # What the state stores, not the FP32 value, is what the next step reads.
                 ref[i] = [p32, m.to(m_dtype).float(), v.to(v_dtype).float()]
             opt.step()
-    assert len(calls) == 5 * len(params)
+    assert len(calls) == 5 * len(groups)  # one call per group and step
     for i, p in enumerate(params):
         p32, m, v = ref[i]
         assert torch.equal(opt.get_unscaled_state(p, "exp_avg").view(-1), m)

@@ -27,7 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -37,12 +37,18 @@ from torch import Tensor
 __all__ = ["KernelStatus", "adamw_step_", "available", "status"]
 
 _SOURCE = Path(__file__).with_name("_adamw_cpu.c")
-_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
-_ABI_VERSION = 1
+_FLAGS = (
+    "-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-ffp-contract=off",
+)  # fmt: skip
+_ABI_VERSION = 5
 _DISABLE_ENV = "WRAPPED_OPTIM_CPU_KERNEL"
 _CACHE_ENV = "WRAPPED_OPTIM_KERNEL_CACHE"
-# Below this many elements per thread, handing work to another thread costs more than it saves.
+# Below this many elements per thread (about 50 us of work), waking another thread costs more
+# than it saves.
 _MIN_ELEMENTS_PER_THREAD = 1 << 16
+_MAX_THREADS = 256  # the kernel's own limit
+# Threads take work in blocks of this many elements (a multiple of 64) from a shared counter.
+_BLOCK_ELEMENTS = 1 << 14
 
 _MASTER_KIND = {None: 0, torch.float32: 1, torch.int16: 2}
 _VALUE_KIND = {torch.float32: 0, torch.bfloat16: 1}
@@ -57,9 +63,24 @@ class _Hyper(ctypes.Structure):
         ("one_minus_beta2", ctypes.c_float),
         ("eps", ctypes.c_float),
         ("weight_decay", ctypes.c_float),
-        ("bias_correction1", ctypes.c_float),
-        ("bias_correction2", ctypes.c_float),
+        ("inv_bias_correction1", ctypes.c_float),
+        ("inv_bias_correction2", ctypes.c_float),
         ("adam_w_mode", ctypes.c_int),
+    ]
+
+
+class _Tensor(ctypes.Structure):
+    _fields_ = [
+        ("param", ctypes.c_void_p),
+        ("master", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("exp_avg", ctypes.c_void_p),
+        ("exp_avg_sq", ctypes.c_void_p),
+        ("numel", ctypes.c_int64),
+        ("master_kind", ctypes.c_int),
+        ("grad_kind", ctypes.c_int),
+        ("m_kind", ctypes.c_int),
+        ("v_kind", ctypes.c_int),
     ]
 
 
@@ -81,7 +102,6 @@ class KernelStatus:
 
 _lock = threading.Lock()
 _loaded: tuple[KernelStatus, ctypes.CDLL | None] | None = None
-_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
 
 
 def status() -> KernelStatus:
@@ -150,11 +170,8 @@ def _build_and_open() -> tuple[KernelStatus, ctypes.CDLL | None]:
     fn = lib.wo_adamw_step
     fn.restype = ctypes.c_int
     fn.argtypes = [
-        ctypes.c_int64, ctypes.c_int64,  # begin, end
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # param, master, master kind
-        ctypes.c_void_p, ctypes.c_int,  # grad
-        ctypes.c_void_p, ctypes.c_int,  # exp_avg
-        ctypes.c_void_p, ctypes.c_int,  # exp_avg_sq
+        ctypes.POINTER(_Tensor), ctypes.c_int64,  # tensors, count
+        ctypes.c_int64, ctypes.c_int, ctypes.c_int64,  # elements of all tensors, threads, block
         ctypes.POINTER(_Hyper),
     ]  # fmt: skip
     return KernelStatus(True, library=library), lib
@@ -209,34 +226,52 @@ def _compile(compiler: str, directory: Path, library: Path) -> None:
             os.unlink(tmp)
 
 
-def _executor(workers: int) -> ThreadPoolExecutor:
-    """One pool per process (a forked child cannot use its parent's threads)."""
-    global _pool
-    pid = os.getpid()
-    if _pool is None or _pool[0] != pid or _pool[1] < workers:
-        _pool = (pid, workers, ThreadPoolExecutor(workers, thread_name_prefix="wo-adamw"))
-    return _pool[2]
-
-
 def _check_operand(name: str, t: Tensor, numel: int, dtypes: tuple[torch.dtype, ...]) -> None:
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor, got one on {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     if t.numel() != numel:
-        raise ValueError(f"{name} has {t.numel()} elements, the parameter has {numel}")
+        raise ValueError(f"{name} has {t.numel()} elements, its parameter has {numel}")
     if t.dtype not in dtypes:
         raise ValueError(
             f"{name} has dtype {t.dtype}; the kernel takes {', '.join(map(str, dtypes))}"
         )
 
 
+def _describe(
+    index: int, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+    master: Tensor | None,
+) -> _Tensor:  # fmt: skip
+    n = param.numel()
+    if master is None:
+        _check_operand(f"params[{index}]", param, n, (torch.float32,))
+    else:
+        _check_operand(f"params[{index}]", param, n, (torch.bfloat16,))
+        _check_operand(f"masters[{index}]", master, n, (torch.float32, torch.int16))
+    _check_operand(f"grads[{index}]", grad, n, (torch.float32, torch.bfloat16))
+    _check_operand(f"exp_avgs[{index}]", exp_avg, n, (torch.float32, torch.bfloat16))
+    _check_operand(f"exp_avg_sqs[{index}]", exp_avg_sq, n, (torch.float32, torch.bfloat16))
+    return _Tensor(
+        param.data_ptr(),
+        None if master is None else master.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        n,
+        _MASTER_KIND[None if master is None else master.dtype],
+        _VALUE_KIND[grad.dtype],
+        _VALUE_KIND[exp_avg.dtype],
+        _VALUE_KIND[exp_avg_sq.dtype],
+    )
+
+
 def adamw_step_(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    master: Tensor | None = None,
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    masters: Sequence[Tensor | None] | None = None,
     *,
     lr: float,
     betas: tuple[float, float],
@@ -249,12 +284,15 @@ def adamw_step_(
 ) -> None:
     """One AdamW update of CPU tensors in place, each read and written in its stored dtype.
 
-    ``param`` is FP32 (``master`` None) or bf16 with an FP32 ``master`` or the int16
-    remainder of one; ``grad`` and the moments are FP32 or bf16. The update is TE's FusedAdam
-    formula in FP32 (``adam_w_mode``: ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``,
-    otherwise ``wd * p`` is added to the gradient); ``bias_correction1/2`` are ``1 - beta**t``.
-    Work is split over ``num_threads`` (default ``torch.get_num_threads()``) threads.
-    Raises ``RuntimeError`` when the kernel is unavailable (see :func:`status`).
+    Lists as in torch's ``_fused_adamw_``: one entry per parameter. A parameter is FP32 (its
+    ``masters`` entry None) or bf16 with an FP32 master or the int16 remainder of one; grads
+    and moments are FP32 or bf16. The update is TE's FusedAdam formula in FP32
+    (``adam_w_mode``: ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``, otherwise
+    ``wd * p`` is added to the gradient); ``bias_correction1/2`` are ``1 - beta**t`` and are
+    applied as multiplications by their (FP32-rounded) reciprocals. The elements of all
+    tensors are shared evenly by ``num_threads`` (default ``torch.get_num_threads()``)
+    threads. Every operand is checked before anything is written. Raises ``RuntimeError``
+    when the kernel is unavailable (see :func:`status`).
 
     Example:
         >>> import torch
@@ -263,8 +301,8 @@ def adamw_step_(
         >>> m = torch.zeros(3, dtype=torch.bfloat16)
         >>> v = torch.zeros(3, dtype=torch.bfloat16)
         >>> if cpu_kernel.available():
-        ...     cpu_kernel.adamw_step_(p, g, m, v, lr=0.1, betas=(0.9, 0.999), eps=1e-8,
-        ...                            weight_decay=0.0, bias_correction1=0.1,
+        ...     cpu_kernel.adamw_step_([p], [g], [m], [v], lr=0.1, betas=(0.9, 0.999),
+        ...                            eps=1e-8, weight_decay=0.0, bias_correction1=0.1,
         ...                            bias_correction2=0.001)
         ... else:  # the same update in torch
         ...     _ = p.sub_(0.1)
@@ -274,47 +312,30 @@ def adamw_step_(
     loaded_status, lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU AdamW kernel is unavailable: {loaded_status.reason}")
-    n = param.numel()
-    if master is None:
-        _check_operand("param", param, n, (torch.float32,))
-    else:
-        _check_operand("param", param, n, (torch.bfloat16,))
-        _check_operand("master", master, n, (torch.float32, torch.int16))
-    _check_operand("grad", grad, n, (torch.float32, torch.bfloat16))
-    _check_operand("exp_avg", exp_avg, n, (torch.float32, torch.bfloat16))
-    _check_operand("exp_avg_sq", exp_avg_sq, n, (torch.float32, torch.bfloat16))
-    beta1, beta2 = float(betas[0]), float(betas[1])
-    hyper = _Hyper(
-        float(lr), beta1, 1.0 - beta1, beta2, 1.0 - beta2, float(eps), float(weight_decay),
-        float(bias_correction1), float(bias_correction2), 1 if adam_w_mode else 0,
-    )  # fmt: skip
-    args = (
-        param.data_ptr(),
-        None if master is None else master.data_ptr(),
-        _MASTER_KIND[None if master is None else master.dtype],
-        grad.data_ptr(),
-        _VALUE_KIND[grad.dtype],
-        exp_avg.data_ptr(),
-        _VALUE_KIND[exp_avg.dtype],
-        exp_avg_sq.data_ptr(),
-        _VALUE_KIND[exp_avg_sq.dtype],
-        ctypes.byref(hyper),
-    )
+    count = len(params)
+    if masters is None:
+        masters = [None] * count
+    lengths = {len(grads), len(exp_avgs), len(exp_avg_sqs), len(masters)}
+    if lengths != {count}:
+        raise ValueError(
+            f"params, grads, exp_avgs, exp_avg_sqs and masters must have one entry per "
+            f"parameter; got {count}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)} and "
+            f"{len(masters)}"
+        )
     threads = torch.get_num_threads() if num_threads is None else num_threads
     if threads < 1:
         raise ValueError(f"num_threads must be at least 1, got {threads}")
-    threads = max(1, min(threads, n // _MIN_ELEMENTS_PER_THREAD))
-    fn = lib.wo_adamw_step
-    if threads == 1:
-        codes = [fn(0, n, *args)]
-    else:
-        # ctypes drops the GIL for the call, so the ranges run in parallel. Range borders are
-        # multiples of 64 elements: no two threads write into one cache line.
-        per = (-(-n // threads) + 63) // 64 * 64
-        bounds = [(s, min(s + per, n)) for s in range(0, n, per)]
-        futures: list[Future[int]] = [
-            _executor(threads).submit(fn, s, e, *args) for s, e in bounds[1:]
-        ]
-        codes = [fn(*bounds[0], *args)] + [f.result() for f in futures]
-    if any(code != 0 for code in codes):
-        raise RuntimeError(f"the CPU AdamW kernel rejected its operand kinds (codes {codes})")
+    operands = zip(params, grads, exp_avgs, exp_avg_sqs, masters, strict=True)
+    described = [_describe(i, *ops) for i, ops in enumerate(operands)]
+    tensors = (_Tensor * max(count, 1))(*described)
+    beta1, beta2 = float(betas[0]), float(betas[1])
+    hyper = _Hyper(
+        float(lr), beta1, 1.0 - beta1, beta2, 1.0 - beta2, float(eps), float(weight_decay),
+        1.0 / float(bias_correction1), 1.0 / float(bias_correction2), 1 if adam_w_mode else 0,
+    )  # fmt: skip
+    total = sum(t.numel for t in described)
+    threads = max(1, min(threads, total // _MIN_ELEMENTS_PER_THREAD, _MAX_THREADS))
+    # ctypes drops the GIL for the call; the threads are the kernel's own (pthreads).
+    code = lib.wo_adamw_step(tensors, count, total, threads, _BLOCK_ELEMENTS, ctypes.byref(hyper))
+    if code != 0:
+        raise RuntimeError(f"the CPU AdamW kernel rejected its operands (code {code})")

@@ -552,6 +552,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             # one call per (device, dtype), as torch.optim.AdamW(fused=True) does.
             batches: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, ...]]] = {}
             small: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
+            kernel: list[_KernelOperands] = []  # one call for all of them: threads share it
             for p in group["params"]:
                 grad = self._grad_of(p)
                 if grad is None:
@@ -570,7 +571,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 if views is not None:
                     batches.setdefault((views[0].device, views[0].dtype), []).append(views)
                 elif operands is not None:
-                    self._kernel_update(operands, group)
+                    kernel.append(operands)
                 elif self._packable(p, grad, group):
                     small.setdefault(local_tensor(p).device, []).append((p, grad))
                 else:
@@ -581,6 +582,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 self._fused_math(ps, gs, ms, vs, group, [step] * len(ps))
             for device, pairs in small.items():
                 self._update_packed(pairs, group, device)
+            if kernel:
+                self._kernel_update(kernel, group)
 
     def _kernel_on(self) -> bool:
         if self.cpu_kernel is False or (self.cpu_kernel is None and self.fused is True):
@@ -622,13 +625,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             flat[2] if master is not None else None,
         )
 
-    def _kernel_update(self, operands: _KernelOperands, group: dict[str, Any]) -> None:
-        p, g, m, v, master = operands
+    def _kernel_update(self, operands: list[_KernelOperands], group: dict[str, Any]) -> None:
+        ps, gs, ms, vs, masters = (list(column) for column in zip(*operands, strict=True))
         beta1, beta2 = group["betas"]
         step = group["step"]
         correct = group["bias_correction"]
         _cpu_kernel.adamw_step_(
-            p, g, m, v, master,
+            ps, gs, ms, vs, masters,
             lr=float(group["lr"]), betas=(beta1, beta2), eps=group["eps"],
             weight_decay=group["weight_decay"],
             bias_correction1=1.0 - beta1**step if correct else 1.0,
