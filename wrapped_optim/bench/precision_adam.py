@@ -23,75 +23,48 @@ from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
 
 __all__ = ["CONFIGS", "TARGET_CONFIG", "run", "state_bytes_per_param"]
 
-BF16, FP32 = torch.bfloat16, torch.float32
+BF16, FP32, FP8 = torch.bfloat16, torch.float32, torch.uint8
 #: The configuration the performance target is about (fp32 params, bf16 moments).
 TARGET_CONFIG = "ours bf16 moments"
 
+Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+_BF16_MOMENTS = {"exp_avg_dtype": BF16, "exp_avg_sq_dtype": BF16}
+_NO_KERNEL = {"cpu_kernel": False}
+_MASTER = {"master_weights": True}
+
+
+def _ours(**kwargs: Any) -> Factory:
+    return lambda ps: PrecisionAwareAdamW(ps, **kwargs)
+
+
 # (label, parameter dtype, optimizer factory)
-CONFIGS: list[tuple[str, torch.dtype, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]]
-CONFIGS = [
+CONFIGS: list[tuple[str, torch.dtype, Factory]] = [
     ("torch AdamW foreach", FP32, lambda ps: torch.optim.AdamW(ps, foreach=True)),
-    ("ours fp32 state", FP32, lambda ps: PrecisionAwareAdamW(ps)),
-    (
-        "ours bf16 moments",
-        FP32,
-        lambda ps: PrecisionAwareAdamW(ps, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16),
-    ),
+    ("ours fp32 state", FP32, _ours()),
+    ("ours bf16 moments", FP32, _ours(**_BF16_MOMENTS)),
     (
         "ours bf16 moments, no CPU kernel (cpu_kernel=False)",
         FP32,
-        lambda ps: PrecisionAwareAdamW(
-            ps, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, cpu_kernel=False
-        ),
+        _ours(**_BF16_MOMENTS, **_NO_KERNEL),
     ),
     (
         "ours bf16 moments, TE-form torch ops (fused=False, cpu_kernel=False)",
         FP32,
-        lambda ps: PrecisionAwareAdamW(
-            ps, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, fused=False, cpu_kernel=False
-        ),
+        _ours(**_BF16_MOMENTS, **_NO_KERNEL, fused=False),
     ),
-    (
-        "ours fp16 m + FP8 v",
-        FP32,
-        lambda ps: PrecisionAwareAdamW(
-            ps, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.uint8
-        ),
-    ),
-    (
-        "ours FP8 moments",
-        FP32,
-        lambda ps: PrecisionAwareAdamW(ps, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
-    ),
-    (
-        "ours bf16 params + bf16 moments",
-        BF16,
-        lambda ps: PrecisionAwareAdamW(ps, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16),
-    ),
+    ("ours fp16 m + FP8 v", FP32, _ours(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=FP8)),
+    ("ours FP8 moments", FP32, _ours(exp_avg_dtype=FP8, exp_avg_sq_dtype=FP8)),
+    ("ours bf16 params + bf16 moments", BF16, _ours(**_BF16_MOMENTS)),
     (
         "ours bf16 params + remainders + bf16 moments",
         BF16,
-        lambda ps: PrecisionAwareAdamW(
-            ps,
-            master_weights=True,
-            store_param_remainders=True,
-            exp_avg_dtype=BF16,
-            exp_avg_sq_dtype=BF16,
-        ),
+        _ours(**_MASTER, store_param_remainders=True, **_BF16_MOMENTS),
     ),
-    (
-        "ours bf16 params + fp32 master + bf16 moments",
-        BF16,
-        lambda ps: PrecisionAwareAdamW(
-            ps, master_weights=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16
-        ),
-    ),
+    ("ours bf16 params + fp32 master + bf16 moments", BF16, _ours(**_MASTER, **_BF16_MOMENTS)),
     (
         "ours bf16 params + fp32 master + bf16 moments, cpu_kernel=False",
         BF16,
-        lambda ps: PrecisionAwareAdamW(
-            ps, master_weights=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, cpu_kernel=False
-        ),
+        _ours(**_MASTER, **_BF16_MOMENTS, **_NO_KERNEL),
     ),
 ]
 

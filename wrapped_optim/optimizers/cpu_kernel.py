@@ -29,6 +29,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -54,33 +55,27 @@ _MASTER_KIND = {None: 0, torch.float32: 1, torch.int16: 2}
 _VALUE_KIND = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def _fields(ctype: Any, names: str) -> list[tuple[str, Any]]:
+    return [(name, ctype) for name in names.split()]
+
+
+# Mirrors of the C structs wo_hyper and wo_tensor in _adamw_cpu.c (same order and types).
 class _Hyper(ctypes.Structure):
     _fields_ = [
-        ("lr", ctypes.c_float),
-        ("beta1", ctypes.c_float),
-        ("one_minus_beta1", ctypes.c_float),
-        ("beta2", ctypes.c_float),
-        ("one_minus_beta2", ctypes.c_float),
-        ("eps", ctypes.c_float),
-        ("weight_decay", ctypes.c_float),
-        ("inv_bias_correction1", ctypes.c_float),
-        ("inv_bias_correction2", ctypes.c_float),
+        *_fields(
+            ctypes.c_float,
+            "lr beta1 one_minus_beta1 beta2 one_minus_beta2 eps weight_decay "
+            "inv_bias_correction1 inv_bias_correction2",
+        ),
         ("adam_w_mode", ctypes.c_int),
     ]
 
 
 class _Tensor(ctypes.Structure):
     _fields_ = [
-        ("param", ctypes.c_void_p),
-        ("master", ctypes.c_void_p),
-        ("grad", ctypes.c_void_p),
-        ("exp_avg", ctypes.c_void_p),
-        ("exp_avg_sq", ctypes.c_void_p),
+        *_fields(ctypes.c_void_p, "param master grad exp_avg exp_avg_sq"),
         ("numel", ctypes.c_int64),
-        ("master_kind", ctypes.c_int),
-        ("grad_kind", ctypes.c_int),
-        ("m_kind", ctypes.c_int),
-        ("v_kind", ctypes.c_int),
+        *_fields(ctypes.c_int, "master_kind grad_kind m_kind v_kind"),
     ]
 
 
