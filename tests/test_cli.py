@@ -284,3 +284,17 @@ def test_inspect_bad_paths_exit_2_with_a_clear_message(
     assert captured.out == ""
     assert captured.err.startswith("wrapped-optim inspect: error: ")
     assert message in captured.err and name in captured.err
+
+
+def test_fsdp_topic_leaves_the_thread_count_as_it_found_it() -> None:
+    """The fsdp topic measures with one thread; topics after it in the same report (the
+    precision_adam one measures at torch's default) must not inherit that."""
+    from wrapped_optim.bench import fsdp
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert fsdp.run(quick=True).startswith("## FSDPAwareOptimizer")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

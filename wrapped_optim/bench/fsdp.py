@@ -113,7 +113,15 @@ def run(quick: bool = False) -> str:
         ## FSDPAwareOptimizer: cast buffers are reused
         ...
     """
+    previous = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _report(quick)
+    finally:  # later topics of the same report run with the caller's threads
+        torch.set_num_threads(previous)
+
+
+def _report(quick: bool) -> str:
     count, numel, steps = (4, 1 << 16, 3) if quick else (8, 1 << 21, 10)
     full_grad_bytes = count * numel * 4
     inners: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
