@@ -285,6 +285,33 @@ def test_worker_pool_after_fork_and_from_several_python_threads(
 
 
 @needs_kernel
+def test_baseline_build_gives_the_bits_of_the_vectorized_clones(tmp_path: Path) -> None:
+    """The library picks an AVX-512, AVX2 or baseline clone at load time; the baseline alone
+    (built with -DWO_NO_CLONES) must give the same bits as the clone this machine runs."""
+    compiler = cpu_kernel._find_compiler()
+    assert compiler is not None
+    baseline = tmp_path / "baseline.so"
+    cpu_kernel._compile(compiler, tmp_path, baseline, ["-DWO_NO_CLONES"])
+    kinds = [(m, g, a, v) for m in ("none", "fp32", "remainder") for g in (FP32, BF16)
+             for a in (FP32, BF16) for v in (FP32, BF16)]  # fmt: skip
+    sizes = [1000 + 37 * i for i in range(len(kinds))]
+    hyper: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+                             "bias_correction1": 0.19, "bias_correction2": 0.0975}  # fmt: skip
+    results = []
+    for lib in (None, cpu_kernel._open(baseline)):
+        columns = random_operands(sizes, kinds, seed=7)
+        with pytest.MonkeyPatch.context() as mp:
+            if lib is not None:
+                mp.setattr(cpu_kernel, "_loaded", (cpu_kernel.status(), lib))
+            for mode in (True, False):
+                cpu_kernel.adamw_step_(*columns, **hyper, adam_w_mode=mode, num_threads=1)
+        results.append(columns)
+    for clone, base in zip(*results, strict=True):
+        for a, b in zip(clone, base, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+@needs_kernel
 def test_operands_are_checked_before_anything_is_written() -> None:
     p = torch.ones(4)
     g, m, v = torch.ones(4), torch.zeros(4, dtype=BF16), torch.zeros(4, dtype=BF16)

@@ -121,7 +121,10 @@ static inline __attribute__((always_inline)) void adamw_range(
     }
 }
 
-#if defined(__x86_64__) && defined(__has_attribute)
+/* Clones need the loader's ifunc support (glibc/ELF); elsewhere the baseline build runs.
+ * -DWO_NO_CLONES builds the baseline alone (the tests compare it with the clones). */
+#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute) && \
+    !defined(WO_NO_CLONES)
 #if __has_attribute(target_clones)
 #define WO_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif

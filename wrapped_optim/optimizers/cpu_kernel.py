@@ -158,6 +158,10 @@ def _build_and_open() -> tuple[KernelStatus, ctypes.CDLL | None]:
     library = directory / f"adamw_cpu-{key}.so"
     if not library.exists():
         _compile(compiler, directory, library)
+    return KernelStatus(True, library=library), _open(library)
+
+
+def _open(library: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     lib.wo_abi_version.restype = ctypes.c_int
     if lib.wo_abi_version() != _ABI_VERSION:
@@ -169,7 +173,7 @@ def _build_and_open() -> tuple[KernelStatus, ctypes.CDLL | None]:
         ctypes.c_int64, ctypes.c_int, ctypes.c_int64,  # elements of all tensors, threads, block
         ctypes.POINTER(_Hyper),
     ]  # fmt: skip
-    return KernelStatus(True, library=library), lib
+    return lib
 
 
 def _find_compiler() -> str | None:
@@ -201,14 +205,16 @@ def _cache_dir() -> Path:
     raise OSError("no writable kernel cache directory: " + "; ".join(errors))
 
 
-def _compile(compiler: str, directory: Path, library: Path) -> None:
+def _compile(
+    compiler: str, directory: Path, library: Path, extra_flags: Sequence[str] = ()
+) -> None:
     # Built under a private name and renamed into place: processes starting together (one per
     # rank) may all build, and none ever loads a half-written file.
     fd, tmp = tempfile.mkstemp(prefix=library.stem + ".", suffix=".so.tmp", dir=directory)
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, str(_SOURCE)],
+            [compiler, *_FLAGS, *extra_flags, "-o", tmp, str(_SOURCE)],
             capture_output=True,
             text=True,
             timeout=300,
