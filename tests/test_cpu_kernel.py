@@ -144,6 +144,20 @@ def test_kernel_equals_single_torch_ops_bitwise(
 
 
 @needs_kernel
+def test_written_tensors_get_new_versions_as_with_torchs_in_place_ops() -> None:
+    """Autograd's version counters must see writes made through raw pointers."""
+    columns = random_operands([10, 20], [("none", FP32, BF16, FP32), ("fp32", BF16, FP32, BF16)], 0)
+    versions = [[t._version if t is not None else None for t in column] for column in columns]
+    cpu_kernel.adamw_step_(*columns, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+    for name, column, before in zip(("param", "grad", "m", "v", "master"), columns, versions,
+                                    strict=True):  # fmt: skip
+        for t, version in zip(column, before, strict=True):
+            if t is None:
+                continue
+            assert (t._version > version) == (name != "grad"), name
+
+
+@needs_kernel
 def test_bf16_encoding_is_torchs_round_to_nearest_even() -> None:
     """beta1 = 0, lr = 0: the stored first moment is ``0 * 0 + 1 * g`` encoded by the kernel."""
     specials = torch.tensor(

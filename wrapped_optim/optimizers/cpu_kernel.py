@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 __all__ = ["KernelStatus", "adamw_step_", "available", "status"]
 
@@ -340,3 +341,7 @@ def adamw_step_(
     code = lib.wo_adamw_step(tensors, count, total, threads, _BLOCK_ELEMENTS, ctypes.byref(hyper))
     if code != 0:
         raise RuntimeError(f"the CPU AdamW kernel rejected its operands (code {code})")
+    # Written through raw pointers, so torch did not see it: tell autograd (and anything else
+    # that watches version counters) as torch's own in-place ops would.
+    written = [*params, *exp_avgs, *exp_avg_sqs, *(m for m in masters if m is not None)]
+    increment_version(written)
