@@ -214,7 +214,9 @@ WO_CLONES static void wo_update_range(const wo_tensor *tensors, int64_t count, i
  */
 
 #define WO_MAX_THREADS 256
+#ifndef WO_SPINS
 #define WO_SPINS 2000
+#endif
 
 typedef struct {
     const wo_tensor *tensors;
