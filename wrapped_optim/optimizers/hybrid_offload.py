@@ -21,6 +21,7 @@ import torch
 
 from wrapped_optim.adapters.hybrid import MasterCopies
 from wrapped_optim.adapters.precision import is_precision_aware_holder, supports_chunked_state
+from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["HybridOffloadOptimizer"]
 
@@ -498,8 +499,9 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         holder_of = self._holder_of()
         if not holder_of:
             return super().state_dict()
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
+        return state_dict_with_hooks(self, lambda: self._holder_state_dict(holder_of))
+
+    def _holder_state_dict(self, holder_of: dict[int, torch.optim.Optimizer]) -> dict[str, Any]:
         index_of: dict[int, int] = {}
         groups = []
         for group in self.param_groups:
@@ -523,12 +525,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                 if self.param_update_in_fp32:
                     entry["master_param"] = inner
                 state[index_of[id(param)]] = entry
-        result: dict[str, Any] = {"state": state, "param_groups": groups}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            hooked = post_hook(self, result)
-            if hooked is not None:
-                result = hooked
-        return result
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict; rebuilds copies and sub-optimizers, then pushes the state in.
@@ -568,17 +565,14 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             Traceback (most recent call last):
             ValueError: param 0: state 'exp_avg' has shape (5,), the param has (2,)
         """
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+        load_state_dict_with_hooks(self, state_dict, self._load_validated)
+
+    def _load_validated(self, state_dict: dict[str, Any]) -> None:
         groups, states, holder_states = self._prepare_load(state_dict)
         if self._holders():
             self._load_with_holders(groups, states, holder_states)
         else:
             self._load_plain(groups, states)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
     @torch.no_grad()
     def _load_plain(

@@ -21,6 +21,7 @@ from torch import Tensor
 from wrapped_optim import codecs
 from wrapped_optim.adapters.dtensor import like_param, local_tensor
 from wrapped_optim.optimizers import cpu_kernel as _cpu_kernel
+from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["PrecisionAwareAdamW"]
 
@@ -134,7 +135,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if cpu_kernel and not _cpu_kernel.available():
             raise RuntimeError(
                 f"cpu_kernel=True, but the CPU AdamW kernel is unavailable: "
-                f"{_cpu_kernel.status().reason}"
+                f"{_cpu_kernel.status().reason}. Pass cpu_kernel=None to fall back to torch "
+                "ops when it cannot be built."
             )
         defaults = {
             "lr": lr,
@@ -950,8 +952,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             >>> sd["state"][0]["exp_avg"].dtype, sd["param_groups"][0]["step"]
             (torch.float32, 1)
         """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
+        return state_dict_with_hooks(self, self._portable_state_dict)
+
+    def _portable_state_dict(self) -> dict[str, Any]:
         groups = []
         param_index: dict[int, int] = {}
         for group in self.param_groups:
@@ -971,12 +974,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 state[param_index[id(p)]] = {
                     name: self.get_unscaled_state(p, name) for name in list(entry)
                 }
-        result: dict[str, Any] = {"state": state, "param_groups": groups}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            hooked = post_hook(self, result)
-            if hooked is not None:
-                result = hooked
-        return result
+        return {"state": state, "param_groups": groups}
 
     def _validate(self, state_dict: Any) -> tuple[dict[int, Tensor], list[dict[str, Any]]]:
         if not isinstance(state_dict, dict) or "state" not in state_dict:
@@ -1091,10 +1089,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             >>> opt.state[p]["exp_avg"].dtype, opt.param_groups[0]["step"]
             (torch.bfloat16, 3)
         """
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hooked = pre_hook(self, state_dict)
-            if hooked is not None:
-                state_dict = hooked
+        load_state_dict_with_hooks(self, state_dict, self._load_portable)
+
+    def _load_portable(self, state_dict: dict[str, Any]) -> None:
         resolved, saved_groups = self._validate(state_dict)
         new_groups = []
         for saved, group in zip(saved_groups, self.param_groups, strict=True):
@@ -1119,8 +1116,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         except BaseException:
             self.state, self._scales, self.param_groups = old
             raise
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
 
 def _check_hyper_parameters(index: int, group: dict[str, Any]) -> None:
