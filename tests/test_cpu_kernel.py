@@ -4,7 +4,6 @@ of it (and fallback without it)."""
 
 from __future__ import annotations
 
-import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -392,7 +391,7 @@ def test_without_a_compiler(fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("CC", raising=False)
     s = cpu_kernel.status()
     assert not s.available
-    assert s.reason == "no C compiler found (set CC to one)"
+    assert s.reason == "no C compiler found (install gcc or clang, or set CC to one)"
 
 
 def test_a_failing_compiler_leaves_no_files(
@@ -419,9 +418,9 @@ def test_unwritable_explicit_cache_is_reported(
     monkeypatch.setenv("WRAPPED_OPTIM_KERNEL_CACHE", str(blocker / "cache"))
     s = cpu_kernel.status()
     if cpu_kernel._find_compiler() is None:
-        assert s.reason == "no C compiler found (set CC to one)"
+        assert s.reason == "no C compiler found (install gcc or clang, or set CC to one)"
     else:
-        assert s.reason is not None and "no writable kernel cache directory" in s.reason
+        assert s.reason is not None and "no writable kernel cache directory (set" in s.reason
 
 
 def test_source_ships_with_the_package() -> None:
@@ -585,5 +584,4 @@ def test_without_the_kernel_the_optimizer_still_trains(
     p.grad = torch.ones(8)
     opt.step()
     assert torch.allclose(p.detach(), torch.full((8,), 0.9))
-    assert not cpu_kernel.available()
-    assert os.environ["WRAPPED_OPTIM_CPU_KERNEL"] == "off"
+    assert cpu_kernel.status().reason == "disabled by WRAPPED_OPTIM_CPU_KERNEL=off"

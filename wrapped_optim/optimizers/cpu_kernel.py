@@ -141,11 +141,14 @@ def _load() -> tuple[KernelStatus, ctypes.CDLL | None]:
 
 
 def _build_and_open() -> tuple[KernelStatus, ctypes.CDLL | None]:
-    if os.environ.get(_DISABLE_ENV, "").strip().lower() in ("0", "false", "off", "no"):
-        return KernelStatus(False, reason=f"disabled by {_DISABLE_ENV}=0"), None
+    setting = os.environ.get(_DISABLE_ENV, "")
+    if setting.strip().lower() in ("0", "false", "off", "no"):
+        return KernelStatus(False, reason=f"disabled by {_DISABLE_ENV}={setting}"), None
     compiler = _find_compiler()
     if compiler is None:
-        return KernelStatus(False, reason="no C compiler found (set CC to one)"), None
+        return KernelStatus(
+            False, reason="no C compiler found (install gcc or clang, or set CC to one)"
+        ), None
     source = _SOURCE.read_bytes()
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=60, check=True
@@ -203,7 +206,10 @@ def _cache_dir() -> Path:
             errors.append(f"{directory} is not writable")
         except OSError as exc:
             errors.append(str(exc))
-    raise OSError("no writable kernel cache directory: " + "; ".join(errors))
+    raise OSError(
+        "no writable kernel cache directory (set WRAPPED_OPTIM_KERNEL_CACHE to one): "
+        + "; ".join(errors)
+    )
 
 
 def _compile(
@@ -313,7 +319,10 @@ def adamw_step_(
     """
     loaded_status, lib = _load()
     if lib is None:
-        raise RuntimeError(f"the CPU AdamW kernel is unavailable: {loaded_status.reason}")
+        raise RuntimeError(
+            f"the CPU AdamW kernel is unavailable: {loaded_status.reason}; check "
+            "wrapped_optim.optimizers.cpu_kernel.status() before calling adamw_step_"
+        )
     count = len(params)
     if masters is None:
         masters = [None] * count
@@ -340,7 +349,10 @@ def adamw_step_(
     # ctypes drops the GIL for the call; the threads are the kernel's own (pthreads).
     code = lib.wo_adamw_step(tensors, count, total, threads, _BLOCK_ELEMENTS, ctypes.byref(hyper))
     if code != 0:
-        raise RuntimeError(f"the CPU AdamW kernel rejected its operands (code {code})")
+        raise RuntimeError(
+            f"the CPU AdamW kernel rejected its operands (code {code}): the compiled library "
+            f"does not match this Python module; delete {loaded_status.library} to rebuild it"
+        )
     # Written through raw pointers, so torch did not see it: tell autograd (and anything else
     # that watches version counters) as torch's own in-place ops would.
     written = [*params, *exp_avgs, *exp_avg_sqs, *(m for m in masters if m is not None)]
