@@ -8,23 +8,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from param_builders import random_groups
 
 from wrapped_optim.optimizers import HybridOffloadOptimizer
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def make_params(shapes_by_group, dtypes, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    groups, index = [], 0
-    for group_index, shapes in enumerate(shapes_by_group):
-        params = []
-        for shape in shapes:
-            value = torch.randn(shape, generator=gen).to(dtypes[index % len(dtypes)])
-            params.append(torch.nn.Parameter(value))
-            index += 1
-        groups.append({"params": params, "lr": 0.01 * (group_index + 1)})
-    return groups
 
 
 def clone_groups(groups):
@@ -55,7 +43,7 @@ dtype_lists = st.lists(st.sampled_from(DTYPES), min_size=1, max_size=3)
 
 @given(layout=layouts, fraction=fractions, dtypes=dtype_lists)
 def test_offload_walk_and_copies(layout, fraction, dtypes):
-    groups = make_params(layout, dtypes)
+    groups = random_groups(layout, dtypes)
     opt = HybridOffloadOptimizer(groups, offload_fraction=fraction, lr=0.1)
     params = all_params(groups)
     offloaded = [p in opt.gpu_params_map_cpu_copy for p in params]
@@ -94,7 +82,7 @@ def reference_step(params, masters, opt):
 
 @given(layout=layouts, fraction=fractions, dtypes=dtype_lists)
 def test_steps_match_plain_adamw_on_fp32_masters(layout, fraction, dtypes):
-    groups = make_params(layout, dtypes)
+    groups = random_groups(layout, dtypes)
     ref_groups = clone_groups(groups)
     ref_params = all_params(ref_groups)
     masters = [p.detach().float().clone() for p in ref_params]
@@ -117,7 +105,7 @@ def test_steps_match_plain_adamw_on_fp32_masters(layout, fraction, dtypes):
 
 
 def test_state_exposed_under_original_params():
-    groups = make_params([[(4,), (3,)]], [torch.bfloat16, torch.float32])
+    groups = random_groups([[(4,), (3,)]], [torch.bfloat16, torch.float32])
     opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
     p0, p1 = all_params(groups)
     set_grads([p0, p1], 0)
@@ -130,7 +118,7 @@ def test_state_exposed_under_original_params():
 
 
 def test_group_options_follow_the_outer_groups():
-    groups = make_params([[(4,)], [(4,)]], [torch.float32])
+    groups = random_groups([[(4,)], [(4,)]], [torch.float32])
     opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     set_grads(all_params(groups), 0)
@@ -170,7 +158,7 @@ def test_invalid_fraction_is_refused():
 
 
 def test_update_fp32_param_by_new_param_refreshes_only_fp32_copies():
-    groups = make_params([[(4,), (4,)]], [torch.float32, torch.bfloat16])
+    groups = random_groups([[(4,), (4,)]], [torch.float32, torch.bfloat16])
     opt = HybridOffloadOptimizer(groups, offload_fraction=1.0, lr=0.1)
     p32, p16 = all_params(groups)
     with torch.no_grad():
@@ -183,7 +171,7 @@ def test_update_fp32_param_by_new_param_refreshes_only_fp32_copies():
 
 
 def test_dummy_step_creates_state_and_changes_nothing():
-    groups = make_params([[(4,), (4,)]], [torch.bfloat16])
+    groups = random_groups([[(4,), (4,)]], [torch.bfloat16])
     before = [p.detach().clone() for p in all_params(groups)]
     opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1, weight_decay=0.5)
     opt.dummy_step()
@@ -217,7 +205,7 @@ def assert_same_snapshot(a, b):
 
 @given(layout=layouts, fraction=fractions, dtypes=dtype_lists, steps=st.integers(1, 3))
 def test_state_dict_round_trip_continues_bit_identically(layout, fraction, dtypes, steps):
-    groups = make_params(layout, dtypes)
+    groups = random_groups(layout, dtypes)
     twin_groups = clone_groups(groups)
     opt = HybridOffloadOptimizer(groups, offload_fraction=fraction, lr=0.05)
     params = all_params(groups)
@@ -260,7 +248,7 @@ def test_state_dict_round_trip_continues_bit_identically(layout, fraction, dtype
     ],
 )
 def test_rejected_payload_leaves_everything_as_it_was(corrupt, message):
-    groups = make_params([[(4,), (2, 2)]], [torch.bfloat16, torch.float32])
+    groups = random_groups([[(4,), (2, 2)]], [torch.bfloat16, torch.float32])
     opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
     params = all_params(groups)
     set_grads(params, 0)
@@ -276,7 +264,7 @@ def test_rejected_payload_leaves_everything_as_it_was(corrupt, message):
 
 
 def test_load_restores_masters_with_their_low_bits():
-    groups = make_params([[(64,)]], [torch.bfloat16])
+    groups = random_groups([[(64,)]], [torch.bfloat16])
     opt = HybridOffloadOptimizer(groups, offload_fraction=1.0, lr=1e-3)
     (p,) = all_params(groups)
     for step in range(3):
@@ -294,7 +282,7 @@ def test_load_restores_masters_with_their_low_bits():
 
 def test_load_without_master_rebuilds_copies_from_weights():
     """What a payload without masters gives: copies rebuilt from 16-bit weights."""
-    groups = make_params([[(64,)]], [torch.bfloat16])
+    groups = random_groups([[(64,)]], [torch.bfloat16])
     opt = HybridOffloadOptimizer(groups, offload_fraction=1.0, lr=1e-3)
     (p,) = all_params(groups)
     for step in range(3):
@@ -317,7 +305,7 @@ def test_load_state_dict_hooks_fire():
 
 
 def test_deepcopy_keeps_the_copies_and_sub_optimizers_consistent():
-    groups = make_params([[(4,), (3,)]], [torch.bfloat16])
+    groups = random_groups([[(4,), (3,)]], [torch.bfloat16])
     opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
     params = all_params(groups)
     set_grads(params, 0)
@@ -385,7 +373,7 @@ BAD_STATES = {
 def test_bad_plain_state_is_rejected_naming_param_and_state(case, fresh):
     """Into a stepped optimizer (names from its state) and a fresh one (names probed)."""
     corrupt, message = BAD_STATES[case]
-    groups = make_params([[(4,), (2, 2)]], [torch.bfloat16, torch.float32])
+    groups = random_groups([[(4,), (2, 2)]], [torch.bfloat16, torch.float32])
     source = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
     set_grads(all_params(groups), 0)
     source.step()
@@ -415,16 +403,16 @@ def test_bad_plain_state_is_rejected_naming_param_and_state(case, fresh):
 
 def test_probed_names_follow_the_group_options():
     """A fresh optimizer expects what its sub-optimizer class keeps: amsgrad adds a state."""
-    groups = make_params([[(3,)]], [torch.float32])
+    groups = random_groups([[(3,)]], [torch.float32])
     source = HybridOffloadOptimizer(groups, offload_fraction=1.0, lr=0.1, amsgrad=True)
     set_grads(all_params(groups), 0)
     source.step()
     payload = source.state_dict()
     assert "max_exp_avg_sq" in payload["state"][0]
-    fresh = HybridOffloadOptimizer(make_params([[(3,)]], [torch.float32]), amsgrad=True)
+    fresh = HybridOffloadOptimizer(random_groups([[(3,)]], [torch.float32]), amsgrad=True)
     fresh.load_state_dict(payload)
     # (torch wrote amsgrad=True into ``groups``: build the plain one from new groups)
-    plain = HybridOffloadOptimizer(make_params([[(3,)]], [torch.float32]), offload_fraction=1.0)
+    plain = HybridOffloadOptimizer(random_groups([[(3,)]], [torch.float32]), offload_fraction=1.0)
     with pytest.raises(ValueError, match="unknown state 'max_exp_avg_sq'"):
         plain.load_state_dict(payload)
 
@@ -443,7 +431,7 @@ class FlakyAdamW(torch.optim.AdamW):
 
 @pytest.mark.parametrize("atomic", [True, False])
 def test_a_failed_device_step_leaves_the_host_step_undone(atomic):
-    groups = make_params([[(4,), (3,)]], [torch.bfloat16])
+    groups = random_groups([[(4,), (3,)]], [torch.bfloat16])
     params = all_params(groups)
     opt = HybridOffloadOptimizer(
         groups, offload_fraction=0.5, gpu_optimizer_cls=FlakyAdamW, atomic_step=atomic, lr=0.1
@@ -473,7 +461,7 @@ def test_a_failed_device_step_leaves_the_host_step_undone(atomic):
 
 def test_a_failed_load_into_a_fresh_layout_keeps_the_old_one():
     """The loaded copies and sub-optimizers are built aside: a fault there changes nothing."""
-    groups = make_params([[(4,), (3,)]], [torch.bfloat16])
+    groups = random_groups([[(4,), (3,)]], [torch.bfloat16])
     params = all_params(groups)
     opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, gpu_optimizer_cls=FlakyAdamW)
     set_grads(params, 0)
@@ -491,7 +479,7 @@ def test_a_failed_load_into_a_fresh_layout_keeps_the_old_one():
 def test_a_failed_copy_back_is_completed(monkeypatch, failures):
     """The step is committed once both sub-optimizers stepped: a copy-back that raises is
     retried at once and, failing again, completed by the next state_dict or step."""
-    groups = make_params([[(4,), (3,)]], [torch.bfloat16])
+    groups = random_groups([[(4,), (3,)]], [torch.bfloat16])
     params = all_params(groups)
     opt = HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=0.1)
     twin_groups = clone_groups(groups)

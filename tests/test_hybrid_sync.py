@@ -11,6 +11,7 @@ import torch
 from hybrid_doubles import ChainedOptimizerDouble, DistributedOptimizerDouble
 from hypothesis import given
 from hypothesis import strategies as st
+from param_builders import random_groups
 
 import wrapped_optim.hybrid as hybrid_module
 from wrapped_optim import OptimizerWrapper
@@ -336,19 +337,6 @@ def test_wrapper_is_transparent_and_findable():
 DTYPES = (torch.float32, BF16, torch.float16)
 
 
-def make_groups(layout, dtypes, seed):
-    gen = torch.Generator().manual_seed(seed)
-    groups, i = [], 0
-    for g, shapes in enumerate(layout):
-        params = []
-        for shape in shapes:
-            value = torch.randn(shape, generator=gen).to(dtypes[i % len(dtypes)])
-            params.append(torch.nn.Parameter(value))
-            i += 1
-        groups.append({"params": params, "lr": 0.01 * (g + 1)})
-    return groups
-
-
 def params_of(groups):
     return [p for g in groups for p in g["params"]]
 
@@ -373,13 +361,13 @@ def run_steps(opt, params, steps, offset=0):
 def test_property_model_only_and_full_resume(layout, fraction, dtypes):
     # Model-only: weights replaced behind the optimizer; the guard makes it equal to an
     # optimizer built on the new weights.
-    groups = make_groups(layout, dtypes, seed=0)
+    groups = random_groups(layout, dtypes, seed=0)
     opt = HybridSyncOptimizer(HybridOffloadOptimizer(groups, offload_fraction=fraction))
-    new_values = [p.detach().clone() for p in params_of(make_groups(layout, dtypes, seed=1))]
+    new_values = [p.detach().clone() for p in params_of(random_groups(layout, dtypes, seed=1))]
     with torch.no_grad():
         for p, v in zip(params_of(groups), new_values, strict=True):
             p.copy_(v)
-    ref_groups = make_groups(layout, dtypes, seed=1)
+    ref_groups = random_groups(layout, dtypes, seed=1)
     ref = HybridOffloadOptimizer(ref_groups, offload_fraction=fraction)
     run_steps(opt, params_of(groups), 2)
     run_steps(ref, params_of(ref_groups), 2)
@@ -387,7 +375,7 @@ def test_property_model_only_and_full_resume(layout, fraction, dtypes):
 
     # Full resume from a Megatron-style payload into fresh weights: bit-identical.
     payload = megatron_style(opt.state_dict())
-    twin_groups = make_groups(layout, dtypes, seed=2)
+    twin_groups = random_groups(layout, dtypes, seed=2)
     twin = HybridSyncOptimizer(
         HybridOffloadOptimizer(twin_groups, offload_fraction=fraction), on_stale="raise"
     )
