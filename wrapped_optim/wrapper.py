@@ -14,6 +14,8 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
+
 __all__ = ["OptimizerWrapper"]
 
 T = TypeVar("T")
@@ -125,7 +127,29 @@ class OptimizerWrapper(torch.optim.Optimizer):
     # The optimizer contract
     # ----------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Runs the wrapper's step (and hooks registered on the wrapper)."""
+        """Runs the wrapper's step, with the wrapper's own hooks around the whole stack below.
+
+        Training loops and LR schedulers only ever call the outermost object, so this is where
+        every layer's work and every hook registered on the wrapper must happen. The closure
+        goes down to the inner optimizer and the loss it returns comes back up.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim import OptimizerWrapper
+            >>> p = torch.nn.Parameter(torch.ones(2))
+            >>> opt = OptimizerWrapper(torch.optim.SGD([p], lr=0.5))
+            >>> _ = opt.register_step_post_hook(lambda o, args, kwargs: print(type(o).__name__))
+            >>> def closure():
+            ...     opt.zero_grad()
+            ...     loss = p.square().sum()
+            ...     loss.backward()
+            ...     return loss
+            >>> opt.step(closure)
+            OptimizerWrapper
+            tensor(2., grad_fn=<SumBackward0>)
+            >>> p.data
+            tensor([0., 0.])
+        """
         for pre_hook in self._optimizer_step_pre_hooks.values():
             result = pre_hook(self, (closure,) if closure is not None else (), {})
             if result is not None:
@@ -147,36 +171,78 @@ class OptimizerWrapper(torch.optim.Optimizer):
         return self.inner.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forwards to the inner optimizer."""
+        """Forwards to the inner optimizer, which alone knows its params (and grad buffers).
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim import OptimizerWrapper
+            >>> p = torch.nn.Parameter(torch.ones(2))
+            >>> opt = OptimizerWrapper(torch.optim.SGD([p], lr=0.1))
+            >>> p.grad = torch.ones(2)
+            >>> opt.zero_grad()
+            >>> p.grad is None
+            True
+        """
         self.inner.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Forwards to the inner optimizer."""
+        """Forwards to the inner optimizer, so the new group gets the inner defaults.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim import OptimizerWrapper
+            >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1, momentum=0.9)
+            >>> opt = OptimizerWrapper(sgd)
+            >>> opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "lr": 0.01})
+            >>> len(sgd.param_groups), sgd.param_groups[1]["lr"], sgd.param_groups[1]["momentum"]
+            (2, 0.01, 0.9)
+        """
         self.inner.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict (the wrapper adds nothing to the format)."""
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        state_dict = self._state_dict()
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            hook_result = post_hook(self, state_dict)
-            if hook_result is not None:
-                state_dict = hook_result
-        return state_dict
+        """The inner optimizer's state dict (the wrapper adds nothing to the format).
+
+        Keeping the bare optimizer's format means a checkpoint does not depend on which
+        wrappers were stacked when it was written; hooks registered on the wrapper still run.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim import OptimizerWrapper
+            >>> p = torch.nn.Parameter(torch.ones(2))
+            >>> sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+            >>> opt = OptimizerWrapper(sgd)
+            >>> p.grad = torch.ones(2)
+            >>> opt.step()
+            >>> state = opt.state_dict()
+            >>> sorted(state), state["param_groups"] == sgd.state_dict()["param_groups"]
+            (['param_groups', 'state'], True)
+            >>> state["state"][0]["momentum_buffer"]
+            tensor([1., 1.])
+        """
+        return state_dict_with_hooks(self, self._state_dict)
 
     def _state_dict(self) -> dict[str, Any]:
         return cast(dict[str, Any], self.inner.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state dict written by this stack, another stack or the bare optimizer."""
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hook_result = pre_hook(self, state_dict)
-            if hook_result is not None:
-                state_dict = hook_result
-        self._load_state_dict(state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        """Loads a state dict written by this stack, another stack or the bare optimizer.
+
+        The format is the inner optimizer's own, so resuming works whatever wrappers were
+        stacked at save time; hooks registered on the wrapper run around the whole load.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim import OptimizerWrapper
+            >>> p = torch.nn.Parameter(torch.ones(2))
+            >>> bare = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+            >>> p.grad = torch.ones(2)
+            >>> bare.step()
+            >>> opt = OptimizerWrapper(torch.optim.SGD([p], lr=0.5, momentum=0.9))
+            >>> opt.load_state_dict(bare.state_dict())
+            >>> opt.param_groups[0]["lr"], opt.inner.state[p]["momentum_buffer"].tolist()
+            (0.1, [1.0, 1.0])
+        """
+        load_state_dict_with_hooks(self, state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
