@@ -63,6 +63,16 @@ class TinyGPT(nn.Module):
         nn.init.normal_(self.position, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits; the head reuses the embedding, so it adds no parameters.
+
+        Sequences may be shorter than ``context`` (the positions are cut to fit).
+
+        Example:
+            >>> import torch
+            >>> model = TinyGPT(vocab=32, width=16, depth=1, heads=2, context=8)
+            >>> model(torch.zeros(2, 5, dtype=torch.long)).shape
+            torch.Size([2, 5, 32])
+        """
         x = self.embed(tokens) + self.position[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)

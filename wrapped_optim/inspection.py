@@ -179,12 +179,33 @@ class OptimizerReport:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of all per-parameter state tensors together."""
+        """Bytes of all per-parameter state tensors together, as saved (not FP32-expanded).
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.inspection import OptimizerReport, StateFormat, StateTensor
+            >>> OptimizerReport("", StateFormat.TORCH, (
+            ...     StateTensor("0", "exp_avg", torch.bfloat16, (4,), 8),
+            ...     StateTensor("0", "exp_avg_sq", torch.float32, (4,), 16),
+            ... ), (), "none", (), ()).total_bytes
+            24
+        """
         return sum(t.nbytes for t in self.tensors)
 
     @property
     def num_params(self) -> int:
-        """How many parameters have state."""
+        """How many parameters have state; a parameter never stepped has none and is not counted.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim.inspection import OptimizerReport, StateFormat, StateTensor
+            >>> OptimizerReport("", StateFormat.TORCH, (
+            ...     StateTensor("0", "exp_avg", torch.float32, (2,), 8),
+            ...     StateTensor("0", "exp_avg_sq", torch.float32, (2,), 8),
+            ...     StateTensor("1", "exp_avg", torch.float32, (3,), 12),
+            ... ), (), "none", (), ()).num_params
+            2
+        """
         return len({t.param for t in self.tensors})
 
     @property
@@ -242,7 +263,15 @@ class CheckpointReport:
 
     @property
     def formats(self) -> tuple[str, ...]:
-        """The detected format of each optimizer state dict, as text."""
+        """The detected format of each optimizer state dict, as text (for printing or matching).
+
+        Example:
+            >>> from pathlib import Path
+            >>> from wrapped_optim.inspection import CheckpointReport, OptimizerReport, StateFormat
+            >>> empty = OptimizerReport("optim", StateFormat.EMPTY, (), (), "none", (), ())
+            >>> CheckpointReport(Path("ckpt.pt"), "torch.save", 0, (empty,)).formats
+            ('no per-parameter state (the optimizer has not stepped yet)',)
+        """
         return tuple(o.format.value for o in self.optimizers)
 
 

@@ -118,12 +118,40 @@ class DeviceMemoryProbe:
 
     @property
     def ledger_peak_bytes(self) -> int:
-        """Peak of the staging engine's ledger above its level at entry."""
+        """Peak of the staging engine's ledger above its level at entry.
+
+        Kept on CUDA probes too, so a benchmark can set what the engine says it held next to
+        what the allocator saw; bytes already alive at entry are not counted.
+
+        Example:
+            >>> from wrapped_optim.probe import DeviceMemoryProbe, device_ledger
+            >>> device_ledger.allocate(1000)  # alive before the block: not counted
+            >>> with DeviceMemoryProbe("cpu") as probe:
+            ...     device_ledger.allocate(300)
+            ...     device_ledger.release(300)
+            >>> device_ledger.release(1000)
+            >>> probe.ledger_peak_bytes
+            300
+        """
         return self._ledger_peak - self._ledger_start
 
     @property
     def peak_extra_bytes(self) -> int:
-        """Peak extra device bytes of the block (see the class docstring for the source)."""
+        """Peak extra device bytes of the block (see the class docstring for the source).
+
+        The one figure to check a staged call's bound against, whatever the device: the CUDA
+        allocator's peak where there is one, else the ledger's.
+
+        Example:
+            >>> from wrapped_optim.probe import DeviceMemoryProbe, device_ledger
+            >>> with DeviceMemoryProbe("cpu") as probe:
+            ...     device_ledger.allocate(100)
+            ...     device_ledger.allocate(200)  # both alive at once: the peak is 300
+            ...     device_ledger.release(200)
+            ...     device_ledger.release(100)
+            >>> probe.peak_extra_bytes
+            300
+        """
         if self.source == "cuda":
             if self._cuda_peak is None:
                 raise RuntimeError("the probe's block has not finished yet")
@@ -134,7 +162,16 @@ class DeviceMemoryProbe:
         return f"DeviceMemoryProbe(device={self.device}, source={self.source!r})"
 
     def summary(self) -> dict[str, Any]:
-        """The figures as a dict (for benchmark tables)."""
+        """The figures as a dict, so benchmark tables and JSON reports need no probe logic.
+
+        Example:
+            >>> from wrapped_optim.probe import DeviceMemoryProbe, device_ledger
+            >>> with DeviceMemoryProbe("cpu") as probe:
+            ...     device_ledger.allocate(256)
+            ...     device_ledger.release(256)
+            >>> probe.summary()
+            {'device': 'cpu', 'source': 'ledger', 'peak_extra_bytes': 256, 'ledger_peak_bytes': 256}
+        """
         return {
             "device": str(self.device),
             "source": self.source,

@@ -62,7 +62,18 @@ def _header() -> str:
 
 
 def run_checks(names: Sequence[str] = CHECKS) -> tuple[str, bool]:
-    """Runs the named checks in order; returns the Markdown report and whether all passed."""
+    """Runs the named checks in order; returns the Markdown report and whether all passed.
+
+    A failing check becomes a FAILED section instead of an exception, so one broken check
+    (or a missing megatron-core) does not hide the results of the others.
+
+    Example:
+        >>> from wrapped_optim.bench.gpu_all import run_checks
+        >>> report, ok = run_checks([])  # no checks: just the header
+        >>> report.startswith("# GPU validation"), ok
+        (True, True)
+        >>> report, ok = run_checks(["gpu_staged", "gpu_factory"])  # doctest: +SKIP
+    """
     sections = [_header()]
     ok = True
     for name in names:
@@ -79,7 +90,15 @@ def run_checks(names: Sequence[str] = CHECKS) -> tuple[str, bool]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; exit code 1 when a check failed or no CUDA is present."""
+    """Command-line entry point; exit code 1 when a check failed or no CUDA is present.
+
+    A non-zero exit without CUDA keeps a CPU-only CI job from passing as if it had validated.
+
+    Example:
+        >>> from wrapped_optim.bench.gpu_all import main
+        >>> main(["--only", "gpu_staged", "--out", "gpu-results.md"])  # doctest: +SKIP
+        0
+    """
     parser = argparse.ArgumentParser(prog="python -m wrapped_optim.bench.gpu_all")
     parser.add_argument("--only", nargs="+", choices=CHECKS, help="run only these checks")
     parser.add_argument("--out", type=Path, help="also write the report to this file")

@@ -113,7 +113,17 @@ def _scenario(name: str, flags: dict[str, Any], expected: list[str]) -> str:
 
 
 def run() -> str:
-    """Runs the scenarios and returns a Markdown section (needs CUDA and megatron-core)."""
+    """Runs the scenarios and returns a Markdown section (needs CUDA and megatron-core).
+
+    Every scenario gets a row, a failing one included, so a single report shows which of
+    Megatron's real builders the factory wires correctly.
+
+    Example:
+        >>> from wrapped_optim.bench.gpu_factory import run
+        >>> print(run())  # doctest: +SKIP
+        ## GPU: setup_optimizer with megatron-core's real builders
+        ...
+    """
     if not torch.cuda.is_available():
         raise RuntimeError("wrapped_optim.bench.gpu_factory needs a CUDA device")
     _init_process_group()

@@ -178,12 +178,18 @@ def _mib(n: float) -> str:
 
 
 def run(quick: bool = False) -> str:
-    """Runs the benchmark (about 3 minutes; ``quick``: seconds) and returns Markdown.
+    """Runs the benchmark (about 3 minutes; ``quick``: about one) and returns Markdown.
+
+    Each scenario runs in its own child process (so even ``quick`` takes about a minute):
+    peak RSS growth then measures that call alone, not memory an earlier call left behind.
 
     Example:
-        Each scenario runs in its own process (a minute even when ``quick``), so from a shell:
-        ``python -m wrapped_optim.bench.streaming --quick`` prints what ``run(quick=True)``
-        returns: a Markdown table of seconds and peak RSS growth per call.
+        From a shell, ``python -m wrapped_optim.bench.streaming --quick`` prints what
+        ``run(quick=True)`` returns: a Markdown table of seconds and peak RSS growth per call.
+
+        >>> from wrapped_optim.bench.streaming import run
+        >>> run(quick=True).startswith("# Streaming optimizer checkpoints")  # doctest: +SKIP
+        True
     """
     n_tensors, numel = (4, 1 << 20) if quick else (8, 32 << 20)
     chunk_bytes = (1 << 20) if quick else (64 << 20)
