@@ -253,11 +253,12 @@ def _step_in_child(conn: Any) -> None:
 
 
 @needs_kernel
-def test_worker_pool_after_fork_and_from_several_python_threads(
+def test_threads_after_fork_and_from_several_python_threads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The pool's workers do not survive fork(): a child starts its own. Python threads that
-    call at once are served one job at a time, each with every element updated once."""
+    """OpenMP's workers do not survive fork(): a child forked after the parent used them runs
+    the kernel on one thread instead of hanging. Python threads that call at once each get
+    every element updated once."""
     import multiprocessing
     import threading
 
@@ -268,7 +269,7 @@ def test_worker_pool_after_fork_and_from_several_python_threads(
     expected = random_operands([500, 300], kinds, seed=1)
     cpu_kernel.adamw_step_(*expected, **hyper, num_threads=1)
     warm = random_operands([500, 300], kinds, seed=1)
-    cpu_kernel.adamw_step_(*warm, **hyper, num_threads=4)  # the parent's pool now exists
+    cpu_kernel.adamw_step_(*warm, **hyper, num_threads=4)  # the parent's workers now exist
 
     ctx = multiprocessing.get_context("fork")
     parent_end, child_end = ctx.Pipe()
@@ -322,6 +323,27 @@ def test_baseline_build_gives_the_bits_of_the_vectorized_clones(tmp_path: Path) 
     for clone, base in zip(*results, strict=True):
         for a, b in zip(clone, base, strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
+
+
+@needs_kernel
+def test_openmp_build_runs_on_the_runtime_torch_loaded() -> None:
+    """With GCC the library is built with OpenMP, and the process then holds one OpenMP
+    runtime: the kernel's threads are torch's intra-op workers, not a second pool."""
+    import subprocess
+    import sys
+
+    compiler = cpu_kernel._find_compiler()
+    assert compiler is not None
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    if "Free Software Foundation" not in version:  # GCC's banner
+        pytest.skip(f"not GCC ({version.splitlines()[0]}): OpenMP is optional there")
+    assert cpu_kernel.status().parallel
+    maps = Path("/proc/self/maps")
+    if not maps.exists() or sys.platform != "linux":
+        return
+    runtimes = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
+    assert runtimes, "the OpenMP build loaded no libgomp"
+    assert len(runtimes) == 1, runtimes
 
 
 @needs_kernel

@@ -7,14 +7,13 @@
  * Engine's FusedAdam update in FP32 and writes each result back in its stored format.
  *
  * Build: compiled at first use by wrapped_optim.optimizers.cpu_kernel with
- * -O3 -fno-math-errno -ffp-contract=off. No contraction: every product and sum is rounded on
+ * -O3 -fno-math-errno -ffp-contract=off, and -fopenmp where the compiler has it. No contraction: every product and sum is rounded on
  * its own, so all clones below (and all machines) give the same bits.
  *
  * Formats: FP32; bf16 (decode exact, encode round-to-nearest-even, NaN as the quiet NaN
  * 0x7FC0, as torch's scalar float -> bfloat16 conversion); a bf16 parameter plus the int16 low half of its FP32
  * master (TE's store_param_remainders bit arithmetic).
  */
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -22,7 +21,7 @@
 enum { MASTER_NONE = 0, MASTER_FP32 = 1, MASTER_REMAINDER = 2 };
 enum { KIND_FP32 = 0, KIND_BF16 = 1 };
 
-#define WO_ABI_VERSION 5
+#define WO_ABI_VERSION 6
 
 int wo_abi_version(void) { return WO_ABI_VERSION; }
 
@@ -205,50 +204,26 @@ WO_CLONES static void wo_update_range(const wo_tensor *tensors, int64_t count, i
 
 /*
  * Threads share the work in blocks of `block` elements (a multiple of 64: no two threads
- * write one cache line within a tensor), taken from a shared counter, so a worker that wakes
- * late simply takes fewer blocks. The calling thread takes blocks too; the workers belong to
- * a persistent pool (threads created per call were no faster than one thread: a new thread
- * starts on its creator's core) and spin briefly before sleeping. After fork() the child
- * starts with an empty pool. The split never changes a result: every element is updated by
- * the same operations whichever thread runs it.
+ * write one cache line within a tensor), taken from a counter, so a thread that starts late
+ * simply takes fewer blocks. The threads are OpenMP's (built with -fopenmp): the library
+ * names libgomp.so.1, which the loader resolves to the runtime torch has already loaded, so
+ * the kernel runs on torch's own worker threads, still spinning from torch's last parallel
+ * op (a pool of our own had to wake its threads and shared the cores with torch's spinning
+ * ones). Built without OpenMP, the pragma is ignored and the calling thread does all the work.
+ * The split never changes a result: every element is updated by the same operations
+ * whichever thread runs it.
  */
-
-#define WO_MAX_THREADS 256
-#ifndef WO_SPINS
-#define WO_SPINS 2000
-#endif
-
 typedef struct {
     const wo_tensor *tensors;
     int64_t count, total, blocks, block;
     const wo_hyper *h;
-    int participants; /* workers with an index below this take blocks */
+    atomic_llong next;
 } wo_job;
 
-static pthread_mutex_t wo_call_mu = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
-static pthread_mutex_t wo_mu = PTHREAD_MUTEX_INITIALIZER;      /* guards the sleeps */
-static pthread_cond_t wo_wake = PTHREAD_COND_INITIALIZER;
-static pthread_cond_t wo_done = PTHREAD_COND_INITIALIZER;
-static atomic_ulong wo_generation;
-static atomic_int wo_pending;
-static atomic_llong wo_next_block;
-static int wo_workers; /* started workers; read and written under wo_call_mu */
-static wo_job wo_current;
-/* The generation before a worker's first job, set before the worker is created: a worker
- * that starts late must still see that job as new. */
-static unsigned long wo_start_generation[WO_MAX_THREADS];
-static pthread_once_t wo_atfork_once = PTHREAD_ONCE_INIT;
-
-static inline void wo_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
-static void wo_take_blocks(const wo_job *job) {
+static void wo_take_blocks(wo_job *job) {
     wo_cursor at = {0, 0};
     for (;;) {
-        long long b = atomic_fetch_add(&wo_next_block, 1);
+        long long b = atomic_fetch_add(&job->next, 1);
         if (b >= job->blocks) return;
         int64_t begin = (int64_t)b * job->block;
         int64_t end = begin + job->block < job->total ? begin + job->block : job->total;
@@ -256,50 +231,22 @@ static void wo_take_blocks(const wo_job *job) {
     }
 }
 
-static void *wo_worker(void *arg) {
-    intptr_t index = (intptr_t)arg;
-    unsigned long seen = wo_start_generation[index];
-    for (;;) {
-        unsigned long now = seen;
-        for (int spin = 0; spin < WO_SPINS && now == seen; ++spin) {
-            wo_relax();
-            now = atomic_load(&wo_generation);
-        }
-        if (now == seen) {
-            pthread_mutex_lock(&wo_mu);
-            while ((now = atomic_load(&wo_generation)) == seen)
-                pthread_cond_wait(&wo_wake, &wo_mu);
-            pthread_mutex_unlock(&wo_mu);
-        }
-        seen = now;
-        if (index < wo_current.participants) wo_take_blocks(&wo_current);
-        if (atomic_fetch_sub(&wo_pending, 1) == 1) {
-            pthread_mutex_lock(&wo_mu);
-            pthread_cond_signal(&wo_done);
-            pthread_mutex_unlock(&wo_mu);
-        }
-    }
-    return NULL;
-}
+#define WO_MAX_THREADS 256
 
-static void wo_after_fork_in_child(void) {
-    /* The workers did not come along; locks held by other threads at fork() never unlock. */
-    pthread_mutex_init(&wo_call_mu, NULL);
-    pthread_mutex_init(&wo_mu, NULL);
-    pthread_cond_init(&wo_wake, NULL);
-    pthread_cond_init(&wo_done, NULL);
-    atomic_store(&wo_pending, 0);
-    wo_workers = 0;
+/* 1 when built with OpenMP (threads > 1 can run in parallel), else 0. */
+int wo_parallel(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }
-
-static void wo_register_atfork(void) { pthread_atfork(NULL, NULL, wo_after_fork_in_child); }
 
 /*
  * Updates all elements of the tensors with up to `threads` threads (the caller included).
  * Returns 0, -1 for an operand kind outside the enums above (the Python side validates
  * first; this is a last guard, never a silent no-op) or -2 for a bad thread count or block
- * size. With no
- * worker available the calling thread does all the work.
+ * size.
  */
 int wo_adamw_step(const wo_tensor *tensors, int64_t count, int64_t total, int threads,
                   int64_t block, const wo_hyper *h) {
@@ -312,34 +259,8 @@ int wo_adamw_step(const wo_tensor *tensors, int64_t count, int64_t total, int th
         wo_update_range(tensors, count, 0, total, h, &at);
         return 0;
     }
-    pthread_once(&wo_atfork_once, wo_register_atfork);
-    pthread_mutex_lock(&wo_call_mu);
-    while (wo_workers < threads - 1) {
-        pthread_t id;
-        wo_start_generation[wo_workers + 1] = atomic_load(&wo_generation);
-        if (pthread_create(&id, NULL, wo_worker, (void *)(intptr_t)(wo_workers + 1)) != 0)
-            break;
-        pthread_detach(id);
-        wo_workers++;
-    }
-    wo_current = (wo_job){tensors, count, total, blocks, block, h, threads};
-    atomic_store(&wo_next_block, 0);
-    int helpers = wo_workers;
-    if (helpers > 0) {
-        atomic_store(&wo_pending, helpers);
-        pthread_mutex_lock(&wo_mu);
-        atomic_fetch_add(&wo_generation, 1);
-        pthread_cond_broadcast(&wo_wake);
-        pthread_mutex_unlock(&wo_mu);
-    }
-    wo_take_blocks(&wo_current);
-    if (helpers > 0) {
-        for (int spin = 0; spin < WO_SPINS && atomic_load(&wo_pending) != 0; ++spin)
-            wo_relax();
-        pthread_mutex_lock(&wo_mu);
-        while (atomic_load(&wo_pending) != 0) pthread_cond_wait(&wo_done, &wo_mu);
-        pthread_mutex_unlock(&wo_mu);
-    }
-    pthread_mutex_unlock(&wo_call_mu);
+    wo_job job = {tensors, count, total, blocks, block, h, 0};
+#pragma omp parallel num_threads(threads)
+    wo_take_blocks(&job);
     return 0;
 }

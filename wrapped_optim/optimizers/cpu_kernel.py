@@ -13,6 +13,10 @@ The C file is compiled at first use with the system C compiler (``$CC``, else ``
 flags. ``WRAPPED_OPTIM_CPU_KERNEL=0`` turns it off. When it cannot be built, :func:`status`
 says why and :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` keeps its pure-torch path.
 
+It is built with ``-fopenmp`` when the compiler supports it (else without, one thread):
+the library then names ``libgomp.so.1``, which the loader resolves to the OpenMP runtime
+torch has already loaded, so the kernel's threads are torch's own intra-op workers.
+
 The kernel is compiled without floating-point contraction, and its vectorized clones (AVX-512,
 AVX2, baseline) do the same FP32 operations in the same order, so results do not depend on
 the machine or on how the elements are split between threads.
@@ -39,14 +43,13 @@ from torch.autograd.graph import increment_version
 __all__ = ["KernelStatus", "adamw_step_", "available", "status"]
 
 _SOURCE = Path(__file__).with_name("_adamw_cpu.c")
-_FLAGS = (
-    "-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-ffp-contract=off",
-)  # fmt: skip
-_ABI_VERSION = 5
+_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
+_OPENMP_FLAGS = ("-fopenmp",)
+_ABI_VERSION = 6
 _DISABLE_ENV = "WRAPPED_OPTIM_CPU_KERNEL"
 _CACHE_ENV = "WRAPPED_OPTIM_KERNEL_CACHE"
-# Below this many elements per thread (about 50 us of work), waking another thread costs more
-# than it saves.
+# Below this many elements per thread (about 50 us of work), another thread costs more than
+# it saves.
 _MIN_ELEMENTS_PER_THREAD = 1 << 16
 _MAX_THREADS = 256  # the kernel's own limit
 # Threads take work in blocks of this many elements (a multiple of 64) from a shared counter.
@@ -82,7 +85,8 @@ class _Tensor(ctypes.Structure):
 
 @attrs.frozen
 class KernelStatus:
-    """Whether the compiled kernel is in use, and where it came from or why it is not.
+    """Whether the compiled kernel is in use, where it came from (and whether it can use
+    several threads), or why it is not in use.
 
     Example:
         >>> from wrapped_optim.optimizers import cpu_kernel
@@ -94,10 +98,12 @@ class KernelStatus:
     available: bool
     library: Path | None = None
     reason: str | None = None
+    parallel: bool = False  # built with OpenMP: calls may use several threads
 
 
 _lock = threading.Lock()
 _loaded: tuple[KernelStatus, ctypes.CDLL | None] | None = None
+_loaded_in_pid = 0  # the process that loaded the library (and may use its OpenMP threads)
 
 
 def status() -> KernelStatus:
@@ -130,9 +136,10 @@ def _reset_for_tests() -> None:
 
 
 def _load() -> tuple[KernelStatus, ctypes.CDLL | None]:
-    global _loaded
+    global _loaded, _loaded_in_pid
     with _lock:
         if _loaded is None:
+            _loaded_in_pid = os.getpid()
             try:
                 _loaded = _build_and_open()
             except Exception as exc:  # any failure means: use the pure-torch path
@@ -149,25 +156,40 @@ def _build_and_open() -> tuple[KernelStatus, ctypes.CDLL | None]:
         return KernelStatus(
             False, reason="no C compiler found (install gcc or clang, or set CC to one)"
         ), None
-    source = _SOURCE.read_bytes()
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=60, check=True
     ).stdout.splitlines()[:1]
+    directory = _cache_dir()
+    failures = []
+    # OpenMP first (threads); a compiler or runtime without it still gets the one-thread build.
+    for extra in (_OPENMP_FLAGS, ()):
+        try:
+            library = _cached_build(compiler, version, directory, extra)
+            lib = _open(library)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            failures.append(f"{' '.join(extra) or 'without OpenMP'}: {exc}")
+            continue
+        return KernelStatus(True, library=library, parallel=bool(lib.wo_parallel())), lib
+    raise RuntimeError("; ".join(failures))
+
+
+def _cached_build(compiler: str, version: list[str], directory: Path, extra: Sequence[str]) -> Path:
+    flags = " ".join((*_FLAGS, *extra))
     key = hashlib.sha256(
         b"\0".join(
-            [source, " ".join(_FLAGS).encode(), compiler.encode(), *map(str.encode, version)]
+            [_SOURCE.read_bytes(), flags.encode(), compiler.encode(), *map(str.encode, version)]
         )
     ).hexdigest()[:16]
-    directory = _cache_dir()
     library = directory / f"adamw_cpu-{key}.so"
     if not library.exists():
-        _compile(compiler, directory, library)
-    return KernelStatus(True, library=library), _open(library)
+        _compile(compiler, directory, library, extra)
+    return library
 
 
 def _open(library: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     lib.wo_abi_version.restype = ctypes.c_int
+    lib.wo_parallel.restype = ctypes.c_int
     if lib.wo_abi_version() != _ABI_VERSION:
         raise RuntimeError(f"{library} has ABI {lib.wo_abi_version()}, expected {_ABI_VERSION}")
     fn = lib.wo_adamw_step
@@ -298,9 +320,12 @@ def adamw_step_(
     (``adam_w_mode``: ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``, otherwise
     ``wd * p`` is added to the gradient); ``bias_correction1/2`` are ``1 - beta**t`` and are
     applied as multiplications by their (FP32-rounded) reciprocals. The elements of all
-    tensors are shared evenly by ``num_threads`` (default ``torch.get_num_threads()``)
-    threads. Every operand is checked before anything is written. Raises ``RuntimeError``
-    when the kernel is unavailable (see :func:`status`).
+    tensors are shared by up to ``num_threads`` (default ``torch.get_num_threads()``)
+    OpenMP threads when the build has OpenMP (``status().parallel``), else one thread; in a
+    process forked after the library was loaded always one (GNU OpenMP's workers do not
+    survive ``fork()``: a parallel region there never returns, torch's own included). Every
+    operand is checked before anything is written. Raises ``RuntimeError`` when the kernel is
+    unavailable (see :func:`status`).
 
     Example:
         >>> import torch
@@ -346,7 +371,9 @@ def adamw_step_(
     )  # fmt: skip
     total = sum(t.numel for t in described)
     threads = max(1, min(threads, total // _MIN_ELEMENTS_PER_THREAD, _MAX_THREADS))
-    # ctypes drops the GIL for the call; the threads are the kernel's own (pthreads).
+    if os.getpid() != _loaded_in_pid:
+        threads = 1
+    # ctypes drops the GIL for the call; the threads are OpenMP's (torch's own runtime).
     code = lib.wo_adamw_step(tensors, count, total, threads, _BLOCK_ELEMENTS, ctypes.byref(hyper))
     if code != 0:
         raise RuntimeError(
