@@ -4,27 +4,28 @@ Each :class:`Target` builds a fresh ``(model, stack)`` with two parameter groups
 including 0-d and empty ones, a frozen parameter) over one inner optimizer and some wrapper
 layers. A target whose leaf optimizer is one of ours (``validating``) is held to the full
 bad-checkpoint catalogue; one over a torch optimizer is held to transparency instead.
-Targets whose modules are not importable on this branch are left out.
+Every module here is the package's own: an import error fails the suite instead of
+silently dropping targets.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
+from wrapped_optim import (
+    FSDPAwareOptimizer,
+    HybridOffloadOptimizer,
+    HybridSyncOptimizer,
+    OptimizerWrapper,
+    PrecisionAwareAdamW,
+    StagedCheckpointOptimizer,
+)
 from wrapped_optim.testing import optimizer_params, synthetic_gradients
 from wrapped_optim.testing.strategies import ParamSetModel
-
-
-def load(module: str, name: str) -> Any | None:
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
 
 
 @attrs.frozen
@@ -74,82 +75,67 @@ def _torch(cls: Any, **options: Any) -> Callable[[list[dict[str, Any]]], Any]:
     return lambda groups: cls(groups, lr=0.05, **options)
 
 
-def _available_targets() -> list[Target]:
+def _all_targets() -> list[Target]:
     targets = [
         Target("adamw", _torch(torch.optim.AdamW)),
         Target("adam_amsgrad", _torch(torch.optim.Adam, amsgrad=True, weight_decay=0.01)),
         Target("sgd_momentum", _torch(torch.optim.SGD, momentum=0.9, dampening=0.1)),
     ]
-    from wrapped_optim import OptimizerWrapper
-
     targets.append(Target("base_wrapper(adamw)", _torch(torch.optim.AdamW), (OptimizerWrapper,)))
+    targets.append(
+        Target(
+            "fsdp(adamw,bf16 grads)",
+            _torch(torch.optim.AdamW),
+            (FSDPAwareOptimizer,),
+            grad_dtype=torch.bfloat16,
+        )
+    )
+    staged = StagedCheckpointOptimizer
+    targets.append(
+        Target("staged(adam)", _torch(torch.optim.Adam), (lambda s: staged(s, chunk_bytes=64),))
+    )
 
-    fsdp = load("wrapped_optim.fsdp", "FSDPAwareOptimizer")
-    if fsdp is not None:
+    for label, dtype, options in PRECISION_CONFIGS:
+        inner = _precision(PrecisionAwareAdamW, options)
+        # A 0-d parameter with fp16/FP8 state fails to step (known bug, see
+        # test_properties.py::test_zero_dim_param_with_scaled_state_steps): left out here.
+        zero_dim = not any(
+            options.get(name) in (torch.float16, torch.uint8)
+            for name in ("exp_avg_dtype", "exp_avg_sq_dtype")
+        )
+        common = {"dtype": dtype, "validating": True, "zero_dim": zero_dim}
+        targets.append(Target(f"precision_adamw[{label}]", inner, **common))
         targets.append(
             Target(
-                "fsdp(adamw,bf16 grads)",
-                _torch(torch.optim.AdamW),
-                (fsdp,),
-                grad_dtype=torch.bfloat16,
+                f"staged(precision_adamw[{label}])",
+                inner,
+                (lambda s: staged(s, chunk_bytes=16),),
+                **common,
             )
         )
 
-    staged = load("wrapped_optim.staged", "StagedCheckpointOptimizer")
-    if staged is not None:
-        targets.append(
-            Target("staged(adam)", _torch(torch.optim.Adam), (lambda s: staged(s, chunk_bytes=64),))
+    # atomic_step: the suites hold every step to "unchanged or consistently advanced".
+    inner = lambda groups: HybridOffloadOptimizer(  # noqa: E731
+        groups, offload_fraction=0.5, lr=0.05, atomic_step=True
+    )
+    targets.append(Target("hybrid_offload[bf16]", inner, dtype=torch.bfloat16, validating=True))
+    targets.append(
+        Target(
+            "hybrid_sync(hybrid_offload[bf16])",
+            inner,
+            (HybridSyncOptimizer,),
+            dtype=torch.bfloat16,
+            validating=True,
         )
-
-    precision = load("wrapped_optim.optimizers", "PrecisionAwareAdamW")
-    if precision is not None:
-        for label, dtype, options in PRECISION_CONFIGS:
-            inner = _precision(precision, options)
-            # A 0-d parameter with fp16/FP8 state fails to step (known bug, see
-            # test_properties.py::test_zero_dim_param_with_scaled_state_steps): left out here.
-            zero_dim = not any(
-                options.get(name) in (torch.float16, torch.uint8)
-                for name in ("exp_avg_dtype", "exp_avg_sq_dtype")
-            )
-            common = {"dtype": dtype, "validating": True, "zero_dim": zero_dim}
-            targets.append(Target(f"precision_adamw[{label}]", inner, **common))
-            if staged is not None:
-                targets.append(
-                    Target(
-                        f"staged(precision_adamw[{label}])",
-                        inner,
-                        (lambda s: staged(s, chunk_bytes=16),),
-                        **common,
-                    )
-                )
-
-    offload = load("wrapped_optim.optimizers", "HybridOffloadOptimizer")
-    sync = load("wrapped_optim.hybrid", "HybridSyncOptimizer")
-    if offload is not None:
-        # atomic_step: the suites hold every step to "unchanged or consistently advanced".
-        inner = lambda groups: offload(  # noqa: E731
-            groups, offload_fraction=0.5, lr=0.05, atomic_step=True
+    )
+    targets.append(
+        Target(
+            "hybrid_sync(staged(hybrid_offload[fp32]))",
+            inner,
+            (HybridSyncOptimizer, lambda s: staged(s, chunk_bytes=64)),
+            validating=True,
         )
-        targets.append(Target("hybrid_offload[bf16]", inner, dtype=torch.bfloat16, validating=True))
-        if sync is not None:
-            targets.append(
-                Target(
-                    "hybrid_sync(hybrid_offload[bf16])",
-                    inner,
-                    (sync,),
-                    dtype=torch.bfloat16,
-                    validating=True,
-                )
-            )
-            if staged is not None:
-                targets.append(
-                    Target(
-                        "hybrid_sync(staged(hybrid_offload[fp32]))",
-                        inner,
-                        (sync, lambda s: staged(s, chunk_bytes=64)),
-                        validating=True,
-                    )
-                )
+    )
     return targets
 
 
@@ -189,7 +175,7 @@ def _precision(cls: Any, options: dict[str, Any]) -> Callable[[list[dict[str, An
     return lambda groups: cls(groups, lr=0.05, atomic_step=True, **options)
 
 
-TARGETS: dict[str, Target] = {target.name: target for target in _available_targets()}
+TARGETS: dict[str, Target] = {target.name: target for target in _all_targets()}
 
 
 def params_snapshot(stack: Any) -> list[torch.Tensor]:

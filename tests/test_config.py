@@ -13,17 +13,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from wrapped_optim.builder import BuildConfig, LRScheduleConfig, OptimizerSpec
 from wrapped_optim.config import (
-    BuildConfig,
     ConfigError,
     FSDPConfig,
     HybridConfig,
-    LRScheduleConfig,
-    OptimizerSpec,
-    SchedulerConfig,
     StackConfig,
     StagedConfig,
 )
+from wrapped_optim.integrations.bridge import SchedulerConfig
 
 # ----------------------------------------------------------------------------------------
 # Sections

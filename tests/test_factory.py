@@ -11,23 +11,22 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wrapped_optim.config import (
-    ConfigError,
+from wrapped_optim.builder import (
     LRScheduleConfig,
     OptimizerSpec,
-    SchedulerConfig,
-    StackConfig,
-)
-from wrapped_optim.factory import (
-    OptimizerConfigOverrideProvider,
-    OptimizerConfigOverrideProviderContext,
     _lr_scheduler,
     build_optimizer,
     resolve_optimizer_class,
-    setup_optimizer,
-    wrap,
 )
+from wrapped_optim.config import ConfigError, StackConfig
 from wrapped_optim.fsdp import FSDPAwareOptimizer
+from wrapped_optim.integrations.bridge import (
+    OptimizerConfigOverrideProvider,
+    OptimizerConfigOverrideProviderContext,
+    SchedulerConfig,
+    setup_optimizer,
+)
+from wrapped_optim.stack import wrap
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
 

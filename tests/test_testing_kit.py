@@ -3,7 +3,9 @@ on a planted difference; the strategies draw what they promise."""
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -402,13 +404,30 @@ def test_optimizer_configs_cover_every_torch_kind() -> None:
         assert type(opt).__name__.lower() == kind
 
 
-def test_unavailable_kinds_raise_import_error() -> None:
-    spec = ws.OptimizerSpec("precision_adamw")
-    if "precision_adamw" in ws.available_optimizer_kinds():
-        assert spec.cls.__name__ == "PrecisionAwareAdamW"
-    else:
-        with pytest.raises(ImportError, match="precision_adamw"):
-            spec.build([torch.nn.Parameter(torch.ones(1))])
+def test_every_kind_and_layer_is_available_and_unknown_kinds_are_named() -> None:
+    """The package's own optimizers and layers are never silently missing from the draws."""
+    assert set(ws.available_optimizer_kinds()) == {
+        *ws.TORCH_KINDS,
+        "precision_adamw",
+        "hybrid_offload",
+    }
+    assert ws.available_layers() == ws.LAYER_ORDER == ("fsdp", "hybrid", "staged")
+    assert ws.OptimizerSpec("precision_adamw").cls.__name__ == "PrecisionAwareAdamW"
+    with pytest.raises(ValueError, match="unknown optimizer kind 'lamb'"):
+        ws.OptimizerSpec("lamb").build([torch.nn.Parameter(torch.ones(1))])
+
+
+def test_the_strategies_and_suite_targets_swallow_no_import_error() -> None:
+    """No ``except ImportError`` in the kit's strategies or the suites' targets: a broken module
+    of the package fails the suite instead of silently dropping what it would have drawn."""
+    root = Path(__file__).resolve().parents[1]
+    for path in (root / "wrapped_optim/testing/strategies.py", root / "tests/_suite_targets.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ExceptHandler) and node.type is not None:
+                caught = ast.unparse(node.type)
+                assert "ImportError" not in caught and "ModuleNotFoundError" not in caught, (
+                    f"{path.name}:{node.lineno} catches {caught}"
+                )
 
 
 _ALL_SETUPS = ws.setups(kinds=ws.available_optimizer_kinds(), max_groups=2, max_params=2)

@@ -1,25 +1,23 @@
 """wrapped_optim: composable wrappers that make optimizers cheap to checkpoint, offload and shard.
 
-Public API only; see the README and docs/ for the concepts.
+Public API only; see the README and docs/ for the concepts. Advanced and integration pieces
+have their own modules: :mod:`wrapped_optim.integrations.bridge` (Megatron-Bridge's
+``SchedulerConfig``), :mod:`wrapped_optim.patching` (the instance-patching utility),
+:mod:`wrapped_optim.compat` (drop-in Megatron helpers).
 """
 
+import importlib
+import warnings
+from typing import Any
+
+from wrapped_optim.builder import BuildConfig, LRScheduleConfig, OptimizerSpec, build_optimizer
 from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer, save_optimizer
-from wrapped_optim.config import (
-    BuildConfig,
-    ConfigError,
-    FSDPConfig,
-    HybridConfig,
-    LRScheduleConfig,
-    OptimizerSpec,
-    SchedulerConfig,
-    StackConfig,
-    StagedConfig,
-)
-from wrapped_optim.factory import build_optimizer, setup_optimizer, wrap
+from wrapped_optim.config import ConfigError, FSDPConfig, HybridConfig, StackConfig, StagedConfig
 from wrapped_optim.fsdp import FSDPAwareOptimizer, init_optimizer_state
 from wrapped_optim.hybrid import HybridSyncOptimizer, StaleMasterError
+from wrapped_optim.integrations.bridge import setup_optimizer
 from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
-from wrapped_optim.patching import patch_attribute
+from wrapped_optim.stack import find_layer, layers, unwrap, wrap
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
 
@@ -38,17 +36,36 @@ __all__ = [
     "OptimizerSpec",
     "OptimizerWrapper",
     "PrecisionAwareAdamW",
-    "SchedulerConfig",
     "StackConfig",
     "StagedCheckpointOptimizer",
     "StagedConfig",
     "StaleMasterError",
     "__version__",
     "build_optimizer",
+    "find_layer",
     "init_optimizer_state",
+    "layers",
     "load_optimizer",
-    "patch_attribute",
     "save_optimizer",
     "setup_optimizer",
+    "unwrap",
     "wrap",
 ]
+
+# Names this package once exported that now live in their own namespace: still importable
+# from here, with a DeprecationWarning naming the new home.
+_MOVED = {
+    "SchedulerConfig": "wrapped_optim.integrations.bridge",
+    "patch_attribute": "wrapped_optim.patching",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(
+            f"wrapped_optim.{name} moved to {_MOVED[name]}.{name}; import it from there",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

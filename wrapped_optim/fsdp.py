@@ -25,7 +25,7 @@ from wrapped_optim.adapters.megatron_fsdp import (
     swap_grad,
 )
 from wrapped_optim.adapters.walk import walk_leaves
-from wrapped_optim.wrapper import OptimizerWrapper
+from wrapped_optim.wrapper import OptimizerWrapper, find_layer
 
 __all__ = ["FSDPAwareOptimizer", "init_optimizer_state"]
 
@@ -356,12 +356,8 @@ def _reset_step_counters(leaf: torch.optim.Optimizer) -> None:
 
 
 def _stack_is_precision_aware(optimizer: Any) -> bool:
-    layer = optimizer
-    while isinstance(layer, OptimizerWrapper):
-        if isinstance(layer, FSDPAwareOptimizer):
-            return layer.precision_aware
-        layer = layer.inner
-    return False
+    layer = find_layer(optimizer, FSDPAwareOptimizer)
+    return layer is not None and layer.precision_aware
 
 
 def _init_leaf(leaf: torch.optim.Optimizer, precision_aware: bool) -> None:

@@ -35,9 +35,9 @@ import torch
 
 from wrapped_optim.adapters.dtensor import is_dtensor
 from wrapped_optim.adapters.hybrid import is_hybrid_offload
-from wrapped_optim.adapters.megatron import config_flag
 from wrapped_optim.adapters.precision import supports_chunked_state
 from wrapped_optim.adapters.walk import LeafContext, walk_leaves
+from wrapped_optim.layer_policy import MegatronSettings, no_copy_blocker, staging_blocker
 from wrapped_optim.patching import patch_attribute
 from wrapped_optim.probe import device_ledger
 
@@ -125,13 +125,9 @@ def _supports_chunks(obj: Any) -> bool:
 def _save_gate(leaf: LeafContext) -> str | None:
     if leaf.is_stub:
         return "stub optimizer (no parameters on this rank)"
-    if leaf.config is not None:
-        if not config_flag(leaf.config, "use_precision_aware_optimizer"):
-            return "config.use_precision_aware_optimizer is off"
-        if config_flag(leaf.config, "optimizer_cpu_offload"):
-            return "config.optimizer_cpu_offload is on"
-    if config_flag(leaf.ddp_config, "use_megatron_fsdp"):
-        return "ddp_config.use_megatron_fsdp is on"
+    blocker = staging_blocker(MegatronSettings.of(leaf.config, leaf.ddp_config))
+    if blocker is not None:
+        return blocker
     if _dtype_map(leaf.optimizer) is None:
         return f"{type(leaf.optimizer).__name__} is not a precision-aware holder"
     if not _compressed(leaf.optimizer):
@@ -486,15 +482,11 @@ def staged_load(
 def _no_copy_gate(leaf: LeafContext) -> str | None:
     if leaf.is_stub:
         return "stub optimizer (no parameters on this rank)"
-    container = leaf.container
-    if container is None or not hasattr(container, "shard_fp32_from_float16_groups"):
-        return "not inside a distributed optimizer"
-    if config_flag(leaf.ddp_config, "use_megatron_fsdp"):
-        return "ddp_config.use_megatron_fsdp is on"
-    if config_flag(leaf.config, "use_precision_aware_optimizer"):
-        return "config.use_precision_aware_optimizer is on"
-    if config_flag(leaf.config, "optimizer_cpu_offload"):
-        return "config.optimizer_cpu_offload is on"
+    distributed = hasattr(leaf.container, "shard_fp32_from_float16_groups")
+    settings = MegatronSettings.of(leaf.config, leaf.ddp_config, distributed=distributed)
+    blocker = no_copy_blocker(settings)
+    if blocker is not None:
+        return blocker
     inner = leaf.optimizer
     mapping = _dtype_map(inner)
     if mapping is None or not callable(getattr(inner, "set_scaled_state", None)):

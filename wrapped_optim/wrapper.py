@@ -16,7 +16,7 @@ import torch
 
 from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
-__all__ = ["OptimizerWrapper"]
+__all__ = ["OptimizerWrapper", "find_layer", "layers", "unwrap"]
 
 T = TypeVar("T")
 
@@ -261,9 +261,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
             >>> opt = OptimizerWrapper(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1))
             >>> opt.state_loaded()  # a plain wrapper has nothing to re-establish
         """
-        for layer in reversed(self.layers()):  # innermost first, as loads complete
-            if isinstance(layer, OptimizerWrapper):
-                layer._on_state_loaded()
+        for layer in reversed(layers(self)[:-1]):  # the wrappers, innermost first
+            layer._on_state_loaded()
 
     def _on_state_loaded(self) -> None:
         """What this layer re-establishes after its stack's state was loaded."""
@@ -274,6 +273,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def layers(self) -> list[Any]:
         """Every object of the decorator chain, outermost (this wrapper) to innermost.
 
+        :func:`wrapped_optim.layers` does the same for any optimizer, wrapped or bare.
+
         Example:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
@@ -282,15 +283,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
             >>> [type(layer).__name__ for layer in stack.layers()]
             ['OptimizerWrapper', 'OptimizerWrapper', 'SGD']
         """
-        return list(self._iter_layers())
-
-    def _iter_layers(self) -> Iterator[Any]:
-        layer: Any = self
-        while True:
-            yield layer
-            if not isinstance(layer, OptimizerWrapper):
-                return
-            layer = layer.inner
+        return layers(self)
 
     def unwrap(self) -> Any:
         """The innermost optimizer: the first object of the chain that is not a wrapper.
@@ -302,7 +295,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
             >>> OptimizerWrapper(OptimizerWrapper(sgd)).unwrap() is sgd
             True
         """
-        return self.layers()[-1]
+        return unwrap(self)
 
     def find(self, cls: type[T]) -> T | None:
         """The outermost layer that is an instance of ``cls``, or ``None``.
@@ -316,10 +309,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
             >>> OptimizerWrapper(sgd).find(torch.optim.Adam) is None
             True
         """
-        for layer in self._iter_layers():
-            if isinstance(layer, cls):
-                return layer
-        return None
+        return find_layer(self, cls)
 
     # ----------------------------------------------------------------------------------
     # Presentation and serialisation
@@ -330,7 +320,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         lines = []
-        for depth, layer in enumerate(self._iter_layers()):
+        for depth, layer in enumerate(_chain(self)):
             prefix = "" if depth == 0 else "   " * (depth - 1) + "└─ "
             if isinstance(layer, OptimizerWrapper):
                 lines.append(f"{prefix}{type(layer).__name__}({layer._extra_repr()})")
@@ -351,3 +341,71 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._init_hook_registries()
+
+
+# --------------------------------------------------------------------------------------
+# The one walk down a decorator chain, for any optimizer, wrapped or bare
+# --------------------------------------------------------------------------------------
+def _chain(optimizer: Any) -> Iterator[Any]:
+    layer = optimizer
+    while isinstance(layer, OptimizerWrapper):
+        yield layer
+        layer = layer.inner
+    yield layer
+
+
+def layers(optimizer: Any) -> list[Any]:
+    """Every object of ``optimizer``'s decorator chain, outermost to innermost.
+
+    Works on any optimizer: a bare one (``wrap`` hands it back unchanged when it adds no
+    layer) is its own one-element chain.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim import OptimizerWrapper, layers
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> layers(sgd) == [sgd]
+        True
+        >>> [type(layer).__name__ for layer in layers(OptimizerWrapper(sgd))]
+        ['OptimizerWrapper', 'SGD']
+    """
+    return list(_chain(optimizer))
+
+
+def unwrap(optimizer: Any) -> Any:
+    """The innermost optimizer of ``optimizer``'s chain (``optimizer`` itself when bare).
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim import OptimizerWrapper, unwrap
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> unwrap(OptimizerWrapper(OptimizerWrapper(sgd))) is sgd, unwrap(sgd) is sgd
+        (True, True)
+    """
+    layer = optimizer
+    while isinstance(layer, OptimizerWrapper):
+        layer = layer.inner
+    return layer
+
+
+def find_layer(optimizer: Any, cls: type[T]) -> T | None:
+    """The outermost layer of ``optimizer``'s chain that is a ``cls``, or ``None``.
+
+    Works on any optimizer, wrapped or bare, so code need not check for a wrapper first.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim import StagedCheckpointOptimizer, find_layer, wrap
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> find_layer(wrap(sgd), StagedCheckpointOptimizer) is None  # wrap added nothing
+        True
+        >>> find_layer(sgd, torch.optim.SGD) is sgd
+        True
+        >>> staged = wrap(sgd, {"staged": True})
+        >>> find_layer(staged, StagedCheckpointOptimizer) is staged
+        True
+    """
+    for layer in _chain(optimizer):
+        if isinstance(layer, cls):
+            return layer
+    return None

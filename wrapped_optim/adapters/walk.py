@@ -15,6 +15,8 @@ from typing import Any
 import attrs
 import torch
 
+from wrapped_optim.wrapper import unwrap
+
 __all__ = ["LeafContext", "walk_leaves"]
 
 
@@ -47,17 +49,8 @@ class LeafContext:
     index: int = 0
 
 
-def _unwrapped(obj: Any) -> Any:
-    # Local import: wrapper.py must not depend on adapters.
-    from wrapped_optim.wrapper import OptimizerWrapper
-
-    while isinstance(obj, OptimizerWrapper):
-        obj = obj.inner
-    return obj
-
-
 def _walk(obj: Any) -> Iterator[tuple[Any, Any]]:
-    obj = _unwrapped(obj)
+    obj = unwrap(obj)
     if isinstance(obj, torch.optim.Optimizer):
         yield obj, None
         return
@@ -68,7 +61,7 @@ def _walk(obj: Any) -> Iterator[tuple[Any, Any]]:
         return
     if "optimizer" in getattr(obj, "__dict__", {}) or hasattr(type(obj), "optimizer"):
         # A Megatron optimizer: the leaf is its ``.optimizer`` (None on a stub rank).
-        inner = _unwrapped(obj.optimizer)
+        inner = unwrap(obj.optimizer)
         if inner is None or isinstance(inner, torch.optim.Optimizer):
             yield inner, obj
             return

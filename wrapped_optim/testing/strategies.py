@@ -10,13 +10,15 @@ Needs ``hypothesis`` (a test dependency, not a runtime one).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import torch
 from hypothesis import strategies as st
+
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
+from wrapped_optim.stack import LAYERS, layer_spec
 
 __all__ = [
     "LAYER_ORDER",
@@ -43,51 +45,38 @@ Options = tuple[tuple[str, Any], ...]
 #: Torch's own optimizers the strategies cover.
 TORCH_KINDS: tuple[str, ...] = ("sgd", "adam", "adamw")
 
-#: Wrapper layers, outermost first (the canonical order of the factory).
-LAYER_ORDER: tuple[str, ...] = ("fsdp", "hybrid", "staged")
+#: Wrapper layers, outermost first (the canonical order of :data:`wrapped_optim.stack.LAYERS`).
+LAYER_ORDER: tuple[str, ...] = tuple(spec.section for spec in LAYERS)
 
-_LAYER_CLASSES: dict[str, tuple[str, str]] = {
-    "fsdp": ("wrapped_optim.fsdp", "FSDPAwareOptimizer"),
-    "hybrid": ("wrapped_optim.hybrid", "HybridSyncOptimizer"),
-    "staged": ("wrapped_optim.staged", "StagedCheckpointOptimizer"),
-}
-
-_OPTIMIZER_CLASSES: dict[str, tuple[str, str]] = {
-    "sgd": ("torch.optim", "SGD"),
-    "adam": ("torch.optim", "Adam"),
-    "adamw": ("torch.optim", "AdamW"),
-    "precision_adamw": ("wrapped_optim.optimizers", "PrecisionAwareAdamW"),
-    "hybrid_offload": ("wrapped_optim.optimizers", "HybridOffloadOptimizer"),
+_OPTIMIZER_CLASSES: dict[str, Any] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "precision_adamw": PrecisionAwareAdamW,
+    "hybrid_offload": HybridOffloadOptimizer,
 }
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def _load(module: str, name: str) -> Any | None:
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-
-
 def available_optimizer_kinds() -> tuple[str, ...]:
-    """Optimizer kinds whose class can be imported here.
+    """Every optimizer kind the strategies draw (all of them import wherever torch does).
 
     Example:
-        >>> {"sgd", "adam", "adamw"} <= set(available_optimizer_kinds())
+        >>> {"sgd", "adam", "adamw", "precision_adamw"} <= set(available_optimizer_kinds())
         True
     """
-    return tuple(kind for kind, where in _OPTIMIZER_CLASSES.items() if _load(*where) is not None)
+    return tuple(_OPTIMIZER_CLASSES)
 
 
 def available_layers() -> tuple[str, ...]:
-    """Wrapper layers whose class can be imported here, outermost first.
+    """Every wrapper layer, outermost first (kept for callers; equal to :data:`LAYER_ORDER`).
 
     Example:
-        >>> set(available_layers()) <= set(LAYER_ORDER)
+        >>> available_layers() == LAYER_ORDER
         True
     """
-    return tuple(layer for layer in LAYER_ORDER if _load(*_LAYER_CLASSES[layer]) is not None)
+    return LAYER_ORDER
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,11 +283,13 @@ class OptimizerSpec:
 
     @property
     def cls(self) -> Any:
-        """The optimizer class (ImportError when its package is not available)."""
-        cls = _load(*_OPTIMIZER_CLASSES[self.kind])
-        if cls is None:
-            raise ImportError(f"optimizer kind {self.kind!r} is not available here")
-        return cls
+        """The optimizer class (``ValueError`` naming the known kinds for an unknown one)."""
+        try:
+            return _OPTIMIZER_CLASSES[self.kind]
+        except KeyError:
+            raise ValueError(
+                f"unknown optimizer kind {self.kind!r}; known: {', '.join(_OPTIMIZER_CLASSES)}"
+            ) from None
 
     def build(self, params: Any) -> Any:
         """A fresh optimizer over ``params`` (a list of parameters or parameter groups)."""
@@ -442,10 +433,7 @@ class StackSpec:
         """Wraps ``optimizer`` in the layers (innermost first)."""
         stack = optimizer
         for name, options in reversed(self.layers):
-            cls = _load(*_LAYER_CLASSES[name])
-            if cls is None:
-                raise ImportError(f"wrapper layer {name!r} is not available here")
-            stack = cls(stack, **dict(options))
+            stack = layer_spec(name).wrapper(stack, **dict(options))
         return stack
 
 

@@ -1,0 +1,5 @@
+"""Ports of other frameworks' entry points onto wrapped stacks.
+
+* :mod:`wrapped_optim.integrations.bridge` -- Megatron-Bridge's ``setup_optimizer`` and
+  ``SchedulerConfig``.
+"""

@@ -1,0 +1,450 @@
+"""The Megatron-Bridge port: ``setup_optimizer`` and its scheduler configuration.
+
+:func:`setup_optimizer` takes Bridge's arguments and makes Bridge's builder and scheduler
+calls, then wraps the Megatron optimizer with the stack that
+:meth:`~wrapped_optim.config.StackConfig.from_megatron` derives from Megatron's configs.
+:class:`SchedulerConfig` mirrors Bridge's scheduler settings (and their validation). Needs
+megatron-core at call time only; importing this module does not import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+
+from wrapped_optim.adapters.megatron import megatron_optimizer_module
+from wrapped_optim.builder import MEGATRON_LR_STYLES
+from wrapped_optim.config import StackConfig
+from wrapped_optim.config_fields import (
+    ConfigError,
+    check_bool,
+    check_choice,
+    check_float,
+    check_int_at_least,
+    check_optional_int_at_least,
+    from_mapping,
+    is_int,
+)
+from wrapped_optim.stack import wrap
+
+__all__ = [
+    "OptimizerConfigOverrideProvider",
+    "OptimizerConfigOverrideProviderContext",
+    "SchedulerConfig",
+    "setup_optimizer",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    """Megatron-Bridge's LR / weight-decay scheduler settings, with Bridge's validation.
+
+    Field names and meanings follow Bridge (iterations *or* samples, never both; warmup by
+    count or by fraction). The ``*_steps`` fields that megatron-core's
+    ``OptimizerParamScheduler`` consumes are derived from the training length by
+    :meth:`with_steps` (Bridge computes them in its ConfigContainer), or set directly.
+    ``start_weight_decay`` / ``end_weight_decay`` left ``None`` take the optimizer config's
+    ``weight_decay`` in :func:`setup_optimizer`.
+
+    Example:
+        >>> config = SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=10)
+        >>> config = config.with_steps(train_iters=100, global_batch_size=8)
+        >>> config.lr_warmup_steps, config.lr_decay_steps, config.wd_incr_steps
+        (80, 800, 800)
+    """
+
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = (
+        attrs.field(default="linear", validator=check_choice(*MEGATRON_LR_STYLES))
+    )
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = attrs.field(
+        default="exponential",
+        validator=check_choice("exponential", "linear", "cosine", "minus_sqrt"),
+    )
+    lr_decay_iters: int | None = attrs.field(default=None, validator=check_optional_int_at_least(1))
+    lr_decay_samples: int | None = attrs.field(
+        default=None, validator=check_optional_int_at_least(1)
+    )
+    lr_wsd_decay_iters: int | None = attrs.field(
+        default=None, validator=check_optional_int_at_least(1)
+    )
+    lr_wsd_decay_samples: int | None = attrs.field(
+        default=None, validator=check_optional_int_at_least(1)
+    )
+    lr_warmup_fraction: float | None = attrs.field(
+        default=None, validator=check_float(minimum=0.0, maximum=1.0, optional=True)
+    )
+    lr_warmup_iters: int = attrs.field(default=0, validator=check_int_at_least(0))
+    lr_warmup_samples: int = attrs.field(default=0, validator=check_int_at_least(0))
+    lr_warmup_init: float = attrs.field(default=0.0, validator=check_float(minimum=0.0))
+    override_opt_param_scheduler: bool = attrs.field(default=False, validator=check_bool)
+    use_checkpoint_opt_param_scheduler: bool = attrs.field(default=False, validator=check_bool)
+    start_weight_decay: float | None = attrs.field(
+        default=None, validator=check_float(optional=True)
+    )
+    end_weight_decay: float | None = attrs.field(default=None, validator=check_float(optional=True))
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = attrs.field(
+        default="constant", validator=check_choice("constant", "linear", "cosine")
+    )
+    no_weight_decay_cond_type: Literal["qwen3_next"] | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(check_choice("qwen3_next")),
+    )
+    max_steps: int | None = attrs.field(default=None, validator=check_optional_int_at_least(1))
+    # Derived by with_steps() (Bridge: ConfigContainer._calculate_scheduler_steps).
+    lr_warmup_steps: float | None = attrs.field(
+        default=None, validator=check_float(minimum=0.0, optional=True)
+    )
+    lr_decay_steps: int | None = attrs.field(default=None, validator=check_optional_int_at_least(1))
+    wd_incr_steps: int | None = attrs.field(default=None, validator=check_optional_int_at_least(1))
+    wsd_decay_steps: int | None = attrs.field(
+        default=None, validator=check_optional_int_at_least(1)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        # Bridge's SchedulerConfig.finalize(), as errors that name the field.
+        if self.start_weight_decay is not None:
+            if self.start_weight_decay < 0.0:
+                raise ConfigError(
+                    "start_weight_decay", f"must be >= 0, got {self.start_weight_decay}"
+                )
+            if self.end_weight_decay is None or self.end_weight_decay < self.start_weight_decay:
+                raise ConfigError(
+                    "end_weight_decay",
+                    f"must be >= start_weight_decay ({self.start_weight_decay}), "
+                    f"got {self.end_weight_decay}",
+                )
+            if (
+                self.weight_decay_incr_style == "constant"
+                and self.end_weight_decay != self.start_weight_decay
+            ):
+                # megatron-core's scheduler asserts this on its first step.
+                raise ConfigError(
+                    "end_weight_decay",
+                    "must equal start_weight_decay with weight_decay_incr_style='constant'",
+                )
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ConfigError(
+                "override_opt_param_scheduler",
+                "cannot be set together with use_checkpoint_opt_param_scheduler",
+            )
+        iteration_fields = {
+            "lr_decay_iters": self.lr_decay_iters is not None,
+            "lr_warmup_iters": self.lr_warmup_iters != 0,
+            "lr_wsd_decay_iters": self.lr_wsd_decay_iters is not None,
+        }
+        sample_fields = {
+            "lr_decay_samples": self.lr_decay_samples is not None,
+            "lr_warmup_samples": self.lr_warmup_samples != 0,
+            "lr_wsd_decay_samples": self.lr_wsd_decay_samples is not None,
+        }
+        if any(iteration_fields.values()) and any(sample_fields.values()):
+            used = [n for n, on in {**iteration_fields, **sample_fields}.items() if on]
+            raise ConfigError(
+                next(n for n, on in sample_fields.items() if on),
+                f"iteration-based and sample-based fields cannot be mixed (set: {', '.join(used)})",
+            )
+        if self.lr_warmup_fraction is not None and (self.lr_warmup_iters or self.lr_warmup_samples):
+            raise ConfigError(
+                "lr_warmup_fraction",
+                "cannot be combined with lr_warmup_iters or lr_warmup_samples; use one of them",
+            )
+
+    def with_steps(
+        self,
+        *,
+        train_iters: int | None = None,
+        global_batch_size: int | None = None,
+        train_samples: int | None = None,
+    ) -> SchedulerConfig:
+        """A copy with the scheduler's step counts derived from the training length.
+
+        Iteration-based (``train_iters`` and ``global_batch_size``) or sample-based
+        (``train_samples``) as in Bridge; steps are counted in samples, and a warmup as long
+        as the decay is capped to ``lr_decay_steps - 1`` with a warning.
+
+        Example:
+            >>> SchedulerConfig(lr_warmup_samples=10).with_steps(train_samples=1000).lr_decay_steps
+            1000
+        """
+        changes: dict[str, Any] = {}
+        if train_samples is not None:
+            if train_iters is not None:
+                raise ConfigError("train_iters", "cannot be combined with train_samples")
+            if not is_int(train_samples) or train_samples <= 0:
+                raise ConfigError("train_samples", f"must be a positive int, got {train_samples}")
+            if self.max_steps is not None:
+                raise ConfigError("max_steps", "is only supported for iteration-based training")
+            if self.lr_decay_iters is not None or self.lr_warmup_iters:
+                raise ConfigError(
+                    "lr_decay_iters" if self.lr_decay_iters is not None else "lr_warmup_iters",
+                    "use the *_samples fields for sample-based training",
+                )
+            decay = self.lr_decay_samples if self.lr_decay_samples is not None else train_samples
+            changes["lr_decay_steps"] = decay
+            changes["wd_incr_steps"] = train_samples
+            if self.lr_wsd_decay_samples is not None:
+                changes["wsd_decay_steps"] = self.lr_wsd_decay_samples
+            warmup: float = (
+                self.lr_warmup_fraction * decay
+                if self.lr_warmup_fraction is not None
+                else self.lr_warmup_samples
+            )
+        else:
+            if train_iters is None or global_batch_size is None:
+                raise ConfigError(
+                    "train_iters",
+                    "with_steps needs train_iters and global_batch_size, or train_samples",
+                )
+            for name, value in (
+                ("train_iters", train_iters),
+                ("global_batch_size", global_batch_size),
+            ):
+                if not is_int(value) or value <= 0:
+                    raise ConfigError(name, f"must be a positive int, got {value!r}")
+            if self.lr_decay_samples is not None or self.lr_warmup_samples:
+                raise ConfigError(
+                    "lr_decay_samples"
+                    if self.lr_decay_samples is not None
+                    else "lr_warmup_samples",
+                    "use the *_iters fields for iteration-based training",
+                )
+            decay_iters = self.lr_decay_iters
+            if self.max_steps is not None:
+                if self.max_steps < train_iters:
+                    raise ConfigError(
+                        "max_steps", f"({self.max_steps}) must be >= train_iters ({train_iters})"
+                    )
+                decay_iters = self.max_steps
+            elif decay_iters is None:
+                decay_iters = train_iters
+            wsd_iters = self.lr_wsd_decay_iters
+            if wsd_iters is None and self.lr_decay_style == "WSD":
+                wsd_iters = decay_iters
+            changes["lr_decay_iters"] = decay_iters
+            changes["lr_wsd_decay_iters"] = wsd_iters
+            decay = decay_iters * global_batch_size
+            changes["lr_decay_steps"] = decay
+            changes["wd_incr_steps"] = (self.max_steps or train_iters) * global_batch_size
+            if wsd_iters is not None:
+                changes["wsd_decay_steps"] = wsd_iters * global_batch_size
+            warmup = (
+                self.lr_warmup_fraction * decay
+                if self.lr_warmup_fraction is not None
+                else self.lr_warmup_iters * global_batch_size
+            )
+        if warmup >= decay:
+            warnings.warn(
+                f"lr_warmup_steps ({warmup}) >= lr_decay_steps ({decay}); capping lr_warmup_steps "
+                f"to {decay - 1}",
+                UserWarning,
+                stacklevel=2,
+            )
+            warmup = decay - 1
+        changes["lr_warmup_steps"] = warmup
+        return attrs.evolve(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SchedulerConfig:
+        """Builds the config from a mapping, rejecting unknown keys.
+
+        Example:
+            >>> SchedulerConfig.from_dict({"lr_decay_style": "cosine"}).lr_decay_style
+            'cosine'
+        """
+        return from_mapping(cls, data, "")
+
+
+@attrs.frozen
+class OptimizerConfigOverrideProviderContext:
+    """What an override provider sees (Bridge's context, same attribute names).
+
+    Example:
+        >>> OptimizerConfigOverrideProviderContext(None, None, []).model
+        []
+    """
+
+    scheduler_config: Any
+    optimizer_config: Any
+    model: Any
+
+
+class OptimizerConfigOverrideProvider:
+    """Bridge's default provider: megatron-core's standard param-group overrides.
+
+    Subclass it (or pass any object with ``build_config_overrides(context)``) to change
+    per-parameter-group settings (weight-decay skips, decoupled LR...).
+
+    Example:
+        >>> callable(OptimizerConfigOverrideProvider().build_config_overrides)
+        True
+    """
+
+    def build_config_overrides(self, context: OptimizerConfigOverrideProviderContext) -> Any:
+        """``get_standard_config_overrides(config)``, or ``None`` when it has none."""
+        core = megatron_optimizer_module()
+        overrides = core.get_standard_config_overrides(config=context.optimizer_config)
+        return overrides if overrides else None
+
+
+def _ddp_config_of(model_chunks: list[Any]) -> Any:
+    for chunk in model_chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None:
+            return ddp_config
+    return None
+
+
+def setup_optimizer(
+    optimizer_config: Any,
+    scheduler_config: Any,
+    model: Any,
+    use_gloo_process_groups: bool = True,
+    pg_collection: Any = None,
+    optimizer_config_override_provider: Any = None,
+    *,
+    ddp_config: Any = None,
+    stack: StackConfig | Mapping[str, Any] | None = None,
+) -> tuple[Any, Any]:
+    """Megatron-Bridge's ``setup_optimizer``, returning the wrapped optimizer and its scheduler.
+
+    As in Bridge: param-group overrides from ``optimizer_config_override_provider`` (default:
+    megatron-core's standard overrides), with muP overrides merged on top when the model
+    config has ``use_mup``; then ``optimizer_config.provide(...)`` when the config has that
+    hook, else ``get_megatron_optimizer``, or ``get_megatron_muon_optimizer`` when the
+    optimizer name contains ``muon`` or ``soap`` (layer-wise distributed when it contains
+    ``dist``); then megatron-core's ``OptimizerParamScheduler``. The optimizer is wrapped with
+    :meth:`~wrapped_optim.config.StackConfig.from_megatron` (``ddp_config`` defaults to the
+    first model chunk's ``ddp_config``; ``stack`` holds explicit settings that override
+    derived ones).
+
+    Needs megatron-core (and, for its optimizers, CUDA and initialised parallel state).
+    ``scheduler_config`` is a :class:`SchedulerConfig` with its step counts set
+    (:meth:`SchedulerConfig.with_steps`) or Bridge's own.
+
+    A config with Bridge's ``provide`` hook runs on a CPU, as in this example.
+
+    Example:
+        >>> import torch
+        >>> from types import SimpleNamespace
+        >>> from wrapped_optim.integrations.bridge import SchedulerConfig, setup_optimizer
+        >>> model = torch.nn.Linear(2, 2)
+        >>> model.config = SimpleNamespace(use_mup=False)
+        >>> optimizer_config = SimpleNamespace(
+        ...     optimizer="adam", lr=0.1, min_lr=0.0, weight_decay=0.0,
+        ...     apply_wd_to_qk_layernorm=False, decoupled_lr=None, decoupled_min_lr=None,
+        ...     provide=lambda model_chunks, **_: torch.optim.AdamW(model_chunks.parameters()))
+        >>> steps = SchedulerConfig(lr_warmup_iters=1)
+        >>> steps = steps.with_steps(train_iters=4, global_batch_size=1)
+        >>> optimizer, scheduler = setup_optimizer(optimizer_config, steps, model)
+        >>> optimizer.param_groups[0]["lr"]
+        0.0
+        >>> scheduler.step(1)
+        >>> optimizer.param_groups[0]["lr"]
+        0.1
+    """
+    core = megatron_optimizer_module()
+    from megatron.core.utils import get_model_config
+
+    name = getattr(optimizer_config, "optimizer", None)
+    if not isinstance(name, str):
+        raise ConfigError("optimizer_config.optimizer", f"must be a string, got {name!r}")
+    if optimizer_config_override_provider is None:
+        optimizer_config_override_provider = OptimizerConfigOverrideProvider()
+    config_overrides = optimizer_config_override_provider.build_config_overrides(
+        OptimizerConfigOverrideProviderContext(scheduler_config, optimizer_config, model)
+    )
+
+    model_chunks = model if isinstance(model, list) else [model]
+    model_config = get_model_config(model_chunks[0])
+    if getattr(model_config, "use_mup", False):
+        get_mup_config_overrides = getattr(core, "get_mup_config_overrides", None)
+        if get_mup_config_overrides is None:
+            raise ImportError(
+                "the model config has use_mup=True, which needs a megatron-core with "
+                "megatron.core.optimizer.get_mup_config_overrides (newer than the one installed)"
+            )
+        mup_overrides = get_mup_config_overrides(
+            config=optimizer_config,
+            mup_width_mult=model_config.mup_width_mult,
+            optimizer_type=name,
+        )
+        if mup_overrides:
+            config_overrides = {**(config_overrides or {}), **mup_overrides}
+            logger.info(
+                "muP enabled (width_mult=%.4g): applied %d optimizer param-group override(s)",
+                model_config.mup_width_mult,
+                len(mup_overrides),
+            )
+
+    if hasattr(optimizer_config, "provide"):
+        optimizer = optimizer_config.provide(
+            model_chunks=model,
+            config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups,
+            pg_collection=pg_collection,
+        )
+    elif "muon" not in name and "soap" not in name:
+        optimizer = core.get_megatron_optimizer(
+            config=optimizer_config,
+            model_chunks=model,
+            config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups,
+            pg_collection=pg_collection,
+        )
+    else:
+        muon = importlib.import_module("megatron.core.optimizer.muon")
+        optimizer = muon.get_megatron_muon_optimizer(
+            config=optimizer_config,
+            model_chunks=model,
+            config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups,
+            layer_wise_distributed_optimizer="dist" in name,
+            pg_collection=pg_collection,
+        )
+
+    if ddp_config is None:
+        ddp_config = _ddp_config_of(model_chunks)
+    stack_config = StackConfig.from_megatron(optimizer_config, ddp_config, overrides=stack)
+    wrapped = wrap(optimizer, stack_config)
+    scheduler = _megatron_scheduler(optimizer_config, scheduler_config, wrapped)
+    return wrapped, scheduler
+
+
+def _megatron_scheduler(optimizer_config: Any, scheduler_config: Any, optimizer: Any) -> Any:
+    scheduler_module = importlib.import_module("megatron.core.optimizer_param_scheduler")
+    for name in ("lr_decay_steps", "wd_incr_steps", "lr_warmup_steps"):
+        if getattr(scheduler_config, name, None) is None:
+            raise ConfigError(
+                f"scheduler_config.{name}",
+                "is not set; derive the step counts with SchedulerConfig.with_steps(...)",
+            )
+    for name in ("lr", "min_lr"):
+        if getattr(optimizer_config, name, None) is None:
+            raise ConfigError(f"optimizer_config.{name}", "must be set for the LR scheduler")
+    weight_decay = getattr(optimizer_config, "weight_decay", 0.0)
+    start_wd = scheduler_config.start_weight_decay
+    end_wd = scheduler_config.end_weight_decay
+    return scheduler_module.OptimizerParamScheduler(
+        optimizer,
+        init_lr=scheduler_config.lr_warmup_init,
+        max_lr=optimizer_config.lr,
+        min_lr=optimizer_config.min_lr,
+        lr_warmup_steps=scheduler_config.lr_warmup_steps,
+        lr_decay_steps=scheduler_config.lr_decay_steps,
+        lr_decay_style=scheduler_config.lr_decay_style,
+        start_wd=weight_decay if start_wd is None else start_wd,
+        end_wd=weight_decay if end_wd is None else end_wd,
+        wd_incr_steps=scheduler_config.wd_incr_steps,
+        wd_incr_style=scheduler_config.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=scheduler_config.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=scheduler_config.override_opt_param_scheduler,
+        wsd_decay_steps=scheduler_config.wsd_decay_steps,
+        lr_wsd_decay_style=scheduler_config.lr_wsd_decay_style,
+    )

@@ -1,0 +1,327 @@
+"""The wrapper stack: its one table of layers, the walk down it, and :func:`wrap`.
+
+:data:`LAYERS` lists the canonical layers, outermost first --
+``FSDPAwareOptimizer -> HybridSyncOptimizer -> StagedCheckpointOptimizer -> optimizer`` --
+each with its config section, options class and the rule that derives it from an optimizer.
+Everything that needs the list (:func:`wrap`, the configs' sections, the test strategies)
+reads it here.
+
+Why this order:
+
+* staging is innermost because it changes *how state is read and written* (the format stays
+  the same): every layer above, and the caller, see an ordinary state dict, and a
+  ``load_state_dict`` that reaches staging has already been completed by the hybrid layer;
+* hybrid sync sits above staging because it must see (and repair) the caller's checkpoint
+  before the memory-bounded loader consumes it, and it must check master freshness before
+  any step reaches the offloaded optimizer;
+* the FSDP layer is outermost because it adapts *gradients* (casting foreign-dtype grads for
+  the step, refreshing compute weights afterwards) around everything below, including the
+  hybrid layer's stale-master check and the step itself.
+
+:func:`layers`, :func:`find_layer` and :func:`unwrap` walk any optimizer's chain, wrapped or
+bare: :func:`wrap` hands the bare optimizer back when it adds nothing, so code that may get
+either uses these rather than the wrapper methods ``.layers()`` / ``.find()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from wrapped_optim import layer_policy
+from wrapped_optim.config import (
+    SECTIONS,
+    ConfigError,
+    FSDPConfig,
+    HybridConfig,
+    StackConfig,
+    StagedConfig,
+)
+from wrapped_optim.wrapper import OptimizerWrapper, find_layer, layers, unwrap
+
+__all__ = [
+    "LAYERS",
+    "LayerSpec",
+    "find_layer",
+    "layer_spec",
+    "layers",
+    "spec_of",
+    "unwrap",
+    "wrap",
+]
+
+
+# ----------------------------------------------------------------------------------------
+# Derive rules: what wrap() adds to an optimizer when its config leaves a section undecided
+# ----------------------------------------------------------------------------------------
+def _derive_fsdp(base: Any) -> FSDPConfig | bool:
+    from wrapped_optim.adapters.megatron_fsdp import needs_grad_cast
+    from wrapped_optim.adapters.walk import walk_leaves
+
+    if not needs_grad_cast(base):
+        return False
+    precision_aware = any(
+        layer_policy.MegatronSettings.of(leaf.config, leaf.ddp_config).precision_aware
+        for leaf in walk_leaves(base)
+    )
+    return FSDPConfig(precision_aware=precision_aware)
+
+
+def _derive_hybrid(base: Any) -> HybridConfig | bool:
+    from wrapped_optim.adapters.hybrid import find_hybrid_offload
+
+    return HybridConfig() if find_hybrid_offload(base) else False
+
+
+def _derive_staged(base: Any) -> StagedConfig | bool:
+    from wrapped_optim.staging import no_copy_decisions, staging_decisions
+
+    # The engine's own decisions (hybrid sub-optimizers and Megatron's settings, through
+    # layer_policy, included): staging is derived exactly where it would act.
+    if any(decision.eligible for decision in staging_decisions(base)):
+        return StagedConfig()
+    if any(decision.eligible for decision in no_copy_decisions(base)):
+        return StagedConfig()  # a Megatron distributed FP32 Adam: no-copy load
+    return False
+
+
+# ----------------------------------------------------------------------------------------
+# The table
+# ----------------------------------------------------------------------------------------
+@attrs.frozen
+class LayerSpec:
+    """One canonical layer: its config section, wrapper, options and derive rule.
+
+    Attributes:
+        section: the :class:`~wrapped_optim.config.StackConfig` section (``"staged"``...).
+        module: the module defining the wrapper (imported on first use).
+        class_name: the wrapper class's name.
+        config: the section's options class; its fields are the wrapper's keyword options.
+        derive: ``derive(optimizer)`` -> options to add the layer with, or ``False``.
+        carried: constructor options that are not config options (a callable, say), kept
+            when the layer is rebuilt elsewhere in a stack.
+
+    Example:
+        >>> spec = layer_spec("staged")
+        >>> spec.wrapper.__name__, spec.config.__name__
+        ('StagedCheckpointOptimizer', 'StagedConfig')
+    """
+
+    section: str
+    module: str
+    class_name: str
+    config: type
+    derive: Callable[[Any], Any] = attrs.field(repr=False)
+    carried: tuple[str, ...] = ()
+
+    @property
+    def wrapper(self) -> type[OptimizerWrapper]:
+        """The wrapper class (its module imported now if it was not)."""
+        cls: type[OptimizerWrapper] = getattr(importlib.import_module(self.module), self.class_name)
+        return cls
+
+    def is_layer(self, obj: Any) -> bool:
+        """Whether ``obj`` is this layer's wrapper (never imports the wrapper's module).
+
+        Example:
+            >>> import torch
+            >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+            >>> layer_spec("hybrid").is_layer(sgd)
+            False
+        """
+        # A class never imported cannot have instances in the stack.
+        loaded = sys.modules.get(self.module)
+        return loaded is not None and isinstance(obj, getattr(loaded, self.class_name, ()))
+
+    def options_of(self, layer: Any) -> dict[str, Any]:
+        """The options ``layer`` (this spec's wrapper) was built with, to rebuild it.
+
+        Example:
+            >>> import torch
+            >>> from wrapped_optim import HybridSyncOptimizer
+            >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+            >>> hybrid = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(1))])
+            >>> layer_spec("hybrid").options_of(HybridSyncOptimizer(hybrid, on_stale="raise"))
+            {'on_stale': 'raise'}
+        """
+        defaults = attrs.asdict(self.config())
+        options = {name: getattr(layer, name, default) for name, default in defaults.items()}
+        for name in self.carried:
+            if getattr(layer, name, None) is not None:
+                options[name] = getattr(layer, name)
+        return options
+
+
+#: The canonical layers, outermost first.
+LAYERS: tuple[LayerSpec, ...] = (
+    LayerSpec(
+        section="fsdp",
+        module="wrapped_optim.fsdp",
+        class_name="FSDPAwareOptimizer",
+        config=FSDPConfig,
+        derive=_derive_fsdp,
+        carried=("refresh",),
+    ),
+    LayerSpec(
+        section="hybrid",
+        module="wrapped_optim.hybrid",
+        class_name="HybridSyncOptimizer",
+        config=HybridConfig,
+        derive=_derive_hybrid,
+    ),
+    LayerSpec(
+        section="staged",
+        module="wrapped_optim.staged",
+        class_name="StagedCheckpointOptimizer",
+        config=StagedConfig,
+        derive=_derive_staged,
+    ),
+)
+
+_BY_SECTION = {spec.section: spec for spec in LAYERS}
+if {spec.section: spec.config for spec in LAYERS} != SECTIONS:  # pragma: no cover
+    raise ImportError("wrapped_optim.stack.LAYERS and StackConfig's sections disagree")
+
+
+def layer_spec(section: str) -> LayerSpec:
+    """The spec of the layer configured by ``section``.
+
+    Example:
+        >>> layer_spec("fsdp").class_name
+        'FSDPAwareOptimizer'
+    """
+    try:
+        return _BY_SECTION[section]
+    except KeyError:
+        raise ValueError(
+            f"no layer has section {section!r}; the layers are {', '.join(_BY_SECTION)}"
+        ) from None
+
+
+def spec_of(layer: Any) -> LayerSpec | None:
+    """The spec of the canonical layer ``layer`` is, or ``None`` (bare or foreign object).
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim import wrap
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> spec_of(wrap(sgd, {"staged": True})).section, spec_of(sgd)
+        ('staged', None)
+    """
+    return next((spec for spec in LAYERS if spec.is_layer(layer)), None)
+
+
+# ----------------------------------------------------------------------------------------
+# wrap()
+# ----------------------------------------------------------------------------------------
+def _peel(optimizer: Any) -> tuple[Any, dict[str, Any]]:
+    """Splits off the canonical layers on top of ``optimizer``: (base, {section: layer})."""
+    found: dict[str, Any] = {}
+    chain = layers(optimizer)
+    for layer in chain[:-1]:  # the wrappers
+        spec = spec_of(layer)
+        if spec is None or spec.section in found:
+            return layer, found
+        found[spec.section] = layer
+    return chain[-1], found
+
+
+def _buried_sections(base: Any) -> set[str]:
+    """Canonical layers below a foreign wrapper: present, left where they are."""
+    return {spec.section for spec in map(spec_of, layers(base)[:-1]) if spec is not None}
+
+
+def _as_stack_config(config: StackConfig | Mapping[str, Any] | None) -> StackConfig:
+    if config is None:
+        return StackConfig()
+    if isinstance(config, Mapping):
+        return StackConfig.from_dict(config)
+    if not isinstance(config, StackConfig):
+        raise TypeError(f"config must be a StackConfig, a mapping or None, got {config!r}")
+    return config
+
+
+def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) -> Any:
+    """Decorates ``optimizer`` with the canonical wrapper stack ``config`` asks for.
+
+    Outermost to innermost: ``FSDPAwareOptimizer``, ``HybridSyncOptimizer``,
+    ``StagedCheckpointOptimizer`` (:data:`LAYERS`; the module docstring says why). Per section
+    of ``config``: a section object adds the layer with those options, ``False`` leaves it out
+    (and removes one already there), ``None`` keeps an existing layer or derives the decision
+    from the optimizer itself -- a leaf the staging engine would stage (``staging_decisions``:
+    a precision-aware holder with compressed state, also as a hybrid offload optimizer's
+    sub-optimizer) or a no-copy-eligible Megatron distributed optimizer -> staging; a hybrid
+    offload optimizer -> hybrid sync; params whose ``grad_dtype`` differs from their dtype ->
+    FSDP-aware. Megatron's settings gate these as :mod:`wrapped_optim.layer_policy` says.
+
+    Re-wrapping never doubles a layer: canonical layers already on top are kept (also when an
+    explicit section repeats their options), and when nothing changes the same object is
+    returned -- the bare optimizer too, when no layer is wanted, so use :func:`layers` and
+    :func:`find_layer` on the result rather than wrapper methods. When layers must change (or
+    a hand-built stack is out of canonical order), the canonical layers are rebuilt around the
+    bare optimizer with their options (hooks registered on the replaced wrapper objects are
+    not carried over). A canonical layer below a foreign wrapper is left where it is.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim import layers, wrap
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        >>> wrap(sgd) is sgd          # nothing to add for a plain SGD
+        True
+        >>> stacked = wrap(sgd, {"hybrid": False, "staged": {"chunk_bytes": 4096}})
+        >>> [type(layer).__name__ for layer in layers(stacked)]
+        ['StagedCheckpointOptimizer', 'SGD']
+        >>> wrap(stacked) is stacked  # idempotent
+        True
+    """
+    config = _as_stack_config(config)
+    base, existing = _peel(optimizer)
+    buried = _buried_sections(base)
+
+    wanted: dict[str, Any] = {}  # section -> existing layer (reuse) or options (build)
+    for spec in LAYERS:
+        section = spec.section
+        choice = getattr(config, section)
+        if section in buried:
+            if choice is False:
+                raise ConfigError(
+                    section,
+                    "is false but the optimizer already has this layer below a foreign wrapper; "
+                    "unwrap it first",
+                )
+            continue
+        if choice is None:
+            if section in existing:
+                wanted[section] = existing[section]
+                continue
+            choice = spec.derive(base)
+        if choice is False:
+            continue
+        options = attrs.asdict(choice)
+        if section in existing:
+            current = spec.options_of(existing[section])
+            if {k: current[k] for k in options} == options:
+                wanted[section] = existing[section]  # already built this way: keep it
+                continue
+            options.update({k: current[k] for k in spec.carried if k in current})
+        wanted[section] = options
+
+    unchanged = all(wanted.get(s) is layer for s, layer in existing.items()) and all(
+        not isinstance(v, dict) for v in wanted.values()
+    )
+    canonical = [s.section for s in LAYERS if s.section in existing] == list(existing)
+    if unchanged and canonical and set(wanted) == set(existing):
+        return optimizer
+
+    stack = base
+    for spec in reversed(LAYERS):  # innermost first
+        if spec.section not in wanted:
+            continue
+        choice = wanted[spec.section]
+        options = choice if isinstance(choice, dict) else spec.options_of(choice)
+        stack = spec.wrapper(stack, **options)
+    return stack
