@@ -26,7 +26,7 @@ from wrapped_optim.integrations.bridge import (
     SchedulerConfig,
     setup_optimizer,
 )
-from wrapped_optim.stack import wrap
+from wrapped_optim.stack import layers, wrap
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
 
@@ -545,8 +545,7 @@ def test_megatron_backend_keeps_group_specific_lr_and_weight_decay() -> None:
 # wrap(): the canonical stack
 # ----------------------------------------------------------------------------------------
 def layer_names(optimizer: Any) -> list[str]:
-    layers = optimizer.layers() if isinstance(optimizer, OptimizerWrapper) else [optimizer]
-    return [type(layer).__name__ for layer in layers]
+    return [type(layer).__name__ for layer in layers(optimizer)]
 
 
 def sgd(*params: torch.Tensor) -> torch.optim.SGD:

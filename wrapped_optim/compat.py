@@ -201,12 +201,10 @@ def fully_shard_optimizer(optimizer: Any, *, precision_aware: bool = False) -> A
         [0.0, 0.0]
     """
     from wrapped_optim.fsdp import FSDPAwareOptimizer
-    from wrapped_optim.wrapper import OptimizerWrapper
+    from wrapped_optim.stack import find_layer
 
     precision_aware = bool(precision_aware)
-    existing = (
-        optimizer.find(FSDPAwareOptimizer) if isinstance(optimizer, OptimizerWrapper) else None
-    )
+    existing = find_layer(optimizer, FSDPAwareOptimizer)
     if existing is None:
         return FSDPAwareOptimizer(optimizer, precision_aware=precision_aware)
     if existing.precision_aware == precision_aware:

@@ -26,11 +26,11 @@ from typing import Any, TextIO
 import attrs
 import torch
 
+from wrapped_optim.builder import build_optimizer
 from wrapped_optim.demo_model import TinyGPT, batch_for_step, lm_loss
-from wrapped_optim.factory import build_optimizer
 from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.probe import DeviceMemoryProbe, count_unstaged_expansions
-from wrapped_optim.wrapper import OptimizerWrapper
+from wrapped_optim.stack import find_layer, unwrap
 
 __all__ = ["DEFAULT_CONFIG", "DemoResult", "load_demo_config", "run_demo"]
 
@@ -175,7 +175,7 @@ def _expansion_peaks(optimizer: Any, device: str) -> tuple[int, int, bool]:
     """Peak expansion bytes of a staged and an unstaged state dict, and whether they match."""
     with DeviceMemoryProbe(device) as staged_probe:
         staged = optimizer.state_dict()
-    bare = optimizer.unwrap()
+    bare = unwrap(optimizer)
     with DeviceMemoryProbe(device) as bare_probe, count_unstaged_expansions(bare):
         unstaged = bare.state_dict()
     return (
@@ -254,7 +254,7 @@ def run_demo(
             variant["hybrid"] = False
         model_f, opt_f, _ = _make(variant, 2, device)  # fresh init, fresh masters
         model_f.load_state_dict(pretrained)  # model-only load
-        sync = opt_f.find(HybridSyncOptimizer) if isinstance(opt_f, OptimizerWrapper) else None
+        sync = find_layer(opt_f, HybridSyncOptimizer)
         if stack_override is None and sync is not None:
             synced_masters = len(sync.stale_masters())
         bar = _Progress(bar_stream, _FINE_TUNE_STEPS, f"fine-tune {label}")

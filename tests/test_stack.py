@@ -1,0 +1,279 @@
+"""The stack's one home: the layer table, the walk over any optimizer, the one layer policy."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import itertools
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from hypothesis import given, settings
+
+import wrapped_optim
+from wrapped_optim import (
+    FSDPAwareOptimizer,
+    HybridSyncOptimizer,
+    OptimizerWrapper,
+    StackConfig,
+    StagedCheckpointOptimizer,
+    find_layer,
+    layers,
+    unwrap,
+    wrap,
+)
+from wrapped_optim.config import SECTIONS, ConfigError
+from wrapped_optim.layer_policy import MegatronSettings, no_copy_blocker, staging_blocker
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
+from wrapped_optim.stack import LAYERS, layer_spec, spec_of
+from wrapped_optim.staging import no_copy_decisions, staging_decisions
+from wrapped_optim.testing import strategies as ws
+
+
+def _sgd() -> torch.optim.SGD:
+    return torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+
+
+# ----------------------------------------------------------------------------------------
+# The table
+# ----------------------------------------------------------------------------------------
+def test_the_table_is_the_one_list_of_layers() -> None:
+    assert [spec.section for spec in LAYERS] == ["fsdp", "hybrid", "staged"]
+    assert {spec.section: spec.config for spec in LAYERS} == SECTIONS
+    assert [spec.wrapper for spec in LAYERS] == [
+        FSDPAwareOptimizer,
+        HybridSyncOptimizer,
+        StagedCheckpointOptimizer,
+    ]
+    assert tuple(spec.section for spec in LAYERS) == ws.LAYER_ORDER
+    for spec in LAYERS:  # every config option is a constructor keyword of the wrapper
+        options = attrs.asdict(spec.config())
+        inner = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(2))])
+        assert spec.options_of(spec.wrapper(inner, **options)) == options
+    with pytest.raises(ValueError, match="no layer has section 'stagd'"):
+        layer_spec("stagd")
+
+
+def test_wrap_builds_every_section_in_table_order() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    hybrid = HybridOffloadOptimizer([p], lr=0.1)
+    stack = wrap(hybrid, {"fsdp": True, "hybrid": True, "staged": True})
+    assert [spec_of(layer) for layer in layers(stack)] == [*LAYERS, None]
+
+
+# ----------------------------------------------------------------------------------------
+# The walk, on any optimizer
+# ----------------------------------------------------------------------------------------
+def test_free_functions_accept_a_bare_optimizer() -> None:
+    sgd = _sgd()
+    assert wrap(sgd) is sgd  # wrap added nothing: the bare optimizer comes back
+    assert layers(sgd) == [sgd]
+    assert unwrap(sgd) is sgd
+    assert find_layer(sgd, torch.optim.SGD) is sgd
+    assert find_layer(sgd, StagedCheckpointOptimizer) is None
+
+
+def test_free_functions_accept_a_foreign_non_torch_optimizer() -> None:
+    # A Megatron optimizer is not a torch Optimizer; the walk still treats it as the bare end.
+    megatron_like = SimpleNamespace(step=lambda: None, state_dict=dict, param_groups=[])
+    stack = OptimizerWrapper(megatron_like)
+    assert layers(stack) == [stack, megatron_like]
+    assert unwrap(stack) is megatron_like
+    assert find_layer(megatron_like, OptimizerWrapper) is None
+
+
+@settings(max_examples=15, deadline=None)
+@given(ws.setups(kinds=["adamw", "hybrid_offload"], max_groups=1, max_params=2))
+def test_free_functions_agree_with_the_wrapper_methods(setup: ws.Setup) -> None:
+    _model, stack = setup.make()
+    chain = layers(stack)
+    assert [type(layer) for layer in chain[:-1]] == [
+        layer_spec(name).wrapper for name in setup.stack.names
+    ]
+    assert unwrap(stack) is chain[-1]
+    for layer in chain:
+        assert find_layer(stack, type(layer)) is layer
+    if isinstance(stack, OptimizerWrapper):
+        assert stack.layers() == chain
+        assert stack.unwrap() is unwrap(stack)
+        for spec in LAYERS:
+            assert stack.find(spec.wrapper) is find_layer(stack, spec.wrapper)
+
+
+# ----------------------------------------------------------------------------------------
+# One policy: Megatron-config derivation and leaf derivation decide staging alike
+# ----------------------------------------------------------------------------------------
+class _Container:
+    """A Megatron optimizer shape: ``.optimizer``, ``.config``, ``.ddp_config``."""
+
+    def __init__(self, leaf: Any, config: Any, ddp_config: Any, distributed: bool) -> None:
+        self.optimizer = leaf
+        self.config = config
+        self.ddp_config = ddp_config
+        if distributed:  # what the staging engine recognises a DistributedOptimizer by
+            self.shard_fp32_from_float16_groups: list[list[torch.Tensor]] = [[]]
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.optimizer.state_dict())
+
+
+_FLAGS = list(itertools.product([False, True], repeat=4))
+
+
+@pytest.mark.parametrize(("precision_aware", "offload", "distributed", "fsdp"), _FLAGS)
+def test_from_megatron_and_the_staging_engine_follow_one_policy(
+    precision_aware: bool, offload: bool, distributed: bool, fsdp: bool
+) -> None:
+    config = SimpleNamespace(
+        optimizer="adam",
+        use_precision_aware_optimizer=precision_aware,
+        optimizer_cpu_offload=offload,
+        use_distributed_optimizer=distributed,
+    )
+    ddp_config = SimpleNamespace(use_megatron_fsdp=fsdp)
+    if precision_aware and not distributed:
+        with pytest.raises(ConfigError, match="use_distributed_optimizer"):
+            StackConfig.from_megatron(config, ddp_config)
+        return
+    derived = StackConfig.from_megatron(config, ddp_config).staged
+
+    # The leaf Megatron would build: precision-aware state is compressed, otherwise FP32.
+    moments = torch.bfloat16 if precision_aware else torch.float32
+    leaf = PrecisionAwareAdamW(
+        [torch.nn.Parameter(torch.ones(3))], exp_avg_dtype=moments, exp_avg_sq_dtype=moments
+    )
+    container = _Container(leaf, config, ddp_config, distributed)
+    stages = any(d.eligible for d in staging_decisions(container))
+    adopts = any(d.eligible for d in no_copy_decisions(container))
+
+    assert (derived is not False) == (stages or adopts)
+    if derived is not False:
+        assert (derived.stage_save, derived.chunked_load) == (stages, stages)
+        assert derived.no_copy_load == adopts
+    # Where the settings block a path, both report the policy's reason.
+    settings_ = MegatronSettings.validated(config, ddp_config)
+    if (blocker := staging_blocker(settings_)) is not None:
+        assert [d.reason for d in staging_decisions(container)] == [blocker]
+    if (blocker := no_copy_blocker(settings_)) is not None:
+        assert [d.reason for d in no_copy_decisions(container)] == [blocker]
+
+
+# ----------------------------------------------------------------------------------------
+# Public API and import paths
+# ----------------------------------------------------------------------------------------
+def test_the_package_exports_one_schedule_family_and_no_internals() -> None:
+    exported = set(wrapped_optim.__all__)
+    assert {"LRScheduleConfig", "layers", "find_layer", "unwrap"} <= exported
+    assert not {"SchedulerConfig", "patch_attribute"} & exported
+    for name, home in (
+        ("SchedulerConfig", "wrapped_optim.integrations.bridge"),
+        ("patch_attribute", "wrapped_optim.patching"),
+    ):
+        with pytest.warns(DeprecationWarning, match=f"moved to {home}.{name}"):
+            moved = getattr(wrapped_optim, name)
+        assert moved is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        wrapped_optim.nothing_here  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "names"),
+    [
+        (
+            "wrapped_optim.factory",
+            "wrapped_optim.stack",
+            ["wrap"],
+        ),
+        (
+            "wrapped_optim.factory",
+            "wrapped_optim.builder",
+            ["build_optimizer", "resolve_optimizer_class"],
+        ),
+        (
+            "wrapped_optim.factory",
+            "wrapped_optim.integrations.bridge",
+            [
+                "setup_optimizer",
+                "OptimizerConfigOverrideProvider",
+                "OptimizerConfigOverrideProviderContext",
+            ],
+        ),
+        (
+            "wrapped_optim.config",
+            "wrapped_optim.builder",
+            ["BuildConfig", "LRScheduleConfig", "OptimizerSpec"],
+        ),
+        ("wrapped_optim.config", "wrapped_optim.integrations.bridge", ["SchedulerConfig"]),
+        ("wrapped_optim.config", "wrapped_optim.config_fields", ["ConfigError"]),
+    ],
+)
+def test_old_import_paths_give_the_moved_objects(old: str, new: str, names: list[str]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # module paths re-export silently
+        for name in names:
+            assert getattr(importlib.import_module(old), name) is getattr(
+                importlib.import_module(new), name
+            )
+
+
+def _module_level_imports(path: Path, module: str, modules: set[str]) -> set[str]:
+    found: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                for alias in node.names:
+                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+
+    visit(ast.parse(path.read_text()).body)
+    return found & modules
+
+
+def test_no_import_cycle_among_the_package_modules() -> None:
+    """Module-level imports only: a cycle there breaks whichever module is imported first."""
+    root = Path(wrapped_optim.__file__).parent
+    paths = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    modules = set(paths)
+    # The package __init__ runs before any submodule anyway: edges into it are not cycles.
+    graph = {
+        name: _module_level_imports(path, name, modules) - {name, "wrapped_optim"}
+        for name, path in paths.items()
+    }
+
+    def reach(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = list(graph[start])
+        while todo:
+            node = todo.pop()
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph[node])
+        return seen
+
+    cycles = sorted(name for name in graph if name in reach(name))
+    assert cycles == []
