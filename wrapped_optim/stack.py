@@ -156,7 +156,6 @@ class LayerSpec:
         return options
 
 
-#: The canonical layers, outermost first.
 LAYERS: tuple[LayerSpec, ...] = (
     LayerSpec(
         section="fsdp",
@@ -181,6 +180,7 @@ LAYERS: tuple[LayerSpec, ...] = (
         derive=_derive_staged,
     ),
 )
+"""The canonical layers, outermost first: the one list every part of the package reads."""
 
 _BY_SECTION = {spec.section: spec for spec in LAYERS}
 if {spec.section: spec.config for spec in LAYERS} != SECTIONS:  # pragma: no cover

@@ -449,8 +449,8 @@ def restoring_omitted_megatron_state(stack: Any) -> Iterator[int]:
     Their parameter-state loaders copy into *every* existing state tensor, including the
     ``step`` torch's Adam keeps and the ``master_param`` alias the hybrid optimizer exposes,
     which the payloads do not carry. The instance's ``_set_main_param_and_optimizer_states``
-    is patched (through :func:`wrapped_optim.patch_attribute`) to supply them: the group step
-    and the checkpoint's FP32 param. Yields how many containers were patched.
+    is patched (through :func:`wrapped_optim.patching.patch_attribute`) to supply them: the
+    group step and the checkpoint's FP32 param. Yields how many containers were patched.
 
     Example:
         >>> import torch
