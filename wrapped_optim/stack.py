@@ -25,14 +25,15 @@ either uses these rather than the wrapper methods ``.layers()`` / ``.find()``.
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
 from wrapped_optim import layer_policy
+from wrapped_optim.adapters.hybrid import find_hybrid_offload
+from wrapped_optim.adapters.megatron_fsdp import needs_grad_cast
+from wrapped_optim.adapters.walk import walk_leaves
 from wrapped_optim.config import (
     SECTIONS,
     ConfigError,
@@ -41,6 +42,10 @@ from wrapped_optim.config import (
     StackConfig,
     StagedConfig,
 )
+from wrapped_optim.fsdp import FSDPAwareOptimizer
+from wrapped_optim.hybrid import HybridSyncOptimizer
+from wrapped_optim.staged import StagedCheckpointOptimizer
+from wrapped_optim.staging import no_copy_decisions, staging_decisions
 from wrapped_optim.wrapper import OptimizerWrapper, find_layer, layers, unwrap
 
 __all__ = [
@@ -59,9 +64,6 @@ __all__ = [
 # Derive rules: what wrap() adds to an optimizer when its config leaves a section undecided
 # ----------------------------------------------------------------------------------------
 def _derive_fsdp(base: Any) -> FSDPConfig | bool:
-    from wrapped_optim.adapters.megatron_fsdp import needs_grad_cast
-    from wrapped_optim.adapters.walk import walk_leaves
-
     if not needs_grad_cast(base):
         return False
     precision_aware = any(
@@ -72,14 +74,10 @@ def _derive_fsdp(base: Any) -> FSDPConfig | bool:
 
 
 def _derive_hybrid(base: Any) -> HybridConfig | bool:
-    from wrapped_optim.adapters.hybrid import find_hybrid_offload
-
     return HybridConfig() if find_hybrid_offload(base) else False
 
 
 def _derive_staged(base: Any) -> StagedConfig | bool:
-    from wrapped_optim.staging import no_copy_decisions, staging_decisions
-
     # The engine's own decisions (hybrid sub-optimizers and Megatron's settings, through
     # layer_policy, included): staging is derived exactly where it would act.
     if any(decision.eligible for decision in staging_decisions(base)):
@@ -98,8 +96,7 @@ class LayerSpec:
 
     Attributes:
         section: the :class:`~wrapped_optim.config.StackConfig` section (``"staged"``...).
-        module: the module defining the wrapper (imported on first use).
-        class_name: the wrapper class's name.
+        wrapper: the wrapper class.
         config: the section's options class; its fields are the wrapper's keyword options.
         derive: ``derive(optimizer)`` -> options to add the layer with, or ``False``.
         carried: constructor options that are not config options (a callable, say), kept
@@ -112,30 +109,10 @@ class LayerSpec:
     """
 
     section: str
-    module: str
-    class_name: str
+    wrapper: type[OptimizerWrapper]
     config: type
     derive: Callable[[Any], Any] = attrs.field(repr=False)
     carried: tuple[str, ...] = ()
-
-    @property
-    def wrapper(self) -> type[OptimizerWrapper]:
-        """The wrapper class (its module imported now if it was not)."""
-        cls: type[OptimizerWrapper] = getattr(importlib.import_module(self.module), self.class_name)
-        return cls
-
-    def is_layer(self, obj: Any) -> bool:
-        """Whether ``obj`` is this layer's wrapper (never imports the wrapper's module).
-
-        Example:
-            >>> import torch
-            >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
-            >>> layer_spec("hybrid").is_layer(sgd)
-            False
-        """
-        # A class never imported cannot have instances in the stack.
-        loaded = sys.modules.get(self.module)
-        return loaded is not None and isinstance(obj, getattr(loaded, self.class_name, ()))
 
     def options_of(self, layer: Any) -> dict[str, Any]:
         """The options ``layer`` (this spec's wrapper) was built with, to rebuild it.
@@ -159,23 +136,20 @@ class LayerSpec:
 LAYERS: tuple[LayerSpec, ...] = (
     LayerSpec(
         section="fsdp",
-        module="wrapped_optim.fsdp",
-        class_name="FSDPAwareOptimizer",
+        wrapper=FSDPAwareOptimizer,
         config=FSDPConfig,
         derive=_derive_fsdp,
         carried=("refresh",),
     ),
     LayerSpec(
         section="hybrid",
-        module="wrapped_optim.hybrid",
-        class_name="HybridSyncOptimizer",
+        wrapper=HybridSyncOptimizer,
         config=HybridConfig,
         derive=_derive_hybrid,
     ),
     LayerSpec(
         section="staged",
-        module="wrapped_optim.staged",
-        class_name="StagedCheckpointOptimizer",
+        wrapper=StagedCheckpointOptimizer,
         config=StagedConfig,
         derive=_derive_staged,
     ),
@@ -191,7 +165,7 @@ def layer_spec(section: str) -> LayerSpec:
     """The spec of the layer configured by ``section``.
 
     Example:
-        >>> layer_spec("fsdp").class_name
+        >>> layer_spec("fsdp").wrapper.__name__
         'FSDPAwareOptimizer'
     """
     try:
@@ -212,7 +186,7 @@ def spec_of(layer: Any) -> LayerSpec | None:
         >>> spec_of(wrap(sgd, {"staged": True})).section, spec_of(sgd)
         ('staged', None)
     """
-    return next((spec for spec in LAYERS if spec.is_layer(layer)), None)
+    return next((spec for spec in LAYERS if isinstance(layer, spec.wrapper)), None)
 
 
 # ----------------------------------------------------------------------------------------
