@@ -29,7 +29,7 @@ import torch
 from wrapped_optim.demo_model import TinyGPT, batch_for_step, lm_loss
 from wrapped_optim.factory import build_optimizer
 from wrapped_optim.hybrid import HybridSyncOptimizer
-from wrapped_optim.probe import DeviceMemoryProbe, count_unstaged_expansions
+from wrapped_optim.testing.probe import DeviceMemoryProbe, count_unstaged_expansions
 from wrapped_optim.wrapper import OptimizerWrapper
 
 __all__ = ["DEFAULT_CONFIG", "DemoResult", "load_demo_config", "run_demo"]

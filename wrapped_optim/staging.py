@@ -19,7 +19,7 @@ Eligibility is decided per leaf of :func:`~wrapped_optim.adapters.walk_leaves` (
 sub-optimizer of a hybrid offload leaf) by structure (protocols and Megatron config flags),
 never by class; :func:`staging_decisions` and
 :func:`no_copy_decisions` explain every decision. The bytes the engine keeps on a source
-device are recorded in :data:`~wrapped_optim.probe.device_ledger`.
+device are recorded in :data:`~wrapped_optim.ledger.device_ledger`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from wrapped_optim.adapters.hybrid import is_hybrid_offload
 from wrapped_optim.adapters.megatron import config_flag
 from wrapped_optim.adapters.precision import supports_chunked_state
 from wrapped_optim.adapters.walk import LeafContext, walk_leaves
+from wrapped_optim.ledger import device_ledger
 from wrapped_optim.patching import patch_attribute
-from wrapped_optim.probe import device_ledger
 
 __all__ = [
     "LeafDecision",
