@@ -12,7 +12,7 @@ wrappers of this package are tested against. All format arithmetic lives in
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -298,13 +298,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             )
         return local
 
-    def _chunks_of(self, flat: Tensor, chunk_numel: int) -> Callable[[], Iterator[Tensor]]:
-        def gen() -> Iterator[Tensor]:
-            for s, e in codecs.chunk_bounds(flat.numel(), chunk_numel):
-                yield flat[s:e]
-
-        return gen
-
     def _encode_from(self, param: Tensor, state_name: str, flat: Tensor, chunk_numel: int) -> None:
         """Quantize the flat FP32 (or int16) source into storage, chunk by chunk."""
         if state_name not in self.state[param]:
@@ -312,18 +305,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         storage = self.state[param][state_name]
         out = storage.view(-1)
         dtype = self.name_to_dtype_map[state_name]
-        scale = None
         if not self._uses_remainder(param, state_name) and codecs.is_scaled(dtype):
-            scale = codecs.exact_scale(self._chunks_of(flat, chunk_numel), dtype, storage.device)
-        for s, e in codecs.chunk_bounds(flat.numel(), chunk_numel):
-            chunk = flat[s:e]
-            if scale is None:
-                out[s:e].copy_(chunk)
-            else:
-                moved = chunk.to(storage.device)
-                codecs.encode_into(moved, out[s:e], dtype, scale, overwrite_x=moved is not chunk)
-        if scale is not None:
+            # Every device temporary within chunk_numel FP32 elements (the staging bound).
+            scale = codecs.encode_chunked(flat, out, dtype, chunk_numel)
             self._scales[param][state_name].copy_(scale)
+            return
+        for s, e in codecs.chunk_bounds(flat.numel(), chunk_numel):
+            out[s:e].copy_(flat[s:e])
 
     def set_scaled_state(self, param: Tensor, state_name: str, unscaled_state: Tensor) -> None:
         """Quantize FP32 values (int16 for a remainder master) into one state of ``param``.
