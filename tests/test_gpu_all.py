@@ -109,14 +109,15 @@ def test_setup_installs_only_what_is_missing_and_reports_a_failure(
 def test_the_staged_bounds_are_rows_that_fail() -> None:
     row = {
         "params": 10**8,
+        "largest": 1,
         "storage": 100,
         "save_chunked_peak": 65,
         "load_host_chunked_peak": 164,
-        "load_dev_chunked_peak": 165,
+        "load_dev_chunked_peak": 166,
     }
     assert gpu_staged.bound_failures([row], 64) == [
         "100M: chunked save peak 65 B > 64 B",
-        "100M: chunked load (device ckpt) peak 165 B > 164 B",
+        "100M: chunked load (device ckpt) peak 166 B > 165 B",
     ]
 
 
