@@ -6,7 +6,8 @@ On a CUDA machine, from the repository root (torch installed; nothing else neede
 
 First a set-up step installs what the checks import and the machine lacks, pinned and
 without dependencies (so torch is never touched): ``attrs`` (the package needs it) and
-``megatron-core==0.16.1`` (``gpu_hybrid`` and ``gpu_factory`` need it). ``--no-setup`` skips
+``megatron-core==0.16.1`` with its ``numpy`` and ``packaging`` (``gpu_hybrid`` and
+``gpu_factory`` need it). ``--no-setup`` skips
 it. Then each check runs in turn (each a module whose ``run()`` returns a
 :class:`~tests.gpu._report.Section`):
 
@@ -54,7 +55,13 @@ CHECKS = (
     "gpu_staged",
 )
 #: (importable module, pinned requirement) installed by :func:`setup` when missing.
-REQUIREMENTS = (("attrs", "attrs>=23.1"), ("megatron.core", "megatron-core==0.16.1"))
+REQUIREMENTS = (
+    ("attrs", "attrs>=23.1"),
+    # megatron-core's own requirements besides torch (installed without dependencies).
+    ("numpy", "numpy"),
+    ("packaging", "packaging>=24.2"),
+    ("megatron.core", "megatron-core==0.16.1"),
+)
 
 
 def _importable(module: str) -> bool:
