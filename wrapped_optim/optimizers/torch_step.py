@@ -34,11 +34,9 @@ __all__ = [
     "fused_math",
     "lr_operand",
     "packable",
-    "scratch_for",
     "step_tensor",
     "update",
     "update_packed",
-    "use_fused",
 ]
 
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
@@ -129,6 +127,17 @@ def fused_math(
 
     Algebraically TE's update (``p * (1 - lr * wd) - lr * step`` is ``p - lr * (step +
     wd * p)``); the rounding of the FP32 arithmetic differs in the last bits.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, torch_step
+        >>> p = torch.zeros(2)
+        >>> opt = PrecisionAwareAdamW([torch.nn.Parameter(p)], lr=0.5)
+        >>> m, v, step = torch.zeros(2), torch.zeros(2), torch.ones(())
+        >>> torch_step.fused_math(opt, [p], [torch.tensor([1.0, -1.0])], [m], [v],
+        ...                       opt.param_groups[0], [step])
+        >>> p
+        tensor([-0.5000,  0.5000])
     """
     beta1, beta2 = group["betas"]
     lr = lr_operand(group["lr"], params[0].device) if params else group["lr"]
@@ -140,7 +149,7 @@ def fused_math(
     )  # fmt: skip
 
 
-def use_fused(opt: PrecisionAwareAdamW, device: torch.device, group: dict[str, Any]) -> bool:
+def _use_fused(opt: PrecisionAwareAdamW, device: torch.device, group: dict[str, Any]) -> bool:
     if opt.fused is False or not group["bias_correction"]:
         return False
     supported = device.type in _FUSED_DEVICES
@@ -149,7 +158,7 @@ def use_fused(opt: PrecisionAwareAdamW, device: torch.device, group: dict[str, A
     return supported
 
 
-def scratch_for(opt: PrecisionAwareAdamW, device: torch.device, numel: int) -> Tensor:
+def _scratch_for(opt: PrecisionAwareAdamW, device: torch.device, numel: int) -> Tensor:
     """This thread's FP32 step workspace of ``opt`` on ``device``, at least ``numel`` long."""
     scratch: StepScratch = opt._scratch
     return scratch.get(device, numel)
@@ -158,13 +167,23 @@ def scratch_for(opt: PrecisionAwareAdamW, device: torch.device, numel: int) -> T
 def packable(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[str, Any]) -> bool:
     """Small parameters whose state needs only per-element conversion (bf16/fp32 moments,
     an fp32 or remainder master) are updated many at a time (one fused call per pack),
-    unless the fused GPU kernel updates them (one launch each, no conversion passes)."""
+    unless the fused GPU kernel updates them (one launch each, no conversion passes).
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, torch_step
+        >>> p = torch.nn.Parameter(torch.zeros(8))
+        >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16, chunk_numel=64)
+        >>> opt.initialize_state(p)
+        >>> torch_step.packable(opt, p, torch.ones(8), opt.param_groups[0])
+        True
+    """
     p, g = local_tensor(param), local_tensor(grad)
     if not opt._pack_small or _fused_gpu.applicable(opt, param, grad, group):
         return False
     if p.numel() > opt.chunk_numel // 4 or not p.is_contiguous() or g.device != p.device:
         return False
-    if not use_fused(opt, p.device, group):
+    if not _use_fused(opt, p.device, group):
         return False
     state = opt.state[param]
     for name, storage in state.items():
@@ -185,9 +204,23 @@ def update_packed(
     device: torch.device,
 ) -> None:
     """:func:`update` for many small parameters at once: their slices are packed into one
-    workspace and updated by one fused call, with the same per-element arithmetic."""
+    workspace and updated by one fused call, with the same per-element arithmetic.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, torch_step
+        >>> ps = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+        >>> opt = PrecisionAwareAdamW(ps, lr=0.5, exp_avg_dtype=torch.bfloat16)
+        >>> for p in ps:
+        ...     opt.initialize_state(p)
+        >>> opt.param_groups[0]["step"] = 1
+        >>> pairs = [(p, torch.ones(2)) for p in ps]
+        >>> torch_step.update_packed(opt, pairs, opt.param_groups[0], torch.device("cpu"))
+        >>> ps[2].data
+        tensor([-0.5000, -0.5000])
+    """
     c = opt.chunk_numel
-    scratch = scratch_for(opt, device, 6 * c)
+    scratch = _scratch_for(opt, device, 6 * c)
     g_buf, m_buf, v_buf, p_buf, t1, t2 = scratch.view(6, c).unbind(0)
     step = step_tensor(group["step"], device)
     start = 0
@@ -195,14 +228,14 @@ def update_packed(
     for param, grad in [*pairs, (None, None)]:
         n = 0 if param is None else local_tensor(param).numel()
         if pack and (param is None or start + n > c):
-            flush_pack(opt, pack, group, step, (g_buf, m_buf, v_buf, p_buf, t1, t2))
+            _flush_pack(opt, pack, group, step, (g_buf, m_buf, v_buf, p_buf, t1, t2))
             pack, start = [], 0
         if param is not None and grad is not None:
             pack.append((param, grad))
             start += n
 
 
-def flush_pack(
+def _flush_pack(
     opt: PrecisionAwareAdamW,
     pack: list[tuple[Tensor, Tensor]],
     group: dict[str, Any],
@@ -271,13 +304,23 @@ def direct_views(
     """(param, grad, exp_avg, exp_avg_sq) when torch's fused kernel can update them as
     stored: FP32 param and moments, or bf16 param, grad and moments (the kernel loads
     bf16 to FP32, updates and stores with round-to-nearest-even: decode -> FP32 update
-    -> encode in one pass). None when a master copy or a scaled format is involved."""
+    -> encode in one pass). None when a master copy or a scaled format is involved.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, torch_step
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.uint8)
+        >>> opt.initialize_state(p)
+        >>> torch_step.direct_views(opt, p, torch.ones(2), opt.param_groups[0]) is None
+        True
+    """
     p = local_tensor(param)
     g = local_tensor(grad)
     state = opt.state[param]
     if "master_param" in state or not p.is_contiguous() or g.device != p.device:
         return None
-    if not use_fused(opt, p.device, group):
+    if not _use_fused(opt, p.device, group):
         return None
     if p.dtype not in (torch.float32, torch.bfloat16) or g.dtype != p.dtype:
         return None
@@ -289,7 +332,19 @@ def direct_views(
 
 def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
     """One parameter: the fused GPU kernel where it applies, else slice by slice (expand each
-    slice of state to FP32, update, store)."""
+    slice of state to FP32, update, store).
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, torch_step
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> opt = PrecisionAwareAdamW([p], lr=0.5, exp_avg_dtype=torch.float16)
+        >>> opt.initialize_state(p)
+        >>> opt.param_groups[0]["step"] = 1
+        >>> torch_step.update(opt, p, torch.tensor([1.0, -1.0]), opt.param_groups[0])
+        >>> p.data
+        tensor([-0.5000,  0.5000])
+    """
     if _fused_gpu.applicable(opt, param, grad, group):
         _fused_gpu.update(opt, param, grad, group)
         return
@@ -351,7 +406,7 @@ def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[st
     old_scale = {name: opt._scales[param][name].clone() for name in scaled}
     decode_mult = {n: codecs.decode_multiplier(old_scale[n], dtypes[n]) for n in scaled}
     fused_step = None
-    if use_fused(opt, device, group):
+    if _use_fused(opt, device, group):
         fused_step = step_tensor(step, device)
 
     # Nothing to convert per slice (all FP32 views, FP32 grad): one pass over the tensor.
@@ -365,7 +420,7 @@ def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[st
     # Six FP32 slice buffers, kept between steps: allocating them afresh costs page faults.
     b = 0 if direct else c  # slice buffers
     t = c if fused_step is None or master == "remainder" else 0  # temporaries
-    scratch = scratch_for(opt, device, 4 * b + 2 * t)
+    scratch = _scratch_for(opt, device, 4 * b + 2 * t)
     g_buf, m_buf, v_buf, p_buf = (scratch[i * b : (i + 1) * b] for i in range(4))
     t1, t2 = scratch[4 * b : 4 * b + t], scratch[4 * b + t :]
     bits_buf = t1.view(torch.int32)  # only the remainder split uses it, t1 is free then
