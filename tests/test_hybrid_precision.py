@@ -22,8 +22,8 @@ from wrapped_optim.demo_model import TinyGPT, batch_for_step, lm_loss
 from wrapped_optim.factory import wrap
 from wrapped_optim.hybrid import StaleMasterError
 from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
-from wrapped_optim.probe import DeviceMemoryProbe, count_unstaged_expansions
 from wrapped_optim.staging import staging_decisions
+from wrapped_optim.testing.probe import DeviceMemoryProbe, count_unstaged_expansions
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.uint8
 FRACTIONS = (0.0, 0.5, 1.0)

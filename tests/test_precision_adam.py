@@ -671,9 +671,9 @@ def test_checkpoints_move_between_storage_formats(source: str, target: str) -> N
 
 
 def test_gpu_check_module_logic_runs_on_cpu() -> None:
-    """wrapped_optim.bench.gpu_precision_adam runs its checks on CUDA in the GPU job; the same
+    """tests/gpu/gpu_precision_adam.py runs its checks on CUDA in the GPU job; the same
     checks on CPU here keep that module honest on machines without a GPU."""
-    from wrapped_optim.bench.gpu_precision_adam import _checks
+    from tests.gpu.gpu_precision_adam import _checks
 
     results = _checks("cpu")
     assert len(results) == 16

@@ -57,6 +57,7 @@ __all__ = [
     "decode_into",
     "decode_multiplier",
     "encode",
+    "encode_chunked",
     "encode_into",
     "encode_multiplier",
     "exact_scale",
@@ -160,7 +161,10 @@ def combine_amax(a: Tensor, b: Tensor) -> Tensor:
 
 
 def scale_from_amax(amax: Tensor, dtype: torch.dtype) -> Tensor:
-    """TE's per-tensor scale ``amax / range`` (float32, shape ``[1]``).
+    """TE's per-tensor scale ``amax / range`` (float32, shape ``[1]``), correctly rounded.
+
+    The range is a float32 tensor on ``amax``'s device: divided by a Python number, CUDA
+    multiplies by its reciprocal instead, which can differ from TE's division in the last bit.
 
     Example:
         >>> import torch
@@ -168,7 +172,19 @@ def scale_from_amax(amax: Tensor, dtype: torch.dtype) -> Tensor:
         >>> scale_from_amax(torch.tensor([896.0]), torch.uint8)
         tensor([2.])
     """
-    return torch.div(amax.to(torch.float32).reshape(1), storage_range(dtype))
+    amax = amax.to(torch.float32).reshape(1)
+    return torch.div(amax, _range_tensor(dtype, amax.device))
+
+
+_RANGES: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _range_tensor(dtype: torch.dtype, device: torch.device) -> Tensor:
+    key = (dtype, device)
+    found = _RANGES.get(key)
+    if found is None:  # filled on the device (no host copy); kept for the next call
+        found = _RANGES[key] = torch.full((1,), storage_range(dtype), device=device)
+    return found
 
 
 def encode_multiplier(scale: Tensor, dtype: torch.dtype) -> Tensor:
@@ -275,9 +291,10 @@ def decode_into(
 ) -> None:
     """Expand ``storage`` into the float32 tensor ``out`` (same number of elements, any device).
 
-    Allocates nothing on ``out``'s device beyond what a cross-device copy needs (FP8: an
-    int32 index of ``out``'s size). A slice loop may pass ``multiplier=decode_multiplier(scale,
-    dtype)`` computed once.
+    Allocates nothing of ``out``'s size: ``storage`` on another device is first copied to
+    ``out``'s (a temporary of the storage's size, 1 or 2 bytes per element); FP8 on a CPU is a
+    table gather through a fixed 64 KiB index block, elsewhere torch's cast. A slice loop may
+    pass ``multiplier=decode_multiplier(scale, dtype)`` computed once.
 
     Example:
         >>> import torch
@@ -303,11 +320,10 @@ def decode_into(
         view.copy_(storage)
         return
     _check_dtype(dtype)
-    if dtype == FP8_E4M3 and view.is_contiguous():
-        # torch's E4M3 -> FP32 cast is scalar code (~8 ns/element on CPU); a gather from
-        # the 256-entry table of exactly those casts gives the same bits several times faster.
-        index = storage.reshape(-1).to(torch.int32)
-        torch.index_select(_e4m3_table(view.device), 0, index, out=view.view(-1))
+    if storage.device != view.device:
+        storage = storage.to(view.device)
+    if dtype == FP8_E4M3 and view.is_contiguous() and view.device.type == "cpu":
+        _gather_e4m3(storage.reshape(-1), view.view(-1))
     elif dtype == FP8_E4M3:
         view.copy_(storage.view(_E4M3))
     else:
@@ -325,6 +341,22 @@ def decode_into(
 
 
 _E4M3_TABLES: dict[torch.device, Tensor] = {}
+#: Elements per FP8 table-gather block on CPU (its int32 index is the only temporary).
+GATHER_BLOCK = 16 * 1024
+
+
+def _gather_e4m3(codes: Tensor, out: Tensor) -> None:
+    """torch's E4M3 -> FP32 cast is scalar code on CPU (~8 ns/element); a gather from the
+    256-entry table of exactly those casts gives the same bits several times faster. The
+    int32 index is built one block at a time, so it never grows with the tensor."""
+    table = _e4m3_table(out.device)
+    n = out.numel()
+    index = torch.empty(min(n, GATHER_BLOCK), dtype=torch.int32, device=out.device)
+    for start in range(0, n, GATHER_BLOCK):
+        stop = min(start + GATHER_BLOCK, n)
+        block = index[: stop - start]
+        block.copy_(codes[start:stop])
+        torch.index_select(table, 0, block, out=out[start:stop])
 
 
 def _e4m3_table(device: torch.device) -> Tensor:
@@ -389,6 +421,72 @@ def _round_trips(
         if not _bitwise_equal(back, x):
             return False
     return True
+
+
+#: Device bytes per element a scaled chunked encode holds at once: the values moved to the
+#: device (4), a copy of them that is encoded in place and decoded back (4), the trial
+#: encoding (up to 2).
+ENCODE_BYTES_PER_ELEMENT = 10
+
+
+def encode_chunked(source: Tensor, out: Tensor, dtype: torch.dtype, chunk_numel: int) -> Tensor:
+    """Quantize the flat FP32 ``source`` (any device) into the flat scaled storage ``out``.
+
+    Returns the scale: :func:`exact_scale`'s choice (TE's ``amax / range``, or a neighbour
+    under which the values round-trip exactly). Every device temporary together stays within
+    ``chunk_numel`` FP32 elements (``4 * chunk_numel`` bytes): the work goes in blocks of
+    ``4 * chunk_numel // ENCODE_BYTES_PER_ELEMENT`` elements. ``source`` is never modified.
+    The bits are those of :func:`encode` with ``exact=True``.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim import codecs
+        >>> out = torch.empty(5, dtype=torch.uint8)
+        >>> scale = codecs.encode_chunked(torch.tensor([1.0, 2, 3, 4, 448]), out, torch.uint8, 3)
+        >>> out.tolist(), scale.tolist()
+        ([56, 64, 68, 72, 126], [1.0])
+    """
+    if not is_scaled(dtype) or out.dtype != dtype:
+        raise ValueError(f"encode_chunked writes a scaled format into {dtype} storage")
+    if source.numel() != out.numel() or source.dtype != torch.float32:
+        raise ValueError("encode_chunked needs as many float32 values as storage elements")
+    device = out.device
+    n = out.numel()
+    block = max(1, min(n, 4 * chunk_numel // ENCODE_BYTES_PER_ELEMENT))
+    values = torch.empty(2 * block, dtype=torch.float32, device=device)
+    moved, trial = values[:block], values[block:]
+    stored = torch.empty(block, dtype=dtype, device=device)
+    flat_source, flat_out = source.reshape(-1), out.reshape(-1)
+
+    def blocks() -> Iterator[Tensor]:
+        for start, stop in chunk_bounds(n, block):
+            yield moved[: stop - start].copy_(flat_source[start:stop])
+
+    amax = torch.zeros(1, dtype=torch.float32, device=device)
+    for x in blocks():
+        amax = combine_amax(amax, amax_of(x))
+    scale = te_scale = scale_from_amax(amax, dtype)
+    if bool(torch.isfinite(te_scale).all()) and float(te_scale) != 0.0:
+        for ulps in (0, 1, -1, 2, -2):
+            candidate = _next_float(te_scale, ulps)
+            if all(_round_trips_in(x, trial, stored, dtype, candidate) for x in blocks()):
+                scale = candidate
+                break
+    mult = encode_multiplier(scale, dtype)
+    for (start, stop), x in zip(chunk_bounds(n, block), blocks(), strict=True):
+        encode_into(x, flat_out[start:stop], dtype, overwrite_x=True, multiplier=mult)
+    return scale
+
+
+def _round_trips_in(
+    x: Tensor, trial: Tensor, stored: Tensor, dtype: torch.dtype, scale: Tensor
+) -> bool:
+    """Whether ``x`` survives encode -> decode under ``scale``, in the given buffers."""
+    k = x.numel()
+    back = trial[:k].copy_(x)
+    encode_into(back, stored[:k], dtype, scale, overwrite_x=True)
+    decode_into(stored[:k], back, dtype, scale)
+    return _bitwise_equal(back, x)
 
 
 def encode(

@@ -29,8 +29,8 @@ import torch
 from wrapped_optim.builder import build_optimizer
 from wrapped_optim.demo_model import TinyGPT, batch_for_step, lm_loss
 from wrapped_optim.hybrid import HybridSyncOptimizer
-from wrapped_optim.probe import DeviceMemoryProbe, count_unstaged_expansions
 from wrapped_optim.stack import find_layer, unwrap
+from wrapped_optim.testing.probe import DeviceMemoryProbe, count_unstaged_expansions
 
 __all__ = ["DEFAULT_CONFIG", "DemoResult", "load_demo_config", "run_demo"]
 

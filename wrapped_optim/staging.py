@@ -6,8 +6,9 @@ each installed only through :func:`~wrapped_optim.patching.patch_attribute`:
 * :func:`staged_save` -- while a state dict is built, every eligible precision-aware holder
   returns its states on the host: FP32 states copied straight to the host, compressed states
   decoded chunk by chunk through one device scratch of at most ``chunk_bytes`` into a host
-  buffer (pinned when the source is CUDA), or -- for holders without the chunk API (TE
-  FusedAdam) -- expanded one whole tensor at a time and moved to the host at once.
+  tensor (through a reused pair of pinned buffers when the source is CUDA), or -- for
+  holders without the chunk API (TE FusedAdam) -- expanded one whole tensor at a time and
+  moved to the host at once.
 * :func:`staged_load` -- while a checkpoint is loaded, chunk-capable holders quantize FP32
   checkpoint state into their storage chunk by chunk, from wherever the checkpoint lives;
   holders without the chunk API get a copy instead of the caller's tensor where they would
@@ -19,7 +20,7 @@ Eligibility is decided per leaf of :func:`~wrapped_optim.adapters.walk_leaves` (
 sub-optimizer of a hybrid offload leaf) by structure (protocols and Megatron config flags),
 never by class; :func:`staging_decisions` and
 :func:`no_copy_decisions` explain every decision. The bytes the engine keeps on a source
-device are recorded in :data:`~wrapped_optim.probe.device_ledger`.
+device are recorded in :data:`~wrapped_optim.ledger.device_ledger`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -38,11 +40,12 @@ from wrapped_optim.adapters.hybrid import is_hybrid_offload
 from wrapped_optim.adapters.precision import supports_chunked_state
 from wrapped_optim.adapters.walk import LeafContext, walk_leaves
 from wrapped_optim.layer_policy import MegatronSettings, no_copy_blocker, staging_blocker
+from wrapped_optim.ledger import device_ledger
 from wrapped_optim.patching import patch_attribute
-from wrapped_optim.probe import device_ledger
 
 __all__ = [
     "LeafDecision",
+    "PinnedPool",
     "StagingStats",
     "fp32_no_copy_load",
     "no_copy_decisions",
@@ -230,8 +233,68 @@ class _Scratch:
             self._bytes = 0
 
 
-def _host_empty(shape: torch.Size, dtype: torch.dtype, source: torch.device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=source.type == "cuda")
+class PinnedPool:
+    """Two page-locked FP32 bounce buffers of one chunk, reused by every staged save.
+
+    A CUDA chunk goes device scratch -> pinned buffer (asynchronous) -> the checkpoint's own
+    pageable host tensor, alternating between the two buffers so one copy overlaps the next
+    decode. Pinning every host result instead would leave whole-state-sized pinned blocks,
+    rounded up to powers of two, in torch's host cache for the life of the process; this pool
+    holds two chunks, replaced only when the chunk size changes.
+
+    Example:
+        >>> pool = PinnedPool(pin=False)  # pinning needs CUDA; the reuse is the same
+        >>> first = pool.get(8)
+        >>> [b.data_ptr() for b in pool.get(4)] == [b.data_ptr() for b in first]
+        True
+    """
+
+    def __init__(self, *, pin: bool = True) -> None:
+        self.pin = pin
+        self._lock = threading.Lock()
+        self._buffers: list[torch.Tensor] = []
+
+    def get(self, numel: int) -> list[torch.Tensor]:
+        """The two buffers, at least ``numel`` elements each (one allocation per size)."""
+        with self._lock:
+            if not self._buffers or self._buffers[0].numel() < numel:
+                self._buffers = []  # release the old pair before pinning the new one
+                self._buffers = [
+                    torch.empty(numel, dtype=_FP32, pin_memory=self.pin) for _ in range(2)
+                ]
+            return [b[:numel] for b in self._buffers]
+
+
+_PINNED = PinnedPool()
+
+
+def _copy_to_host_through_pinned(
+    holder: Any, param: torch.Tensor, name: str, buffer: torch.Tensor, flat: torch.Tensor
+) -> None:
+    """The CUDA path of a chunked read: decode -> pinned (async) -> pageable host tensor."""
+    step = buffer.numel()
+    bounce = _PINNED.get(step)
+    pending: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
+
+    def finish() -> None:
+        event, pinned, host = pending.pop(0)
+        event.synchronize()
+        host.copy_(pinned)
+
+    for i, start in enumerate(range(0, flat.numel(), step)):
+        count = min(step, flat.numel() - start)
+        out = buffer[:count]
+        holder.read_unscaled_state_chunk(param, name, start, out)
+        if len(pending) == 2:
+            finish()  # that buffer's previous copy is done before it is reused
+        pinned = bounce[i % 2][:count]
+        # Same stream as the next decode into ``buffer``, so the copy is ordered first.
+        pinned.copy_(out, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        pending.append((event, pinned, flat[start : start + count]))
+    while pending:
+        finish()
 
 
 def _stored_state(holder: Any, param: torch.Tensor, name: str) -> torch.Tensor | None:
@@ -250,22 +313,22 @@ def _read_chunked(
 ) -> torch.Tensor:
     device = stored.device
     numel = stored.numel()
-    host = _host_empty(stored.shape, _FP32, device)
+    host = torch.empty(stored.shape, dtype=_FP32)  # pageable: the checkpoint's own memory
     flat = host.view(-1)
     step = scratch.chunk_numel(_FP32)
     if device.type == "cpu":
         step = min(step, _HOST_SCRATCH_NUMEL)
     buffer = scratch.get(device, _FP32, min(numel, step))
-    asynchronous = device.type == "cuda"
     try:
-        for start in range(0, numel, step):
-            count = min(step, numel - start)
-            out = buffer[:count]
-            holder.read_unscaled_state_chunk(param, name, start, out)
-            # Same stream as the next decode into ``buffer``, so the copy is ordered first.
-            flat[start : start + count].copy_(out, non_blocking=asynchronous)
-        if asynchronous:
-            torch.cuda.current_stream(device).synchronize()
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                _copy_to_host_through_pinned(holder, param, name, buffer, flat)
+        else:
+            for start in range(0, numel, step):
+                count = min(step, numel - start)
+                out = buffer[:count]
+                holder.read_unscaled_state_chunk(param, name, start, out)
+                flat[start : start + count].copy_(out)
     finally:
         # Alive only during one state's read, so no other path ever sees it beside its own.
         del buffer

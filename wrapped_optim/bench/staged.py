@@ -11,11 +11,11 @@ checkpointed three ways:
 * chunked -- :class:`~wrapped_optim.StagedCheckpointOptimizer`: one ``chunk_bytes`` scratch
   on the device, decoded into host buffers; loads quantize chunk by chunk.
 
-Peak extra device bytes come from :class:`~wrapped_optim.probe.DeviceMemoryProbe`. On a CPU
-that is the staging engine's ledger; the unstaged baseline is put on the ledger by
-:func:`~wrapped_optim.probe.count_unstaged_expansions` (expansions while alive; for loads, one
-whole FP32 tensor per ``set_scaled_state`` call, a lower bound). The CUDA figures come from
-``python -m wrapped_optim.bench.gpu_staged``. Run: ``python -m wrapped_optim.bench.staged``.
+Peak extra device bytes come from :class:`~wrapped_optim.testing.probe.DeviceMemoryProbe`.
+On a CPU that is the staging engine's ledger; the unstaged baseline is put on the ledger by
+:func:`~wrapped_optim.testing.probe.count_unstaged_expansions` (expansions while alive; for
+loads, one whole FP32 tensor per ``set_scaled_state`` call, a lower bound). The CUDA
+figures come from ``python -m tests.gpu.gpu_staged``. Run: ``python -m wrapped_optim.bench.staged``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from wrapped_optim.probe import DeviceMemoryProbe, count_unstaged_expansions
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.staging import staged_save
+from wrapped_optim.testing.probe import DeviceMemoryProbe, count_unstaged_expansions
 
 __all__ = ["build_model_optimizer", "measure", "plots", "run", "whole_tensor_state_dict"]
 
@@ -258,7 +258,7 @@ def run(quick: bool = False) -> str:
         "the wrapper replaces by `chunk_bytes`. Neither CPU column sees the holder's own",
         "load-time storage (PrecisionAwareAdamW builds new storage beside the old one).",
         "The time columns are the real bare and wrapped loads of PrecisionAwareAdamW.",
-        "Real CUDA figures: `python -m wrapped_optim.bench.gpu_staged`.",
+        "Real CUDA figures: `python -m tests.gpu.gpu_staged`.",
         "",
         "Reproduce: `python -m wrapped_optim.bench.staged` (`--quick` for up to 50M).",
         "",

@@ -12,7 +12,7 @@ wrappers of this package are tested against. All format arithmetic lives in
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -21,13 +21,12 @@ from torch import Tensor
 from wrapped_optim import codecs
 from wrapped_optim.adapters.dtensor import like_param, local_tensor
 from wrapped_optim.optimizers import cpu_kernel as _cpu_kernel
+from wrapped_optim.optimizers import torch_step as _torch_step
 from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["PrecisionAwareAdamW"]
 
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
-# Devices with torch's fused (single-pass) Adam/AdamW kernels.
-_FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu")
 _MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 # (param, grad, exp_avg, exp_avg_sq, master or None), flat, as the CPU kernel takes them.
 _KernelOperands = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]
@@ -167,14 +166,14 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self.cpu_kernel = cpu_kernel
         self.atomic_step = bool(atomic_step)
         self._scales: dict[Tensor, dict[str, Tensor]] = {}
-        self._scratch: dict[torch.device, Tensor] = {}  # step workspace, never saved
+        self._scratch = _torch_step.StepScratch()  # per-thread step workspace, never saved
         self._pack_small = True  # small parameters share fused calls (tests turn it off)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's Optimizer pickles only defaults/state/param_groups; our configuration and
         # scales are part of the optimizer too (copy.deepcopy and pickle must keep them).
         state = self.__dict__.copy()
-        state["_scratch"] = {}
+        state["_scratch"] = _torch_step.StepScratch()
         return state
 
     # ------------------------------------------------------------------ format helpers
@@ -299,13 +298,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             )
         return local
 
-    def _chunks_of(self, flat: Tensor, chunk_numel: int) -> Callable[[], Iterator[Tensor]]:
-        def gen() -> Iterator[Tensor]:
-            for s, e in codecs.chunk_bounds(flat.numel(), chunk_numel):
-                yield flat[s:e]
-
-        return gen
-
     def _encode_from(self, param: Tensor, state_name: str, flat: Tensor, chunk_numel: int) -> None:
         """Quantize the flat FP32 (or int16) source into storage, chunk by chunk."""
         if state_name not in self.state[param]:
@@ -313,18 +305,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         storage = self.state[param][state_name]
         out = storage.view(-1)
         dtype = self.name_to_dtype_map[state_name]
-        scale = None
         if not self._uses_remainder(param, state_name) and codecs.is_scaled(dtype):
-            scale = codecs.exact_scale(self._chunks_of(flat, chunk_numel), dtype, storage.device)
-        for s, e in codecs.chunk_bounds(flat.numel(), chunk_numel):
-            chunk = flat[s:e]
-            if scale is None:
-                out[s:e].copy_(chunk)
-            else:
-                moved = chunk.to(storage.device)
-                codecs.encode_into(moved, out[s:e], dtype, scale, overwrite_x=moved is not chunk)
-        if scale is not None:
+            # Every device temporary within chunk_numel FP32 elements (the staging bound).
+            scale = codecs.encode_chunked(flat, out, dtype, chunk_numel)
             self._scales[param][state_name].copy_(scale)
+            return
+        for s, e in codecs.chunk_bounds(flat.numel(), chunk_numel):
+            out[s:e].copy_(flat[s:e])
 
     def set_scaled_state(self, param: Tensor, state_name: str, unscaled_state: Tensor) -> None:
         """Quantize FP32 values (int16 for a remainder master) into one state of ``param``.
@@ -438,6 +425,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 elif grad is not None:
                     grad.zero_()
 
+    # The torch (any device) step paths live in optimizers/torch_step.py; these are the seams
+    # step() dispatches through (tests may replace _update on an instance).
+
     def _fused_math(
         self,
         params: list[Tensor],
@@ -447,33 +437,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         group: dict[str, Any],
         steps: list[Tensor],
     ) -> None:
-        """torch's single-pass AdamW (L2 Adam without ``adam_w_mode``) kernel.
-
-        Algebraically TE's update (``p * (1 - lr * wd) - lr * step`` is ``p - lr * (step +
-        wd * p)``); the rounding of the FP32 arithmetic differs in the last bits.
-        """
-        beta1, beta2 = group["betas"]
-        fused = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
-        fused(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps,
-            lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-            eps=group["eps"], amsgrad=False, maximize=False,
-        )  # fmt: skip
-
-    def _use_fused(self, device: torch.device, group: dict[str, Any]) -> bool:
-        if self.fused is False or not group["bias_correction"]:
-            return False
-        supported = device.type in _FUSED_DEVICES
-        if self.fused and not supported:
-            raise RuntimeError(f"fused=True, but torch has no fused AdamW kernel for {device}")
-        return supported
-
-    def _scratch_for(self, device: torch.device, numel: int) -> Tensor:
-        buf = self._scratch.get(device)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=torch.float32, device=device)
-            self._scratch[device] = buf
-        return buf[:numel]
+        _torch_step.fused_math(self, params, grads, exp_avgs, exp_avg_sqs, group, steps)
 
     def _grad_of(self, param: Tensor) -> Tensor | None:
         if self.use_decoupled_grad:
@@ -579,7 +543,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 else:
                     self._update(p, grad, group)
             for (device, _), items in batches.items():
-                step = torch.tensor(float(group["step"]), dtype=torch.float32, device=device)
+                step = _torch_step.step_tensor(group["step"], device)
                 ps, gs, ms, vs = (list(column) for column in zip(*items, strict=True))
                 self._fused_math(ps, gs, ms, vs, group, [step] * len(ps))
             for device, pairs in small.items():
@@ -642,295 +606,21 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         )  # fmt: skip
 
     def _packable(self, param: Tensor, grad: Tensor, group: dict[str, Any]) -> bool:
-        """Small parameters whose state needs only per-element conversion (bf16/fp32 moments,
-        an fp32 or remainder master) are updated many at a time (one fused call per pack)."""
-        p, g = local_tensor(param), local_tensor(grad)
-        if not self._pack_small:
-            return False
-        if p.numel() > self.chunk_numel // 4 or not p.is_contiguous() or g.device != p.device:
-            return False
-        if not self._use_fused(p.device, group):
-            return False
-        state = self.state[param]
-        for name, storage in state.items():
-            if name == "master_param":
-                if param.dtype == torch.float32:  # its master is synced after the update
-                    return False
-                if not self._uses_remainder(param) and storage.dtype != torch.float32:
-                    return False
-            elif storage.dtype not in (torch.float32, torch.bfloat16):
-                return False
-        return True
+        return _torch_step.packable(self, param, grad, group)
 
     def _update_packed(
         self, pairs: list[tuple[Tensor, Tensor]], group: dict[str, Any], device: torch.device
     ) -> None:
-        """:meth:`_update` for many small parameters at once: their slices are packed into one
-        workspace and updated by one fused call, with the same per-element arithmetic."""
-        c = self.chunk_numel
-        scratch = self._scratch_for(device, 6 * c)
-        g_buf, m_buf, v_buf, p_buf, t1, t2 = scratch.view(6, c).unbind(0)
-        step = torch.tensor(float(group["step"]), dtype=torch.float32, device=device)
-        start = 0
-        pack: list[tuple[Tensor, Tensor]] = []
-        for param, grad in [*pairs, (None, None)]:
-            n = 0 if param is None else local_tensor(param).numel()
-            if pack and (param is None or start + n > c):
-                self._flush_pack(pack, group, step, (g_buf, m_buf, v_buf, p_buf, t1, t2))
-                pack, start = [], 0
-            if param is not None and grad is not None:
-                pack.append((param, grad))
-                start += n
-
-    def _flush_pack(
-        self,
-        pack: list[tuple[Tensor, Tensor]],
-        group: dict[str, Any],
-        step: Tensor,
-        buffers: tuple[Tensor, ...],
-    ) -> None:
-        g_buf, m_buf, v_buf, p_buf, t1, t2 = buffers
-        ps: list[Tensor] = []
-        gs: list[Tensor] = []
-        ms: list[Tensor] = []
-        vs: list[Tensor] = []
-        decode: list[tuple[Tensor, Tensor]] = []  # (fp32 slice, stored)
-        encode: list[tuple[Tensor, Tensor]] = []  # (stored, fp32 slice)
-        write_param: list[tuple[Tensor, Tensor]] = []  # (param, fp32 slice)
-        remainders: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
-        offset = 0
-        for param, grad in pack:
-            state = self.state[param]
-            p_flat = local_tensor(param).view(-1)
-            g_flat = local_tensor(grad).reshape(-1)
-            k = p_flat.numel()
-            sl = slice(offset, offset + k)
-            offset += k
-            if g_flat.dtype == torch.float32:
-                gs.append(g_flat)
-            else:
-                decode.append((g_buf[sl], g_flat))
-                gs.append(g_buf[sl])
-            for name, buf, out in (("exp_avg", m_buf, ms), ("exp_avg_sq", v_buf, vs)):
-                stored = state[name].view(-1)
-                if stored.dtype == torch.float32:
-                    out.append(stored)
-                else:  # bf16: expanded exactly, re-encoded with round-to-nearest-even
-                    decode.append((buf[sl], stored))
-                    encode.append((stored, buf[sl]))
-                    out.append(buf[sl])
-            if "master_param" not in state:
-                if param.dtype == torch.float32:
-                    ps.append(p_flat)
-                else:
-                    decode.append((p_buf[sl], p_flat))
-                    write_param.append((p_flat, p_buf[sl]))
-                    ps.append(p_buf[sl])
-            elif self._uses_remainder(param):
-                rem = state["master_param"].view(-1)
-                ps.append(codecs.join_master(p_flat, rem, out=p_buf[sl], scratch=t2[sl]))
-                remainders.append((p_buf[sl], p_flat, rem, t1[sl].view(torch.int32)))
-            else:
-                master = state["master_param"].view(-1)
-                ps.append(master)
-                write_param.append((p_flat, master))
-        if decode:
-            torch._foreach_copy_([d for d, _ in decode], [src for _, src in decode])
-        self._fused_math(ps, gs, ms, vs, group, [step] * len(ps))
-        if encode:
-            torch._foreach_copy_([d for d, _ in encode], [src for _, src in encode])
-        if write_param:
-            torch._foreach_copy_([d for d, _ in write_param], [src for _, src in write_param])
-        for values, p_flat, rem, bits in remainders:
-            codecs.split_master_into(values, p_flat, rem, scratch=bits)
+        _torch_step.update_packed(self, pairs, group, device)
 
     def _direct_views(
         self, param: Tensor, grad: Tensor, group: dict[str, Any]
     ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-        """(param, grad, exp_avg, exp_avg_sq) when torch's fused kernel can update them as
-        stored: FP32 param and moments, or bf16 param, grad and moments (the kernel loads
-        bf16 to FP32, updates and stores with round-to-nearest-even: decode -> FP32 update
-        -> encode in one pass). None when a master copy or a scaled format is involved."""
-        p = local_tensor(param)
-        g = local_tensor(grad)
-        state = self.state[param]
-        if "master_param" in state or not p.is_contiguous() or g.device != p.device:
-            return None
-        if not self._use_fused(p.device, group):
-            return None
-        if p.dtype not in (torch.float32, torch.bfloat16) or g.dtype != p.dtype:
-            return None
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        if m.dtype != p.dtype or v.dtype != p.dtype:
-            return None
-        return p, g.reshape(p.shape).contiguous(), m, v
+        return _torch_step.direct_views(self, param, grad, group)
 
     def _update(self, param: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
-        """One parameter, slice by slice: expand each slice of state to FP32, update, store."""
-        p_local = local_tensor(param)
-        g_flat = local_tensor(grad).reshape(-1)
-        n = p_local.numel()
-        if g_flat.numel() != n:
-            raise RuntimeError(
-                f"gradient has {g_flat.numel()} elements, the parameter has {n} (local shard)"
-            )
-        contiguous = p_local.is_contiguous()
-        p_work = p_local if contiguous else p_local.contiguous()
-        p_flat = p_work.view(-1)
-        state = self.state[param]
-        beta1, beta2 = group["betas"]
-        step = group["step"]
-        bc1 = 1.0 - beta1**step if group["bias_correction"] else 1.0
-        bc2 = 1.0 - beta2**step if group["bias_correction"] else 1.0
-        lr = group["lr"]
-        wd = group["weight_decay"]
-        eps = group["eps"]
-        device = p_local.device
-        dtypes = self.name_to_dtype_map
-
-        # How each state is seen in FP32 during the step: "live" (fp32 storage, in place),
-        # "chunk" (bf16: expanded and re-encoded per slice), "scaled" (fp16/FP8: expanded per
-        # slice with the old scale, re-encoded with the new one) or "remainder" (the master is
-        # rebuilt per slice from the bf16 param and its int16 remainder).
-        mode: dict[str, str] = {}
-        for name in _STATE_NAMES:
-            if name not in state:
-                continue
-            dtype = dtypes[name]
-            if name == "master_param" and self._uses_remainder(param):
-                mode[name] = "remainder"
-            elif dtype == torch.float32:
-                mode[name] = "live"
-            elif codecs.is_scaled(dtype):
-                mode[name] = "scaled"
-            else:
-                mode[name] = "chunk"
-        flat = {name: state[name].view(-1) for name in mode}
-        fp32_param = param.dtype == torch.float32
-        master = None if fp32_param else mode.get("master_param")
-        m_mode, v_mode = mode["exp_avg"], mode["exp_avg_sq"]
-        # A scaled state's new scale needs the amax of its whole updated tensor (TE keeps a
-        # full FP32 copy for that). Instead, a first pass computes the update on copies of
-        # each slice only to collect the amaxes; the second pass redoes the identical
-        # arithmetic for real and encodes with the new scales: memory stays O(chunk_numel).
-        scaled = [
-            name
-            for name, kind in (
-                ("exp_avg", m_mode),
-                ("exp_avg_sq", v_mode),
-                ("master_param", master),
-            )
-            if kind == "scaled"
-        ]
-        old_scale = {name: self._scales[param][name].clone() for name in scaled}
-        decode_mult = {n: codecs.decode_multiplier(old_scale[n], dtypes[n]) for n in scaled}
-        fused_step = None
-        if self._use_fused(device, group):
-            fused_step = torch.tensor(float(step), dtype=torch.float32, device=device)
-
-        # Nothing to convert per slice (all FP32 views, FP32 grad): one pass over the tensor.
-        direct = (
-            m_mode == v_mode == "live"
-            and (master == "live" or (master is None and fp32_param))
-            and g_flat.dtype == torch.float32
-            and g_flat.device == device
-        )
-        c = max(n, 1) if direct else min(self.chunk_numel, max(n, 1))
-        # Six FP32 slice buffers, kept between steps: allocating them afresh costs page faults.
-        b = 0 if direct else c  # slice buffers
-        t = c if fused_step is None or master == "remainder" else 0  # temporaries
-        scratch = self._scratch_for(device, 4 * b + 2 * t)
-        g_buf, m_buf, v_buf, p_buf = (scratch[i * b : (i + 1) * b] for i in range(4))
-        t1, t2 = scratch[4 * b : 4 * b + t], scratch[4 * b + t :]
-        bits_buf = t1.view(torch.int32)  # only the remainder split uses it, t1 is free then
-
-        def fp32_view(name: str, kind: str, s: int, e: int, buf: Tensor, trial: bool) -> Tensor:
-            if kind == "live":
-                live = flat[name][s:e]
-                return buf[: e - s].copy_(live) if trial else live
-            out = buf[: e - s]
-            codecs.decode_into(
-                flat[name][s:e], out, dtypes[name], None, multiplier=decode_mult.get(name)
-            )
-            return out
-
-        def update_slice(s: int, e: int, trial: bool) -> dict[str, Tensor]:
-            """The FP32 update of one slice; ``trial`` leaves all storage untouched."""
-            k = e - s
-            g = g_flat[s:e]
-            if g.dtype != torch.float32 or g.device != device:
-                g = g_buf[:k].copy_(g)
-            m = fp32_view("exp_avg", m_mode, s, e, m_buf, trial)
-            v = fp32_view("exp_avg_sq", v_mode, s, e, v_buf, trial)
-            if master is None:
-                live = fp32_param and not trial
-                p32 = p_flat[s:e] if live else p_buf[:k].copy_(p_flat[s:e])
-            elif master == "remainder":
-                p32 = codecs.join_master(
-                    p_flat[s:e], flat["master_param"][s:e], out=p_buf[:k], scratch=t2[:k]
-                )
-            else:
-                p32 = fp32_view("master_param", master, s, e, p_buf, trial)
-
-            if fused_step is not None:
-                self._fused_math([p32], [g], [m], [v], group, [fused_step])
-            else:  # TE's form, elementwise
-                if not self.adam_w_mode and wd != 0:
-                    g = torch.add(g, p32, alpha=wd, out=t1[:k])  # never into the caller's grad
-                m.mul_(beta1).add_(g, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = torch.div(v, bc2, out=t1[:k]).sqrt_().add_(eps)
-                update = torch.div(m, bc1, out=t2[:k]).div_(denom)
-                if self.adam_w_mode and wd != 0:
-                    update.add_(p32, alpha=wd)
-                p32.sub_(update.mul_(lr))
-            return {"exp_avg": m, "exp_avg_sq": v, "master_param": p32}
-
-        new_scale: dict[str, Tensor] = {}
-        if scaled:
-            amax = {name: torch.zeros(1, device=device) for name in scaled}
-            for s, e in codecs.chunk_bounds(n, c):
-                values = update_slice(s, e, trial=True)
-                for name in scaled:
-                    amax[name] = codecs.combine_amax(amax[name], codecs.amax_of(values[name]))
-            new_scale = {name: codecs.scale_from_amax(amax[name], dtypes[name]) for name in scaled}
-        encode_mult = {n: codecs.encode_multiplier(new_scale[n], dtypes[n]) for n in scaled}
-
-        for s, e in codecs.chunk_bounds(n, c):
-            values = update_slice(s, e, trial=False)
-            # The parameter first: encoding below may scale the FP32 slices in place.
-            if master == "remainder":
-                codecs.split_master_into(
-                    values["master_param"], p_flat[s:e], flat["master_param"][s:e],
-                    scratch=bits_buf[: e - s],
-                )  # fmt: skip
-            elif not fp32_param:
-                p_flat[s:e].copy_(values["master_param"])  # round-to-nearest-even
-            for name, kind in (
-                ("exp_avg", m_mode),
-                ("exp_avg_sq", v_mode),
-                ("master_param", master),
-            ):
-                if kind in ("chunk", "scaled"):
-                    codecs.encode_into(
-                        values[name], flat[name][s:e], dtypes[name], new_scale.get(name),
-                        overwrite_x=True, multiplier=encode_mult.get(name),
-                    )  # fmt: skip
-
-        for name in scaled:
-            self._scales[param][name].copy_(new_scale[name])
-        if fp32_param and "master_param" in state:
-            # TE leaves an fp32 parameter's master untouched; we keep it equal to the param.
-            if mode["master_param"] == "live":
-                flat["master_param"].copy_(p_flat)
-            else:
-                dtype = dtypes["master_param"]
-                scale = codecs.scale_from_amax(codecs.amax_of(p_flat), dtype)
-                for s, e in codecs.chunk_bounds(n, c):
-                    codecs.encode_into(p_flat[s:e], flat["master_param"][s:e], dtype, scale)
-                self._scales[param]["master_param"].copy_(scale)
-        if not contiguous:
-            p_local.copy_(p_work)
+        """One parameter whose state needs conversion (see :func:`torch_step.update`)."""
+        _torch_step.update(self, param, grad, group)
 
     # ------------------------------------------------------------------ checkpoints
 

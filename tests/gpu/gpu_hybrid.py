@@ -9,18 +9,19 @@ on real training of a small model:
 3. ``on_stale="raise"`` raises before anything is stepped;
 4. full resume through the wrapper: continues like the uninterrupted run, masters restored.
 
-Reproduce: ``python -m wrapped_optim.bench.gpu_hybrid``.
+Reproduce: ``python -m tests.gpu.gpu_hybrid``.
 """
 
 from __future__ import annotations
 
 import copy
-import sys
 from typing import Any
 
 import torch
 
 from wrapped_optim.hybrid import HybridSyncOptimizer, StaleMasterError
+
+from ._report import Section, main_of, require_cuda, require_megatron, row_table
 
 __all__ = ["run"]
 
@@ -79,16 +80,18 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
-def run() -> str:
-    """Runs the checks on CUDA and returns a Markdown section (raises without CUDA).
+def run() -> Section:
+    """Runs the checks on CUDA; a failed check is a failure of the section.
+
+    Raises :class:`~tests.gpu._report.NotRun` without CUDA or megatron-core.
 
     Example:
         >>> import torch
         >>> if torch.cuda.is_available():  # doctest: +SKIP
-        ...     print(run())
+        ...     print(run().markdown)
     """
-    if not torch.cuda.is_available():
-        raise RuntimeError("gpu_hybrid needs a CUDA device")
+    require_cuda("gpu_hybrid")
+    require_megatron()
     rows: list[tuple[str, bool, str]] = []
 
     pretrained_model = _model(0)
@@ -154,20 +157,12 @@ def run() -> str:
         )
     )
 
-    lines = [
-        "## GPU: HybridSyncOptimizer around Megatron's HybridDeviceOptimizer",
-        "",
-        f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}.",
-        "",
-        "| check | result | detail |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {name} | {'PASS' if ok else 'FAIL'} | {detail} |" for name, ok, detail in rows]
-    lines.append("")
-    return "\n".join(lines)
+    title = (
+        "## GPU: HybridSyncOptimizer around Megatron's HybridDeviceOptimizer\n\n"
+        f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}."
+    )
+    return row_table(rows, title)
 
 
 if __name__ == "__main__":
-    section = run()
-    print(section)
-    sys.exit(0 if "| FAIL |" not in section else 1)
+    raise SystemExit(main_of(run))

@@ -11,23 +11,24 @@ generator (no model kernels), so every figure is deterministic. For each case:
 2. save -> load into a fresh stack -> continue equals uninterrupted stepping bitwise, and the
    load wrote every compressed state chunk by chunk.
 
-Reproduce: ``python -m wrapped_optim.bench.gpu_hybrid_precision`` (``run(device="cpu")`` runs
+Reproduce: ``python -m tests.gpu.gpu_hybrid_precision`` (``run(device="cpu")`` runs
 the same checks on the host, without the memory bound's meaning).
 """
 
 from __future__ import annotations
 
 import copy
-import sys
 from typing import Any
 
 import torch
 
 from wrapped_optim.demo_model import TinyGPT
-from wrapped_optim.factory import wrap
+from wrapped_optim.stack import wrap
 from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
-from wrapped_optim.probe import DeviceMemoryProbe
 from wrapped_optim.staged import StagedCheckpointOptimizer
+from wrapped_optim.testing.probe import DeviceMemoryProbe
+
+from ._report import Section, main_of, require_cuda
 
 __all__ = ["run"]
 
@@ -123,16 +124,16 @@ def _case(device: str, fraction: float, m: Any, v: Any) -> tuple[str, bool, str]
     return name, ok, detail
 
 
-def run(device: str = "cuda") -> str:
-    """Runs the checks and returns a Markdown section (raises when ``device`` is missing).
+def run(device: str = "cuda") -> Section:
+    """Runs the checks; a failed case is a failure of the section (not run without CUDA).
 
     Example:
         >>> import torch
         >>> if torch.cuda.is_available():  # doctest: +SKIP
-        ...     print(run())
+        ...     print(run().markdown)
     """
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("gpu_hybrid_precision needs a CUDA device")
+    if device == "cuda":
+        require_cuda("gpu_hybrid_precision")
     rows = [_case(device, *case) for case in _CASES]
     lines = [
         "## Hybrid offload with precision-aware sub-optimizers, staged "
@@ -142,14 +143,10 @@ def run(device: str = "cuda") -> str:
         "|---|---|---|",
         *[f"| {name} | {'yes' if ok else 'NO'} | {detail} |" for name, ok, detail in rows],
         "",
-        "Reproduce: `python -m wrapped_optim.bench.gpu_hybrid_precision`.",
+        "Reproduce: `python -m tests.gpu.gpu_hybrid_precision`.",
     ]
-    if not all(ok for _, ok, _ in rows):
-        lines.append("\n**FAILED**")
-    return "\n".join(lines)
+    return Section("\n".join(lines), [name for name, ok, _ in rows if not ok])
 
 
 if __name__ == "__main__":
-    report = run()
-    print(report)
-    sys.exit(1 if "**FAILED**" in report else 0)
+    raise SystemExit(main_of(run))

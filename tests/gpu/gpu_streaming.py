@@ -4,7 +4,7 @@ A CUDA PrecisionAwareAdamW (bf16 params with FP32 masters, fp16 / FP8 moments) i
 loaded with :mod:`wrapped_optim.checkpoint`; the check reports the peak *device* memory growth
 of each call (``torch.cuda.max_memory_allocated``) next to ``dcp.save(opt.state_dict())`` /
 ``dcp.load`` + ``load_state_dict``, and verifies the loaded storage bit for bit. Only runnable
-with CUDA: ``python -m wrapped_optim.bench.gpu_streaming``.
+with CUDA: ``python -m tests.gpu.gpu_streaming``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+from ._report import Section, main_of, require_cuda
 
 __all__ = ["run"]
 
@@ -65,17 +67,18 @@ def _measure(fn: Any) -> tuple[float, int]:
     return time.perf_counter() - start, torch.cuda.max_memory_allocated() - base
 
 
-def run() -> str:
-    """Runs the CUDA check and returns a Markdown section (raises without CUDA).
+def run() -> Section:
+    """Runs the CUDA check (not run without CUDA); a loaded state that is not bit-identical
+    to the saved one is a failure.
 
     Only the CUDA allocator sees every temporary, so this is where the streaming bound is
     measured rather than modelled; it raises without CUDA instead of reporting CPU figures.
 
     Example:
-        On a CUDA machine, ``python -m wrapped_optim.bench.gpu_streaming`` prints the table:
+        On a CUDA machine, ``python -m tests.gpu.gpu_streaming`` prints the table:
 
-        >>> from wrapped_optim.bench.gpu_streaming import run
-        >>> print(run())  # doctest: +SKIP
+        >>> from tests.gpu.gpu_streaming import run
+        >>> print(run().markdown)  # doctest: +SKIP
         # GPU check: streaming optimizer checkpoints
         ...
     """
@@ -84,8 +87,7 @@ def run() -> str:
 
     from wrapped_optim.checkpoint import load_optimizer, save_optimizer
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("gpu_streaming needs CUDA")
+    require_cuda("gpu_streaming")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     n, numel, chunk = 8, 16 << 20, 16 << 20
     largest = numel * 4
@@ -146,8 +148,9 @@ def run() -> str:
             f"| {label} | {seconds:.2f} | {growth / 2**20:,.0f} | {growth / largest:.2f} |"
         )
     lines += ["", f"Loaded state bit-identical to the saved state: {'yes' if exact else 'NO'}", ""]
-    return "\n".join(lines)
+    failures = [] if exact else ["loaded state bit-identical to the saved state"]
+    return Section("\n".join(lines), failures)
 
 
 if __name__ == "__main__":
-    print(run())
+    raise SystemExit(main_of(run))

@@ -2,7 +2,7 @@
 
 Needs CUDA and megatron-core (Transformer Engine optional). In one process (NCCL, world size
 1) it wraps a small MegatronModule in Megatron's DistributedDataParallel and, for three
-optimizer configurations, calls :func:`wrapped_optim.factory.setup_optimizer` with the real
+optimizer configurations, calls :func:`wrapped_optim.integrations.bridge.setup_optimizer` with the real
 ``get_megatron_optimizer`` and ``OptimizerParamScheduler``:
 
 1. FP32 Adam, not distributed -> no layer;
@@ -13,7 +13,7 @@ optimizer configurations, calls :func:`wrapped_optim.factory.setup_optimizer` wi
 For each it trains three steps through the wrapped optimizer and its scheduler and builds the
 state dict through the stack. CPU tests cover the same wiring with recorded builders.
 
-Reproduce: ``python -m wrapped_optim.bench.gpu_factory``.
+Reproduce: ``python -m tests.gpu.gpu_factory``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import traceback
 from typing import Any
 
 import torch
+
+from ._report import Section, main_of, require_cuda, require_megatron
 
 __all__ = ["run"]
 
@@ -43,13 +45,15 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[str]]] = {
 }
 
 
-def _init_process_group() -> None:
+def _init_process_group() -> bool:
+    """Start a one-rank NCCL group unless one exists; returns whether this call made it."""
     if torch.distributed.is_initialized():
-        return
+        return False
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
     torch.cuda.set_device(0)
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    return True
 
 
 def _scenario(name: str, flags: dict[str, Any], expected: list[str]) -> str:
@@ -60,7 +64,7 @@ def _scenario(name: str, flags: dict[str, Any], expected: list[str]) -> str:
 
     from wrapped_optim import compat
     from wrapped_optim.config import SchedulerConfig
-    from wrapped_optim.factory import setup_optimizer
+    from wrapped_optim.integrations.bridge import setup_optimizer
     from wrapped_optim.wrapper import OptimizerWrapper
 
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
@@ -112,24 +116,34 @@ def _scenario(name: str, flags: dict[str, Any], expected: list[str]) -> str:
     )
 
 
-def run() -> str:
-    """Runs the scenarios and returns a Markdown section (needs CUDA and megatron-core).
+def run() -> Section:
+    """Runs the scenarios (needs CUDA and megatron-core, else not run).
 
-    Every scenario gets a row, a failing one included, so a single report shows which of
-    Megatron's real builders the factory wires correctly.
+    Every scenario gets a row, a failing one included (a failure of the section), so a
+    single report shows which of Megatron's real builders the factory wires correctly. The
+    NCCL process group this check starts is destroyed before it returns.
 
     Example:
-        >>> from wrapped_optim.bench.gpu_factory import run
-        >>> print(run())  # doctest: +SKIP
+        >>> from tests.gpu.gpu_factory import run
+        >>> print(run().markdown)  # doctest: +SKIP
         ## GPU: setup_optimizer with megatron-core's real builders
         ...
     """
-    if not torch.cuda.is_available():
-        raise RuntimeError("wrapped_optim.bench.gpu_factory needs a CUDA device")
-    _init_process_group()
+    require_cuda("gpu_factory")
+    require_megatron()
+    created = _init_process_group()
+    try:
+        return _run_scenarios()
+    finally:
+        if created and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _run_scenarios() -> Section:
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel()
+    failures: list[str] = []
     lines = [
         "## GPU: setup_optimizer with megatron-core's real builders",
         "",
@@ -140,15 +154,18 @@ def run() -> str:
     try:
         for name, (flags, expected) in SCENARIOS.items():
             try:
-                lines.append(_scenario(name, flags, expected))
+                row = _scenario(name, flags, expected)
             except Exception as error:  # report every scenario, not just the first failure
                 last = traceback.format_exception_only(type(error), error)[-1].strip()
-                lines.append(f"| {name} | ERROR: {last} | | | | | | | FAILED |")
+                row = f"| {name} | ERROR: {last} | | | | | | | FAILED |"
+            if not row.endswith("| ok |"):
+                failures.append(name)
+            lines.append(row)
     finally:
         parallel_state.destroy_model_parallel()
-    lines += ["", "Reproduce: `python -m wrapped_optim.bench.gpu_factory`."]
-    return "\n".join(lines)
+    lines += ["", "Reproduce: `python -m tests.gpu.gpu_factory`."]
+    return Section("\n".join(lines), failures)
 
 
 if __name__ == "__main__":
-    print(run())
+    raise SystemExit(main_of(run))

@@ -1,0 +1,201 @@
+"""How much extra device memory a checkpoint call needs, measured the same way everywhere.
+
+Part of the testing kit: the staging engine only writes to the leaf
+:mod:`wrapped_optim.ledger`; this module reads it (and the CUDA allocator).
+
+Staged checkpoints promise a bound: never more than one chunk of expanded state on the
+device. On CUDA the allocator itself says how much a call needed (peak allocation minus
+the allocation before). A CPU has no separate device memory to measure, so there the probe
+reads the staging engine's own ledger: every expansion, scratch buffer or chunk in flight
+the engine puts on the source device is recorded while alive. That keeps the bound checked
+on every CPU test run, with the same code path the GPU runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from wrapped_optim.ledger import device_ledger
+from wrapped_optim.patching import patch_attribute
+from wrapped_optim.staging import staging_decisions
+
+__all__ = ["DeviceMemoryProbe", "count_unstaged_expansions", "device_ledger"]
+
+
+class DeviceMemoryProbe:
+    """Peak extra device bytes needed inside a ``with`` block.
+
+    ``peak_extra_bytes`` is the highest allocation reached in the block minus the allocation
+    when it started. ``source`` says where the figure comes from: ``"cuda"`` (the CUDA
+    caching allocator's peak statistics; counts everything, including temporaries inside a
+    holder) or ``"ledger"`` (the staging engine's own record of the expansions, scratch
+    buffers and chunks it keeps on the source device; used when ``device`` is not CUDA).
+    ``ledger_peak_bytes`` is always available, on CUDA too.
+
+    Example:
+        >>> from wrapped_optim.testing.probe import DeviceMemoryProbe, device_ledger
+        >>> with DeviceMemoryProbe("cpu") as probe:
+        ...     device_ledger.allocate(4096)
+        ...     device_ledger.release(4096)
+        >>> probe.peak_extra_bytes, probe.source
+        (4096, 'ledger')
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.source = "cuda" if self.device.type == "cuda" else "ledger"
+        self._ledger_start = 0
+        self._ledger_peak = 0
+        self._cuda_start = 0
+        self._cuda_peak: int | None = None
+        self._open = False
+
+    def _observe(self, live: int) -> None:
+        self._ledger_peak = max(self._ledger_peak, live)
+
+    def __enter__(self) -> DeviceMemoryProbe:
+        if self.source == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_start = torch.cuda.memory_allocated(self.device)
+        self._ledger_start = device_ledger._attach(self)
+        self._ledger_peak = self._ledger_start
+        self._open = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        device_ledger._detach(self)
+        if self.source == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._cuda_peak = torch.cuda.max_memory_allocated(self.device)
+        self._open = False
+
+    @property
+    def ledger_peak_bytes(self) -> int:
+        """Peak of the staging engine's ledger above its level at entry.
+
+        Kept on CUDA probes too, so a benchmark can set what the engine says it held next to
+        what the allocator saw; bytes already alive at entry are not counted.
+
+        Example:
+            >>> from wrapped_optim.testing.probe import DeviceMemoryProbe, device_ledger
+            >>> device_ledger.allocate(1000)  # alive before the block: not counted
+            >>> with DeviceMemoryProbe("cpu") as probe:
+            ...     device_ledger.allocate(300)
+            ...     device_ledger.release(300)
+            >>> device_ledger.release(1000)
+            >>> probe.ledger_peak_bytes
+            300
+        """
+        return self._ledger_peak - self._ledger_start
+
+    @property
+    def peak_extra_bytes(self) -> int:
+        """Peak extra device bytes of the block (see the class docstring for the source).
+
+        The one figure to check a staged call's bound against, whatever the device: the CUDA
+        allocator's peak where there is one, else the ledger's.
+
+        Example:
+            >>> from wrapped_optim.testing.probe import DeviceMemoryProbe, device_ledger
+            >>> with DeviceMemoryProbe("cpu") as probe:
+            ...     device_ledger.allocate(100)
+            ...     device_ledger.allocate(200)  # both alive at once: the peak is 300
+            ...     device_ledger.release(200)
+            ...     device_ledger.release(100)
+            >>> probe.peak_extra_bytes
+            300
+        """
+        if self.source == "cuda":
+            if self._cuda_peak is None:
+                raise RuntimeError("the probe's block has not finished yet")
+            return self._cuda_peak - self._cuda_start
+        return self.ledger_peak_bytes
+
+    def __repr__(self) -> str:
+        return f"DeviceMemoryProbe(device={self.device}, source={self.source!r})"
+
+    def summary(self) -> dict[str, Any]:
+        """The figures as a dict, so benchmark tables and JSON reports need no probe logic.
+
+        Example:
+            >>> from wrapped_optim.testing.probe import DeviceMemoryProbe, device_ledger
+            >>> with DeviceMemoryProbe("cpu") as probe:
+            ...     device_ledger.allocate(256)
+            ...     device_ledger.release(256)
+            >>> probe.summary()
+            {'device': 'cpu', 'source': 'ledger', 'peak_extra_bytes': 256, 'ledger_peak_bytes': 256}
+        """
+        return {
+            "device": str(self.device),
+            "source": self.source,
+            "peak_extra_bytes": self.peak_extra_bytes,
+            "ledger_peak_bytes": self.ledger_peak_bytes,
+        }
+
+
+def _counting_reader(holder: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    def get_unscaled_state(param: torch.Tensor, state_name: str) -> Any:
+        value = original(param, state_name)
+        mapping = getattr(holder, "name_to_dtype_map", {})
+        if isinstance(value, torch.Tensor) and mapping.get(state_name) != torch.float32:
+            nbytes = value.numel() * value.element_size()
+            device_ledger.allocate(nbytes)
+            weakref.finalize(value, device_ledger.release, nbytes)
+        return value
+
+    return get_unscaled_state
+
+
+def _counting_writer(original: Callable[..., Any]) -> Callable[..., Any]:
+    def set_scaled_state(param: torch.Tensor, state_name: str, unscaled_state: Any) -> Any:
+        numel = unscaled_state.numel() if isinstance(unscaled_state, torch.Tensor) else 0
+        device_ledger.allocate(numel * 4)
+        try:
+            return original(param, state_name, unscaled_state)
+        finally:
+            device_ledger.release(numel * 4)
+
+    return set_scaled_state
+
+
+@contextlib.contextmanager
+def count_unstaged_expansions(stack: Any) -> Iterator[None]:
+    """Puts an *unstaged* checkpoint call of ``stack`` on the ledger, for baselines on CPU.
+
+    Inside the block every expansion a precision-aware holder's ``get_unscaled_state``
+    returns for a compressed state is recorded for as long as the tensor is alive (a bare
+    state dict keeps all of them), and every ``set_scaled_state`` call records one whole
+    FP32 tensor on the device for its duration -- what a whole-tensor loader such as TE's
+    needs at least for a host checkpoint (a model of that loader, not a measurement of the
+    holder's own code). CUDA probes measure instead; this is for CPU runs.
+
+    Example:
+        >>> import torch
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> with DeviceMemoryProbe() as probe, count_unstaged_expansions(sgd):
+        ...     _ = sgd.state_dict()
+        >>> probe.peak_extra_bytes
+        0
+    """
+    with contextlib.ExitStack() as patches:
+        for decision in staging_decisions(stack):
+            if not decision.eligible:
+                continue
+            holder = decision.optimizer
+            reader = _counting_reader(holder, holder.get_unscaled_state)
+            writer = _counting_writer(holder.set_scaled_state)
+            patches.enter_context(patch_attribute(holder, "get_unscaled_state", reader))
+            patches.enter_context(patch_attribute(holder, "set_scaled_state", writer))
+        yield
