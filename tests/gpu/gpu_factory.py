@@ -2,7 +2,8 @@
 
 Needs CUDA and megatron-core (Transformer Engine optional). In one process (NCCL, world size
 1) it wraps a small MegatronModule in Megatron's DistributedDataParallel and, for three
-optimizer configurations, calls :func:`wrapped_optim.integrations.bridge.setup_optimizer` with the real
+optimizer configurations, calls
+:func:`wrapped_optim.integrations.bridge.setup_optimizer` with the real
 ``get_megatron_optimizer`` and ``OptimizerParamScheduler``:
 
 1. FP32 Adam, not distributed -> no layer;
