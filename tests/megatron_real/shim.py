@@ -1,0 +1,223 @@
+"""Runs megatron-core's optimizer stack on a CPU: the CUDA-only calls mapped to CPU ones.
+
+megatron-core 0.16.1 assumes a GPU in calls that have nothing to do with what the tests check.
+This shim replaces exactly those, for the duration of a ``with cuda_on_cpu():`` block:
+
+* ``torch.cuda.current_device`` / ``Stream`` / ``current_stream`` / ``default_stream`` /
+  ``stream`` / ``synchronize`` / ``empty_cache``: the DDP grad buffers, the distributed
+  optimizer's buffers and HybridDeviceOptimizer ask for the device index and order their copies
+  on streams; one CPU device has one stream, so ordering is trivially satisfied and the index is 0.
+* ``device='cuda'`` / ``device=<int>`` in tensor factories, ``Tensor.cuda()``, ``Tensor.to('cuda')``
+  (the loss scale, found-inf flags, grad buffers, ``state.to('cuda')`` after a load) become the
+  CPU; ``pin_memory`` becomes a plain (unpinned) copy.
+* The *device/host distinction* HybridDeviceOptimizer and Megatron's type checks rely on is kept:
+  every tensor is a "device" tensor (``is_cuda`` is True, ``type()`` says ``torch.cuda.*Tensor``)
+  except the ones made host tensors by ``.cpu()``, ``.to('cpu')``, ``pin_memory`` or
+  ``device='cpu'``, and what is computed from them. So the offload split
+  (``offload_fraction``), the pinned CPU copies of device params, the grad copies and the
+  copy-back hooks all run as on a GPU machine, only in one memory.
+* torch.distributed collectives gloo lacks (``reduce_scatter_tensor``, ``_reduce_scatter_base``,
+  ``all_gather_into_tensor``, ``_all_gather_base``) are emulated with ``all_reduce`` and
+  ``all_gather``, which gloo has; the result is the same tensor (sums in the same rank order
+  are not guaranteed bitwise across backends, which no test compares).
+
+Nothing here touches state layout, master copies, sharding or optimizer math: those are the
+real megatron-core and torch code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+_HOST = "_wrapped_optim_host"
+_IS_CUDA = torch._C.TensorBase.is_cuda.__get__  # type: ignore[attr-defined]
+
+
+def _is_host(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and bool(getattr(value, _HOST, False))
+
+
+def _mark_host(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        setattr(value, _HOST, True)
+    return value
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _is_cpu_device(device: Any) -> bool:
+    if isinstance(device, str):
+        return device == "cpu"
+    return isinstance(device, torch.device) and device.type == "cpu"
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    """The tensor half of the shim (see the module docstring)."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func == _IS_CUDA:
+            return not _is_host(args[0])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if _is_host(args[0]) else name.replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.pin_memory:
+            return _mark_host(args[0].clone())
+        if func is torch.Tensor.cuda:
+            return args[0].clone() if _is_host(args[0]) else args[0]
+        if func is torch.Tensor.cpu:
+            return args[0] if _is_host(args[0]) else _mark_host(args[0].detach().clone())
+        to_host = False
+        if func is torch.Tensor.to:
+            positional = list(args)
+            for index, value in enumerate(positional[1:], start=1):
+                if _is_cuda_device(value):
+                    positional[index] = "cpu"
+                    if _is_host(args[0]):
+                        return func(*positional, **kwargs).clone()
+                elif _is_cpu_device(value):
+                    to_host = True
+            args = tuple(positional)
+        if "device" in kwargs:
+            if _is_cuda_device(kwargs["device"]):
+                kwargs["device"] = "cpu"
+            elif _is_cpu_device(kwargs["device"]):
+                to_host = True
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+            to_host = True
+        result = func(*args, **kwargs)
+        host_inputs = any(_is_host(a) for a in tree_flatten((args, kwargs))[0])
+        if (to_host or host_inputs) and func not in _IN_PLACE_EXEMPT:
+            tree_map(_mark_host, result)
+        return result
+
+
+# A host tensor copied into a device tensor leaves the destination a device tensor.
+_IN_PLACE_EXEMPT = {torch.Tensor.copy_, torch.Tensor.__setitem__}
+
+
+class _Stream:
+    """torch.cuda.Stream on one CPU: every wait is already satisfied."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _Event:
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Event:
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+
+def _stream(*args: Any, **kwargs: Any) -> _Stream:
+    return _Stream()
+
+
+def _stream_context(*args: Any, **kwargs: Any) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = dist.ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    total = input.clone()
+    dist.all_reduce(total, op=op, group=group)
+    rank = dist.get_rank(group)
+    size = output.numel()
+    output.copy_(total.view(-1)[rank * size : (rank + 1) * size].view_as(output))
+    return _Done() if async_op else None
+
+
+def _all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    parts = list(output.view(-1).chunk(dist.get_world_size(group)))
+    pieces = [torch.empty_like(p) for p in parts]
+    dist.all_gather(pieces, input.contiguous().view(-1), group=group)
+    for part, piece in zip(parts, pieces, strict=True):
+        part.copy_(piece)
+    return _Done() if async_op else None
+
+
+class _Done:
+    """The handle of an emulated collective, already complete."""
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_FUNCTIONS = {
+    (torch.cuda, "current_device"): lambda: 0,
+    (torch.cuda, "Stream"): _Stream,
+    (torch.cuda, "current_stream"): _stream,
+    (torch.cuda, "default_stream"): _stream,
+    (torch.cuda, "stream"): _stream_context,
+    (torch.cuda, "synchronize"): _nothing,
+    (torch.cuda, "empty_cache"): _nothing,
+    (dist, "reduce_scatter_tensor"): _reduce_scatter_tensor,
+    (dist, "_reduce_scatter_base"): _reduce_scatter_tensor,
+    (dist, "all_gather_into_tensor"): _all_gather_into_tensor,
+    (dist, "_all_gather_base"): _all_gather_into_tensor,
+}
+
+
+@contextlib.contextmanager
+def cuda_on_cpu() -> Iterator[None]:
+    """Installs the shim for the block; everything is restored on exit."""
+    saved = {key: getattr(*key) for key in _FUNCTIONS}
+    for (module, name), replacement in _FUNCTIONS.items():
+        setattr(module, name, replacement)
+    try:
+        with _CudaOnCpu():
+            yield
+    finally:
+        for (module, name), original in saved.items():
+            setattr(module, name, original)
