@@ -387,7 +387,7 @@ def test_init_optimizer_state_creates_state_without_side_effects() -> None:
 # Bridge's checkpoint flow through Megatron-shaped containers (issue5's structural doubles)
 # ----------------------------------------------------------------------------------------
 def _megatron_hybrid(seed: int) -> tuple[torch.nn.Module, Any]:
-    from hybrid_doubles import ChainedOptimizerDouble, DistributedOptimizerDouble
+    from tests.doubles.distributed_hybrid import ChainedOptimizerDouble, DistributedOptimizerDouble
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)).to(torch.bfloat16)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from staged_doubles import ddp_config, megatron_config, te_fp16_bug
+from tests.doubles.distributed_staged import ddp_config, megatron_config, te_fp16_bug
 
 from wrapped_optim import HybridSyncOptimizer, StagedCheckpointOptimizer
 from wrapped_optim.adapters.precision import is_precision_aware_holder

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from hybrid_doubles import ChainedOptimizerDouble, DistributedOptimizerDouble
+from tests.doubles.distributed_hybrid import ChainedOptimizerDouble, DistributedOptimizerDouble
 from hypothesis import given
 from hypothesis import strategies as st
 from param_builders import random_groups

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from staged_doubles import (
+from tests.doubles.distributed_staged import (
     ChainedOptimizerDouble,
     DistributedOptimizerDouble,
     ddp_config,

@@ -16,10 +16,10 @@ This shim replaces exactly those, for the duration of a ``with cuda_on_cpu():`` 
   ``device='cpu'``, and what is computed from them. So the offload split
   (``offload_fraction``), the pinned CPU copies of device params, the grad copies and the
   copy-back hooks all run as on a GPU machine, only in one memory.
-* torch.distributed collectives gloo lacks (``reduce_scatter_tensor``, ``_reduce_scatter_base``,
-  ``all_gather_into_tensor``, ``_all_gather_base``) are emulated with ``all_reduce`` and
-  ``all_gather``, which gloo has; the result is the same tensor (sums in the same rank order
-  are not guaranteed bitwise across backends, which no test compares).
+
+No collective needs emulating: megatron-core binds ``reduce_scatter_tensor`` and
+``all_gather_into_tensor`` when it is imported, and torch 2.13's gloo backend implements both
+(the two-rank tests run them).
 
 Nothing here touches state layout, master copies, sharding or optimizer math: those are the
 real megatron-core and torch code.
@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -158,42 +157,6 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _reduce_scatter_tensor(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    op: Any = dist.ReduceOp.SUM,
-    group: Any = None,
-    async_op: bool = False,
-) -> Any:
-    total = input.clone()
-    dist.all_reduce(total, op=op, group=group)
-    rank = dist.get_rank(group)
-    size = output.numel()
-    output.copy_(total.view(-1)[rank * size : (rank + 1) * size].view_as(output))
-    return _Done() if async_op else None
-
-
-def _all_gather_into_tensor(
-    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
-) -> Any:
-    parts = list(output.view(-1).chunk(dist.get_world_size(group)))
-    pieces = [torch.empty_like(p) for p in parts]
-    dist.all_gather(pieces, input.contiguous().view(-1), group=group)
-    for part, piece in zip(parts, pieces, strict=True):
-        part.copy_(piece)
-    return _Done() if async_op else None
-
-
-class _Done:
-    """The handle of an emulated collective, already complete."""
-
-    def wait(self, *args: Any) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
 _FUNCTIONS = {
     (torch.cuda, "current_device"): lambda: 0,
     (torch.cuda, "Stream"): _Stream,
@@ -202,10 +165,6 @@ _FUNCTIONS = {
     (torch.cuda, "stream"): _stream_context,
     (torch.cuda, "synchronize"): _nothing,
     (torch.cuda, "empty_cache"): _nothing,
-    (dist, "reduce_scatter_tensor"): _reduce_scatter_tensor,
-    (dist, "_reduce_scatter_base"): _reduce_scatter_tensor,
-    (dist, "all_gather_into_tensor"): _all_gather_into_tensor,
-    (dist, "_all_gather_base"): _all_gather_into_tensor,
 }
 
 
