@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from tests.doubles.distributed_staged import (
     ChainedOptimizerDouble,
     DistributedOptimizerDouble,
@@ -19,7 +20,6 @@ from tests.doubles.distributed_staged import (
     te_fp16_bug,
     te_style,
 )
-
 from wrapped_optim.adapters.precision import supports_chunked_state
 from wrapped_optim.bench import gpu_staged
 from wrapped_optim.bench import staged as bench_staged

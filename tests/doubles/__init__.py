@@ -7,14 +7,17 @@ wrapper and compat helper. What remains here, and why:
 
 - ``distributed_staged.DistributedOptimizerDouble`` — a DistributedOptimizer around a
   *precision-aware* holder (bf16/fp16/FP8 moments, ``get_unscaled_state`` /
-  ``set_scaled_state``). The real class only builds that with Transformer Engine's FusedAdam
-  (``OptimizerConfig(use_precision_aware_optimizer=True)`` requires TE, which does not install
-  here), and wrapping our portable holder in the real class needs TE's ``master_weights`` /
-  ``use_decoupled_grad`` contract. Also ``te_style`` / ``te_fp16_bug``: TE FusedAdam's surface.
+  ``set_scaled_state``). The real class asserts its inner optimizer is ``Adam`` (TE's or
+  Apex's FusedAdam, else torch's AdamW), ``torch.optim.AdamW`` or ``HybridDeviceOptimizer``, so
+  it refuses the portable PrecisionAwareAdamW, and TE's FusedAdam does not install here. Also
+  ``te_style`` / ``te_fp16_bug``: TE FusedAdam's surface.
 - ``distributed_hybrid.DistributedOptimizerDouble`` — a DistributedOptimizer around the
-  *portable* HybridOffloadOptimizer in precision-aware mode (16-bit shards stepped, masters in
-  the hybrid optimizer): the real class reaches that mode only with TE as well. The real
-  HybridDeviceOptimizer path (FP32 main shards) is covered by ``tests/megatron_real``.
+  *portable* HybridOffloadOptimizer, including its precision-aware mode (16-bit shards
+  stepped, masters in the hybrid optimizer): the real class refuses that inner optimizer for
+  the same reason. Megatron's own HybridDeviceOptimizer inside the real class (FP32 main
+  shards) is covered by ``tests/megatron_real``; its precision-aware mode
+  (``use_precision_aware_optimizer`` with ``optimizer_cpu_offload``, which OptimizerConfig
+  accepts without TE) has not been run here yet.
 - ``chained.ChainedOptimizerDouble`` — chains the two doubles above (the real ChainedOptimizer
   reduces grad norms over Megatron's process groups in ``step``, which the doubles lack).
 - ``megatron_cpu`` — not a double: the real FP32Optimizer with its loss scale on the CPU, for

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+
 from tests.doubles.chained import ChainedOptimizerDouble as ChainedOptimizerDouble
 
 
