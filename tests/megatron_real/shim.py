@@ -105,14 +105,15 @@ class _CudaOnCpu(TorchFunctionMode):
             kwargs["pin_memory"] = False
             to_host = True
         result = func(*args, **kwargs)
-        host_inputs = any(_is_host(a) for a in tree_flatten((args, kwargs))[0])
-        if (to_host or host_inputs) and func not in _IN_PLACE_EXEMPT:
-            tree_map(_mark_host, result)
+        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if to_host and func is torch.Tensor.to and result is args[0] and not _is_host(result):
+            result = result.clone()  # a device-to-host move is a copy
+        if to_host or any(_is_host(a) for a in inputs):
+            device_inputs = [a for a in inputs if not _is_host(a)]
+            # An op that returns one of its device inputs (in place, or ``to`` a no-op) leaves
+            # it a device tensor.
+            tree_map(lambda r: r if any(r is a for a in device_inputs) else _mark_host(r), result)
         return result
-
-
-# A host tensor copied into a device tensor leaves the destination a device tensor.
-_IN_PLACE_EXEMPT = {torch.Tensor.copy_, torch.Tensor.__setitem__}
 
 
 class _Stream:
