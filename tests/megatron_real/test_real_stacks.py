@@ -303,3 +303,40 @@ def test_compat_sync_continues_from_the_loaded_weights_bitwise(model_only: dict[
     runs = model_only
     assert runs["compat_synced"] is True
     assert mismatches(runs["compat"], runs["after"]) == []
+
+
+# --------------------------------------------------------------------------------------
+# FP32 no-copy load on the real FP32 DistributedOptimizer
+# --------------------------------------------------------------------------------------
+def _no_copy_worker(rank: int, world: int) -> dict[str, Any]:
+    from wrapped_optim.staging import no_copy_decisions
+
+    with megatron_session():
+        model, optimizer = build("distributed")
+        train(model, optimizer, range(2), rank)
+        checkpoint = _roundtrip(full_state(optimizer))
+        result: dict[str, Any] = {}
+        _, own = build("distributed", seed=1)
+        load_full_state(own, _roundtrip(checkpoint))
+        result["megatron"] = _flat(full_state(own))
+        _, bridged = build("distributed", seed=1)
+        result["reasons"] = [d.reason for d in no_copy_decisions(bridged)]
+        with compat.memory_efficient_fp32_optimizer_state_loading(bridged) as eligible:
+            load_full_state(bridged, _roundtrip(checkpoint))
+        result["eligible"] = eligible
+        result["compat"] = _flat(full_state(bridged))
+        _, staged = build("distributed", seed=1)
+        staged = wrap(staged, {"staged": {}})
+        load_full_state(staged, _roundtrip(checkpoint))
+        result["staged"] = _flat(full_state(staged))
+        return result
+
+
+def test_fp32_no_copy_load_declines_torch_adamw_and_matches_megatron(tmp_path: Path) -> None:
+    result = run_in_this_process(_no_copy_worker, tmp_path)
+    # Without TE/Apex, get_megatron_optimizer puts torch's AdamW under the
+    # DistributedOptimizer; the no-copy load is for FusedAdam-like holders only.
+    assert result["eligible"] == 0
+    assert result["reasons"] == ["AdamW is not a FusedAdam-like holder"]
+    assert mismatches(result["megatron"], result["compat"]) == []
+    assert mismatches(result["megatron"], result["staged"]) == []
