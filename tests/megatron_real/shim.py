@@ -17,6 +17,16 @@ This shim replaces exactly those, for the duration of a ``with cuda_on_cpu():`` 
   (``offload_fraction``), the pinned CPU copies of device params, the grad copies and the
   copy-back hooks all run as on a GPU machine, only in one memory.
 
+What stops megatron-core on a CPU-only torch without this shim (first hit: DDP's
+``_ParamAndGradBuffer.__init__`` -> ``torch.cuda.current_device()``, "Torch not compiled with
+CUDA enabled"): ``torch.tensor(..., device='cuda')`` for the found-inf flag, overflow buffer
+and loss scale (``optimizer.py``, ``grad_scaler.py``, ``clip_grads.py``); the param
+classification ``param.type() == 'torch.cuda.FloatTensor'`` / ``'torch.cuda.BFloat16Tensor'``
+in Float16OptimizerWithFloat16Params and ``DistributedOptimizer._build_model_and_main_param_groups``
+(``TypeError`` for CPU types); HybridDeviceOptimizer's ``torch.cuda.current_stream()`` /
+``torch.cuda.Stream()``, ``param.is_cuda`` offload split (on a plain CPU nothing is offloaded)
+and ``.pin_memory()``; ``.to('cuda')`` of loaded state.
+
 No collective needs emulating: megatron-core binds ``reduce_scatter_tensor`` and
 ``all_gather_into_tensor`` when it is imported, and torch 2.13's gloo backend implements both
 (the two-rank tests run them).
