@@ -152,16 +152,19 @@ def _first_run(rank: int, world: int, name: str, root: str, wrapped: bool) -> di
         return {"weights": weights(model), "masters": masters}
 
 
-def _resumed_run(rank: int, world: int, name: str, root: str, wrapped: bool) -> dict[str, Any]:
+def _resumed_run(rank: int, world: int, name: str, root: str, wrapped: Any) -> dict[str, Any]:
+    """``wrapped``: True (all layers), False (bare) or "compat" (bare, loaded inside
+    ``compat.hybrid_optimizer_state_loading``)."""
     # Megatron's HybridDeviceOptimizer keeps its sub-optimizer classes in its param groups.
     checkpoint = torch.load(Path(root, f"checkpoint_{rank}.pt"), weights_only=False)
     with megatron_session():
         model, optimizer = build(name, seed=1)
-        if wrapped:
+        if wrapped is True:
             optimizer = wrap(optimizer, ALL_LAYERS)
         model.load_state_dict(checkpoint["model"])
         try:
-            load_full_state(optimizer, checkpoint["optimizer"])
+            with compat.hybrid_optimizer_state_loading(optimizer if wrapped == "compat" else None):
+                load_full_state(optimizer, checkpoint["optimizer"])
         except Exception as error:  # reported to the test, which decides
             return {"error": f"{type(error).__name__}: {error}"}
         masters = _masters(optimizer)
@@ -189,7 +192,21 @@ def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         first = run_in_this_process(_first_run, stores[0], name, str(root), wrapped)
         second = run_in_this_process(_resumed_run, stores[1], name, str(root), wrapped)
         runs[wrapped] = (first, second)
+    store = root / "compat"
+    store.mkdir()
+    runs["compat"] = (
+        runs[True][0],
+        run_in_this_process(_resumed_run, store, name, str(root), "compat"),
+    )
     return name, runs
+
+
+def test_compat_hybrid_state_loading_resumes(resumed: Any, request: pytest.FixtureRequest) -> None:
+    name, runs = resumed
+    _expect_shared_step_failure(name, request)
+    uninterrupted, continued = runs["compat"]
+    assert "error" not in continued, continued.get("error")
+    assert mismatches(uninterrupted["weights"], continued["weights"]) == []
 
 
 def _expect_shared_step_failure(name: str, request: pytest.FixtureRequest) -> None:
