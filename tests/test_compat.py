@@ -387,7 +387,7 @@ def test_init_optimizer_state_creates_state_without_side_effects() -> None:
 # Bridge's checkpoint flow through Megatron-shaped containers (issue5's structural doubles)
 # ----------------------------------------------------------------------------------------
 def _megatron_hybrid(seed: int) -> tuple[torch.nn.Module, Any]:
-    from hybrid_doubles import ChainedOptimizerDouble, DistributedOptimizerDouble
+    from tests.doubles.distributed_hybrid import ChainedOptimizerDouble, DistributedOptimizerDouble
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)).to(torch.bfloat16)
@@ -410,8 +410,8 @@ def test_bridge_resume_and_finetune_flow_on_megatron_containers() -> None:
     import copy
 
     model, chained = _megatron_hybrid(0)
-    from wrapped_optim.factory import wrap
     from wrapped_optim.hybrid import HybridSyncOptimizer
+    from wrapped_optim.stack import wrap
 
     derived = wrap(chained)  # derivation sees the hybrid optimizer inside the containers
     assert type(derived) is HybridSyncOptimizer and derived.inner is chained

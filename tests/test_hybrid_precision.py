@@ -14,14 +14,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from staged_doubles import ddp_config, megatron_config, te_fp16_bug
 
+from tests.doubles.distributed_staged import ddp_config, megatron_config, te_fp16_bug
 from wrapped_optim import HybridSyncOptimizer, StagedCheckpointOptimizer
 from wrapped_optim.adapters.precision import is_precision_aware_holder
 from wrapped_optim.demo_model import TinyGPT, batch_for_step, lm_loss
-from wrapped_optim.factory import wrap
 from wrapped_optim.hybrid import StaleMasterError
 from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
+from wrapped_optim.stack import wrap
 from wrapped_optim.staging import staging_decisions
 from wrapped_optim.testing.probe import DeviceMemoryProbe, count_unstaged_expansions
 

@@ -8,12 +8,12 @@ import copy
 
 import pytest
 import torch
-from hybrid_doubles import ChainedOptimizerDouble, DistributedOptimizerDouble
 from hypothesis import given
 from hypothesis import strategies as st
 from param_builders import random_groups
 
 import wrapped_optim.hybrid as hybrid_module
+from tests.doubles.distributed_hybrid import ChainedOptimizerDouble, DistributedOptimizerDouble
 from wrapped_optim import OptimizerWrapper
 from wrapped_optim.adapters.hybrid import (
     find_hybrid_offload,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.megatron_cpu import ChainedOptimizer, cpu_fp32_optimizer, megatron_group
+from tests.doubles.megatron_cpu import ChainedOptimizer, cpu_fp32_optimizer, megatron_group
 from wrapped_optim import OptimizerWrapper
 from wrapped_optim.adapters import walk_leaves
 

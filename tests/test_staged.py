@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from staged_doubles import (
+
+from tests.doubles.distributed_staged import (
     ChainedOptimizerDouble,
     DistributedOptimizerDouble,
     ddp_config,
@@ -19,7 +20,6 @@ from staged_doubles import (
     te_fp16_bug,
     te_style,
 )
-
 from tests.gpu import gpu_staged
 from wrapped_optim.adapters.precision import supports_chunked_state
 from wrapped_optim.bench import staged as bench_staged

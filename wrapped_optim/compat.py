@@ -106,7 +106,9 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
     Megatron DistributedOptimizers around one supply the saved group step and the checkpoint's
     FP32 param to their per-parameter loader; a hybrid optimizer loaded directly gets the
     entries put back into (a copy of) the torch-format state dict. Yields the number of
-    optimizers prepared; everything is restored on exit, also on error. Call
+    optimizers prepared; everything is restored on exit, also on error. After a block that did
+    not raise, the loaded masters are pushed to every copy level and the model weights, so
+    the next step continues from them. Call
     :func:`sync_hybrid_device_optimizer_fp32_master_copies` after a model-only load.
 
     Example:
@@ -120,7 +122,9 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
         yield 0
         return
     from wrapped_optim.adapters.hybrid import (
+        hybrid_master_copies,
         is_hybrid_offload,
+        push_state_to_sub_optimizers,
         restore_omitted_state,
         restoring_omitted_megatron_state,
     )
@@ -145,6 +149,13 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
             scopes.enter_context(patch_attribute(hybrid, "load_state_dict", load_state_dict))
             prepared += 1
         yield prepared
+    if prepared:
+        # The restored masters reach the host clones, sub-optimizers and weights, as the
+        # hybrid layer does after a load: Megatron's loaders write only the optimizer's own
+        # state, and the next step would otherwise run on the pre-load copies.
+        push_state_to_sub_optimizers(optimizer)
+        for entry in hybrid_master_copies(optimizer):
+            entry.push_master()
 
 
 def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from wrapped_optim.adapters.megatron import unshare_steps
 from wrapped_optim.staging import StagingStats, fp32_no_copy_load, staged_load, staged_save
 from wrapped_optim.wrapper import OptimizerWrapper
 
@@ -112,6 +113,7 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         with self._loading(self._new_stats()):
             super()._load_state_dict(state_dict)
+        unshare_steps(self.inner)  # megatron-core's DistributedOptimizer shares one step
 
     def sharded_state_dict(
         self, model_sharded_state_dict: Any = None, is_loading: bool = False, **kwargs: Any

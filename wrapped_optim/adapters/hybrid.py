@@ -441,6 +441,26 @@ def _supplying_setter(container: Any, original: Any) -> Any:
     return set_main_param_and_optimizer_states
 
 
+def _tolerant_fp32_update(hdo: Any) -> Any:
+    """HybridDeviceOptimizer's post-load ``_update_fp32_params_by_new_state`` for FP32 params.
+
+    megatron-core 0.16.1 looks every param up in ``param_to_fp32_param``, which only holds the
+    16-bit ones: under a DistributedOptimizer (FP32 main shards) every load raised
+    ``KeyError``. A param without an FP32 working copy is skipped here; its restored master
+    reaches its copies through the full-state push that follows the load.
+    """
+
+    def update_fp32_params_by_new_state() -> None:
+        if not hdo.param_update_in_fp32:
+            return
+        for param, value in hdo.state.items():
+            fp32_param = hdo.param_to_fp32_param.get(param)
+            if fp32_param is not None:
+                fp32_param.data.copy_(value["master_param"])
+
+    return update_fp32_params_by_new_state
+
+
 @contextmanager
 def restoring_omitted_megatron_state(stack: Any) -> Iterator[int]:
     """While active, Megatron DistributedOptimizers holding a hybrid optimizer accept payloads
@@ -449,8 +469,10 @@ def restoring_omitted_megatron_state(stack: Any) -> Iterator[int]:
     Their parameter-state loaders copy into *every* existing state tensor, including the
     ``step`` torch's Adam keeps and the ``master_param`` alias the hybrid optimizer exposes,
     which the payloads do not carry. The instance's ``_set_main_param_and_optimizer_states``
-    is patched (through :func:`wrapped_optim.patching.patch_attribute`) to supply them: the
-    group step and the checkpoint's FP32 param. Yields how many containers were patched.
+    is patched (through :func:`wrapped_optim.patching.patch_attribute`) to supply them: the group step
+    and the checkpoint's FP32 param. A Megatron HybridDeviceOptimizer's post-load FP32 update
+    is patched to skip params that have no FP32 working copy (see
+    :func:`_tolerant_fp32_update`). Yields how many containers were patched.
 
     Example:
         >>> import torch
@@ -461,6 +483,15 @@ def restoring_omitted_megatron_state(stack: Any) -> Iterator[int]:
     with ExitStack() as patches:
         count = 0
         for leaf in _hybrid_leaves(stack):
+            hybrid = leaf.optimizer
+            if _is_megatron_hdo(hybrid) and callable(
+                getattr(hybrid, "_update_fp32_params_by_new_state", None)
+            ):
+                patches.enter_context(
+                    patch_attribute(
+                        hybrid, "_update_fp32_params_by_new_state", _tolerant_fp32_update(hybrid)
+                    )
+                )
             container = leaf.container
             original = getattr(container, "_set_main_param_and_optimizer_states", None)
             if container is None or original is None:

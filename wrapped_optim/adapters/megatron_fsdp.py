@@ -52,7 +52,9 @@ def grad_dtype_of(param: torch.Tensor) -> torch.dtype:
         >>> grad_dtype_of(p)
         torch.bfloat16
     """
-    dtype = getattr(param, "grad_dtype", None)
+    # torch raises on ``grad_dtype`` of a non-leaf tensor; Megatron's DistributedOptimizer
+    # steps such tensors (views of FP32 params), whose grads are set by hand.
+    dtype = getattr(param, "grad_dtype", None) if param.is_leaf else None
     if isinstance(dtype, torch.dtype):
         return dtype
     grad = param.grad

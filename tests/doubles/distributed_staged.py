@@ -25,7 +25,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from megatron_doubles import ChainedOptimizerDouble as ChainedOptimizerDouble
+
+from tests.doubles.chained import ChainedOptimizerDouble as ChainedOptimizerDouble
 
 
 def megatron_config(

@@ -1,7 +1,7 @@
 """Megatron-Core's ChainedOptimizer as a structural double, shared by the CPU test doubles.
 
 The real class is constructible on CPU but its ``step`` needs Megatron's parallel state;
-``tests/staged_doubles.py`` and ``tests/hybrid_doubles.py`` chain their distributed-optimizer
+``distributed_staged`` and ``distributed_hybrid`` chain their distributed-optimizer
 doubles with this one.
 """
 

@@ -1,0 +1,1 @@
+"""The real megatron-core optimizer stacks, run on a CPU (see ``shim`` and ``harness``)."""

@@ -1,0 +1,159 @@
+"""Builds megatron-core 0.16.1's real optimizer stacks on CPU, the way a Megatron user gets them.
+
+``parallel_state.initialize_model_parallel`` over the current gloo group, a two-layer model
+under Megatron's ``DistributedDataParallel``, and ``get_megatron_optimizer(OptimizerConfig(...))``
+for each entry of :data:`CONFIGS`. Everything runs inside :func:`megatron_session`, which
+installs the CPU shim (:mod:`tests.megatron_real.shim`) and tears the model-parallel state down
+again, so a process can build several stacks one after another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tests.megatron_real.shim import cuda_on_cpu
+
+# name -> (bf16 params, use_distributed_optimizer, offload fraction or None)
+CONFIGS: dict[str, tuple[bool, bool, float | None]] = {
+    "fp32": (False, False, None),  # FP32Optimizer around torch AdamW
+    "bf16": (True, False, None),  # Float16OptimizerWithFloat16Params
+    "distributed": (False, True, None),  # DistributedOptimizer, FP32 params
+    "offload_half": (True, True, 0.5),  # HybridDeviceOptimizer inside DistributedOptimizer
+    "offload_full": (True, True, 1.0),
+}
+HIDDEN = 8
+STEPS = 3
+
+
+@contextlib.contextmanager
+def megatron_session() -> Iterator[None]:
+    """The shim plus Megatron's model-parallel state (TP=PP=1) over the default group."""
+    from megatron.core import parallel_state
+
+    with cuda_on_cpu():
+        parallel_state.initialize_model_parallel()
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+def build(name: str, seed: int = 0, weights: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """``(ddp_model, optimizer)`` for config ``name``; inside :func:`megatron_session`.
+
+    ``weights`` (a model state dict) is loaded into the model before the optimizer is built.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    bf16, distributed, fraction = CONFIGS[name]
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=1,
+        use_cpu_initialization=True,
+        bf16=bf16,
+        params_dtype=dtype,
+    )
+
+    class TwoLayer(MegatronModule):
+        def __init__(self) -> None:
+            super().__init__(config)
+            self.first = torch.nn.Linear(HIDDEN, HIDDEN)
+            self.second = torch.nn.Linear(HIDDEN, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(torch.tanh(self.first(x)))
+
+    torch.manual_seed(seed)
+    module = TwoLayer().to(dtype)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True
+    )
+    model = DistributedDataParallel(config, ddp_config, module)
+    if weights is not None:
+        model.load_state_dict(weights)
+    options: dict[str, Any] = {}
+    if fraction is not None:
+        options = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": fraction}
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=1e-2,
+        weight_decay=0.01,
+        use_distributed_optimizer=distributed,
+        bf16=bf16,
+        clip_grad=0.0,
+        **options,
+    )
+    return model, get_megatron_optimizer(optimizer_config, [model])
+
+
+def train(model: Any, optimizer: Any, steps: range, rank: int = 0) -> None:
+    """Megatron's step sequence on data fixed by (step, rank): the same data in every run."""
+    dtype = next(model.parameters()).dtype
+    for step in steps:
+        generator = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(4, HIDDEN, generator=generator).to(dtype)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        model(x).float().square().mean().backward()
+        model.finish_grad_sync()
+        success, _, _ = optimizer.step()
+        assert success, "the step was skipped"
+
+
+def weights(model: Any) -> dict[str, torch.Tensor]:
+    """The model's weights, cloned."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def leaf(optimizer: Any) -> Any:
+    """The one Megatron optimizer under the ChainedOptimizer get_megatron_optimizer returns."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        assert len(chained) == 1
+        return chained[0]
+    return optimizer
+
+
+def bare(optimizer: Any) -> Any:
+    """The optimizer under every wrapped_optim layer."""
+    while hasattr(optimizer, "inner"):
+        optimizer = optimizer.inner
+    return optimizer
+
+
+def full_state(optimizer: Any) -> Any:
+    """What Megatron checkpoints for the optimizer, as one torch-saveable object.
+
+    ``state_dict()``; for a DistributedOptimizer (whose ``state_dict`` holds no per-parameter
+    state) also its ``dp_reshardable`` parameter state, which ``load_state_dict`` reads back.
+    ``get_parameter_state_dp_reshardable`` does not write the per-entry ``padding`` flag its
+    loader filters on (the sharded variant adds it), so it is added here as ``False``.
+    """
+    state = optimizer.state_dict()
+    distributed = leaf(bare(optimizer))
+    if not hasattr(distributed, "get_parameter_state_dp_reshardable"):
+        return state
+    param_state = distributed.get_parameter_state_dp_reshardable()
+    for key, per_dtype in param_state.items():
+        if isinstance(key, int):
+            for buckets in per_dtype.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        entry["padding"] = False
+    return {**state, "param_state": param_state, "param_state_sharding_type": "dp_reshardable"}
+
+
+def load_full_state(optimizer: Any, state: Any) -> None:
+    """Loads :func:`full_state`'s object. Under ``no_grad``: Megatron's parameter-state loader
+    copies into views of FP32 model params, which autograd refuses outside it."""
+    with torch.no_grad():
+        optimizer.load_state_dict(state)
