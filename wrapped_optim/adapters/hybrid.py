@@ -470,8 +470,8 @@ def restoring_omitted_megatron_state(stack: Any) -> Iterator[int]:
     ``step`` torch's Adam keeps and the ``master_param`` alias the hybrid optimizer exposes,
     which the payloads do not carry. The instance's ``_set_main_param_and_optimizer_states``
     is patched (through :func:`wrapped_optim.patching.patch_attribute`) to supply them: the
-    group step and the checkpoint's FP32 param. A Megatron HybridDeviceOptimizer's post-load FP32 update
-    is patched to skip params that have no FP32 working copy (see
+    group step and the checkpoint's FP32 param. A Megatron HybridDeviceOptimizer's post-load
+    FP32 update is patched to skip params that have no FP32 working copy (see
     :func:`_tolerant_fp32_update`). Yields how many containers were patched.
 
     Example:
