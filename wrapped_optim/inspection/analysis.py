@@ -69,7 +69,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, trusted: bool = False) -
         raise InspectError(f"{path}: no such file or directory")
     kind: Literal["torch.save", "dcp"]
     if path.is_dir():
-        tree, fetch, kind = _read_dcp(path), _dcp_fetcher(path, trusted), "dcp"
+        tree, fetch, kind = _read_dcp(path, trusted), _dcp_fetcher(path, trusted), "dcp"
         file_bytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     elif path.is_file():
         tree, fetch, kind = _read_torch_save(path, trusted), _no_fetch, "torch.save"

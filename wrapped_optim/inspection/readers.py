@@ -46,8 +46,7 @@ def _read_torch_save(path: Path, trusted: bool) -> Any:
         ) from error
 
 
-def _read_dcp(path: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
+def _read_dcp(path: Path, trusted: bool = False) -> Any:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not (path / ".metadata").is_file():
@@ -55,10 +54,7 @@ def _read_dcp(path: Path) -> Any:
             f"{path}: a directory but not a torch.distributed.checkpoint checkpoint "
             "(no .metadata file)"
         )
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as error:  # any failure to parse is a bad checkpoint, not a bug here
-        raise InspectError(f"{path}: unreadable DCP metadata ({error})") from error
+    metadata = _reader(path, trusted).read_metadata()
 
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     tree: dict[Any, Any] = {}
@@ -96,7 +92,7 @@ def _dcp_fetcher(path: Path, trusted: bool) -> Fetch:
         if not keys:
             return {}
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -109,7 +105,7 @@ def _dcp_fetcher(path: Path, trusted: bool) -> Fetch:
             def load_bytes(self, read_item: Any, value: Any) -> None:
                 read_objects[read_item.dest_index.fqn] = torch.load(value, weights_only=not trusted)
 
-        reader = FileSystemReader(str(path))
+        reader = _reader(path, trusted)
         metadata = reader.read_metadata()
         target: dict[str, Any] = {}
         for key in keys:
@@ -127,11 +123,92 @@ def _dcp_fetcher(path: Path, trusted: bool) -> Fetch:
                     planner=_SafeBytesPlanner(flatten_state_dict=False),
                     no_dist=True,
                 )
-        except Exception as error:
+        except (Exception, CheckpointException) as error:
+            # CheckpointException (a missing or truncated data file) is a BaseException.
             raise InspectError(
-                f"{path}: could not read values {list(keys)[:3]}: {error}"
+                f"{path}: could not read values {list(keys)[:3]}: {_one_line(error)}"
             ) from error
         target.update(read_objects)
         return target
 
     return fetch
+
+
+# DCP pickles its .metadata (FileSystemReader.read_metadata is a plain pickle.load): without
+# --trust it is read by an unpickler that builds only these globals, so a crafted .metadata
+# cannot run code.
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_ALLOWED_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP metadata objects, torch dtypes and a few plain containers; nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == _METADATA_MODULE:
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == _METADATA_MODULE:
+                return found
+        raise pickle.UnpicklingError(f"Unsupported global: {module}.{name}")
+
+
+def _reader(path: Path, trusted: bool) -> Any:
+    """A DCP FileSystemReader whose metadata is unpickled safely unless ``trusted``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            file = path / ".metadata"
+            try:
+                if trusted:
+                    metadata = super().read_metadata(*args, **kwargs)
+                else:
+                    with file.open("rb") as stream:
+                        metadata = _MetadataUnpickler(stream).load()
+            except pickle.UnpicklingError as error:
+                found = re.search(r"Unsupported global: (\S+)", str(error))
+                if found:
+                    raise InspectError(
+                        f"{file}: pickles a {found.group(1)} object, which DCP metadata never "
+                        "holds; inspection runs no pickled code unless told the checkpoint is "
+                        "trusted (--trust, or trusted=True)"
+                    ) from error
+                raise InspectError(f"{path}: unreadable DCP metadata ({error})") from error
+            except Exception as error:  # any failure to parse is a bad checkpoint
+                raise InspectError(f"{path}: unreadable DCP metadata ({error})") from error
+            if not isinstance(metadata, Metadata):
+                raise InspectError(f"{file}: holds a {type(metadata).__name__}, not DCP metadata")
+            storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            storage_meta.load_id = self.load_id
+            metadata.storage_meta = storage_meta
+            return metadata
+
+    return _Reader(str(path))
+
+
+def _one_line(error: BaseException) -> str:
+    """The root cause of ``error`` on one line (DCP wraps each rank's failure)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        failure = next(iter(failures.values()))
+        error = failure[0] if isinstance(failure, tuple) else failure
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
