@@ -67,7 +67,7 @@ class CheckpointCommit:
     """
 
     def __init__(self, target: str | os.PathLike[str], process_group: Any) -> None:
-        self.target = Path(target)
+        self.target = Path(os.path.abspath(target))  # "ckpt/" and "./ckpt" name "ckpt"
         self.staging = self.target.parent / _STAGING.format(self.target.name)
         self.old = self.target.parent / _OLD.format(self.target.name)
         self.process_group = process_group

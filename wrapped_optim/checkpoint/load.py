@@ -129,6 +129,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             is_precision_aware_holder(sub) for sub in getattr(leaf, "sub_optimizers", None) or ()
         )
         self.undo: _Undo | None = None  # what reading in place overwrites, to put it back
+        self.wrapped = False  # a wrapper's state_loaded() runs after the load (writes weights)
         self.chunk_bytes = chunk_bytes
 
     # -- planning ----------------------------------------------------------------------
@@ -148,7 +149,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         """Validates the checkpoint against the optimizer and plans one read per saved chunk."""
         assert self.metadata is not None
         self._build_targets(self.metadata)
-        self.undo = _Undo.take(self.leaf, self.targets.values())
+        self.undo = _Undo.take(self.leaf, self.targets.values(), self.wrapped)
         items: list[ReadItem] = []
         for fqn, target in self.targets.items():
             md = self.metadata.state_dict_metadata[fqn]
@@ -511,6 +512,7 @@ def load_optimizer(
         for fqn, value in objects_planner.state_dict.items():
             _set_path(objects, _path_of(metadata, fqn), value)
         planner = StreamingLoadPlanner(leaf, objects, chunk_bytes=chunk_bytes)
+        planner.wrapped = isinstance(optimizer, OptimizerWrapper)
 
         def read() -> None:
             with _quiet_no_dist():
@@ -554,15 +556,17 @@ class _Undo:
     A precision-aware holder's state is kept by the rollback utility's snapshot (its storage as
     stored, its scales, its params). Otherwise the live state tensors that the checkpoint is
     read into are cloned and copied back into the same tensors (which sub-optimizers or
-    wrappers may alias), the state entries and the group options are put back as they were.
+    wrappers may alias), the state entries and the group options are put back as they were;
+    under a wrapper, whose ``state_loaded()`` may write the weights, the params are kept too.
     """
 
-    def __init__(self, leaf: torch.optim.Optimizer, targets: Any) -> None:
+    def __init__(self, leaf: torch.optim.Optimizer, targets: Any, with_params: bool) -> None:
         self.leaf = leaf
         self.snapshot: OptimizerSnapshot | None = None
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.entries = {param: dict(entry) for param, entry in leaf.state.items()}
         self.options = GroupOptions.take(leaf.param_groups)
+        self.params: list[tuple[torch.Tensor, torch.Tensor]] = []
         if is_precision_aware_holder(leaf):
             self.snapshot = OptimizerSnapshot.take(leaf)
             return
@@ -571,11 +575,14 @@ class _Undo:
             tensor = target.live
             if isinstance(tensor, torch.Tensor) and id(tensor) in live:
                 self.copies.append((tensor, tensor.detach().clone()))
+        if with_params:  # a wrapper's state_loaded() writes weights (HybridSyncOptimizer)
+            unique = {id(p): p for g in leaf.param_groups for p in g["params"]}
+            self.params = [(p, p.detach().clone()) for p in unique.values()]
 
     @classmethod
-    def take(cls, leaf: torch.optim.Optimizer, targets: Any) -> _Undo:
-        """Keeps what loading ``targets`` into ``leaf`` may change."""
-        return cls(leaf, targets)
+    def take(cls, leaf: torch.optim.Optimizer, targets: Any, with_params: bool) -> _Undo:
+        """Keeps what loading ``targets`` into ``leaf`` may change (and its params)."""
+        return cls(leaf, targets, with_params)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -583,7 +590,7 @@ class _Undo:
         if self.snapshot is not None:
             self.snapshot.restore()
             return
-        for tensor, copy in self.copies:
+        for tensor, copy in self.copies + self.params:
             tensor.copy_(copy)
         state = self.leaf.state
         for param in [p for p in state if p not in self.entries]:
