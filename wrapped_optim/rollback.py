@@ -90,7 +90,8 @@ class GroupOptions:
                 else:
                     new_key(group, key)
             for key, (value, copy) in saved.items():
-                if copy is not None and group.get(key) is value:
+                same = key in group and group[key] is value
+                if isinstance(value, torch.Tensor) and copy is not None and same:
                     value.copy_(copy)  # a tensor option stays the same object
                 else:
                     group[key] = value

@@ -235,6 +235,15 @@ def check_hyper_parameters(
                 raise _fault(where, f"missing hyper-parameter {key!r}")
             continue
         value = saved[key]
+        if isinstance(value, TensorMeta):
+            # A tensor hyper-parameter seen before its data (a streaming load): its kind only.
+            if _is_number(mine) and math.prod(value.shape) == 1 and value.dtype.is_floating_point:
+                continue
+            raise _fault(
+                where,
+                f"hyper-parameter {key!r} must be a finite number like {mine!r}, got a "
+                f"{value.dtype} tensor of shape {value.shape}",
+            )
         if _is_number(mine):
             number = _as_number(value)
             if number is None and isinstance(value, int) and not isinstance(value, bool):
@@ -262,7 +271,13 @@ def check_hyper_parameters(
                 f"hyper-parameter {key!r} must be a {type(mine).__name__} like {mine!r}, got "
                 f"{value!r}",
             )
-        problem = hyper_parameter_problem(key, value)
+        # The Adam-family ranges, where this optimizer's option has their form (Adafactor's
+        # eps, for one, is a pair).
+        if key in _NON_NEGATIVE:
+            adam_form = _is_number(mine)
+        else:
+            adam_form = key == "betas" and isinstance(mine, tuple | list) and len(mine) == 2
+        problem = hyper_parameter_problem(key, value) if adam_form else None
         if problem is not None:
             raise _fault(where, problem)
 

@@ -12,36 +12,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from wrapped_optim.adapters.walk import walk_leaves
+from wrapped_optim.errors import OptimizerCheckpointError
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "OptimizerCheckpointError"]
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 """Largest tensor chunk (in expanded bytes) that is materialised at once."""
 
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
-
-
-class OptimizerCheckpointError(ValueError):
-    """A checkpoint does not fit the optimizer (names the parameter and state at fault).
-
-    Raised before anything is written into the optimizer, so a caller can catch it and go on
-    with the optimizer as it was; a ``ValueError``, like torch's own ``load_state_dict``.
-
-    Example:
-        >>> import tempfile, torch
-        >>> from wrapped_optim.checkpoint import load_optimizer, save_optimizer
-        >>> p = torch.nn.Parameter(torch.ones(4))
-        >>> opt = torch.optim.Adam([p], lr=0.1)
-        >>> p.grad = torch.ones(4); opt.step()
-        >>> other = torch.optim.Adam([torch.nn.Parameter(torch.ones(3))], lr=0.1)
-        >>> with tempfile.TemporaryDirectory() as path:
-        ...     _ = save_optimizer(opt, path)
-        ...     try:
-        ...         load_optimizer(other, path)
-        ...     except OptimizerCheckpointError as error:
-        ...         print(error)  # doctest: +ELLIPSIS
-        state 'exp_avg' of parameter 0 (param group 0): the checkpoint has shape (4,), ...
-        >>> len(other.state)  # untouched
-        0
-    """
 
 
 def _leaf_of(optimizer: Any) -> torch.optim.Optimizer:

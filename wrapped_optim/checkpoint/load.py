@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 
+from wrapped_optim import state_format
 from wrapped_optim.adapters.dtensor import like_param
 from wrapped_optim.adapters.precision import is_precision_aware_holder, supports_chunked_state
 from wrapped_optim.checkpoint.common import (
@@ -80,10 +81,6 @@ class _Target:
     filled: int = 0
 
 
-def _describe(name: str, index: int, group_of: Mapping[int, int]) -> str:
-    return f"state {name!r} of parameter {index} (param group {group_of.get(index, '?')})"
-
-
 class StreamingLoadPlanner(DefaultLoadPlanner):
     """Reads an optimizer checkpoint straight into an optimizer's state storage.
 
@@ -130,6 +127,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         )
         self.undo: _Undo | None = None  # what reading in place overwrites, to put it back
         self.wrapped = False  # a wrapper's state_loaded() runs after the load (writes weights)
+        self.saved_as: dict[str, tuple[Any, str]] = {}  # fqn -> (param index, state name)
         self.chunk_bytes = chunk_bytes
 
     # -- planning ----------------------------------------------------------------------
@@ -165,49 +163,39 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
 
     def _build_targets(self, metadata: Metadata) -> None:
         leaf: Any = self.leaf
-        groups = leaf.param_groups
-        saved_groups = self.objects.get("param_groups")
-        if not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups):
-            top = sorted({str(_path_of(metadata, k)[0]) for k in metadata.state_dict_metadata})
-            raise OptimizerCheckpointError(
-                "the checkpoint holds no optimizer param_groups: not an optimizer state dict "
-                f"(top-level entries: {top})"
-            )
-        if len(saved_groups) != len(groups):
-            raise OptimizerCheckpointError(
-                f"the checkpoint has {len(saved_groups)} parameter groups, the optimizer "
-                f"{len(groups)}"
-            )
-        for i, (g, sg) in enumerate(zip(groups, saved_groups, strict=True)):
-            if len(g["params"]) != len(sg.get("params", ())):
-                raise OptimizerCheckpointError(
-                    f"parameter group {i}: the checkpoint has {len(sg.get('params', ()))} "
-                    f"parameters, the optimizer {len(g['params'])}"
-                )
-        id_map: dict[int, torch.Tensor] = dict(
-            zip(
-                chain.from_iterable(g["params"] for g in saved_groups),
-                chain.from_iterable(g["params"] for g in groups),
-                strict=True,
-            )
-        )
-        group_of = {index: gi for gi, sg in enumerate(saved_groups) for index in sg["params"]}
-        self.param_groups = saved_groups
-        state: dict[int, dict[str, Any]] = {}
-        for key, entries in (self.objects.get("state") or {}).items():
-            if isinstance(entries, dict):
-                state.setdefault(_int_key(key), {}).update(entries)
-
-        holder_names = (
-            frozenset(leaf.name_to_dtype_map) if is_precision_aware_holder(leaf) else frozenset()
-        )
-        if holder_names:
-            _check_group_steps(saved_groups)
-        targets: dict[str, _Target] = {}
+        # The checks of every loader (wrapped_optim.state_format), on what DCP shows before
+        # reading: objects, and each tensor's shape and dtype. DCP drops empty dicts, so a
+        # checkpoint of an optimizer without state has no "state" entry.
+        _, saved_groups = state_format.check_structure({"state": {}, **self.objects})
+        id_map = state_format.check_groups(saved_groups, leaf.param_groups)
+        holder = is_precision_aware_holder(leaf)
+        if holder:
+            saved_groups = [
+                {**g, "step": state_format.check_step(f"param group {i}", g["step"])}
+                if "step" in g
+                else g
+                for i, g in enumerate(saved_groups)
+            ]
+        self.param_groups = list(saved_groups)
+        saved: dict[Any, dict[str, Any]] = {}  # index -> name -> object or TensorMeta
+        for key, entry in (self.objects.get("state") or {}).items():
+            index = _int_key(key)
+            state_format.check_index(index, id_map)
+            saved[index] = dict(state_format.check_entry(index, entry))
+        state: dict[Any, dict[str, Any]] = {index: dict(entry) for index, entry in saved.items()}
+        tensors: dict[str, tuple[Any, str, TensorStorageMetadata]] = {}
+        group_tensors: list[dict[str, Any]] = [{} for _ in saved_groups]
         for fqn, md in metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
                 continue
             path = _path_of(metadata, fqn)
+            meta = state_format.TensorMeta(tuple(md.size), md.properties.dtype)
+            if (
+                path[0] == "param_groups"
+                and len(path) == 3
+                and path[1] in range(len(group_tensors))
+            ):
+                group_tensors[path[1]][str(path[2])] = meta  # a tensor hyper-parameter
             if path[0] != "state":
                 continue  # not optimizer state (e.g. a model saved alongside): not ours
             if len(path) != 3:
@@ -215,50 +203,53 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                     f"checkpoint tensor {fqn!r} is not laid out as state.<param>.<name>"
                 )
             index, name = _int_key(path[1]), str(path[2])
-            if index not in id_map:
-                raise OptimizerCheckpointError(
-                    f"checkpoint tensor {fqn!r} belongs to parameter {index}, which no "
-                    "parameter group of the checkpoint lists"
-                )
-            param = id_map[index]
-            what = _describe(name, index, group_of)
+            state_format.check_index(index, id_map)
+            saved.setdefault(index, {})[name] = meta
+            tensors[fqn] = (index, name, md)
+        for index, entry in saved.items():
+            param = id_map[index][0]
+            if holder:
+                rule = state_format.holder_rule(leaf, param)
+                state_format.check_holder_entry(index, entry, rule, tuple(param.shape))
+            elif "step" in entry:
+                state_format.check_step(f"param {index!r}", entry["step"])
+        for i, (group, mine) in enumerate(zip(saved_groups, leaf.param_groups, strict=True)):
+            state_format.check_hyper_parameters(i, {**group_tensors[i], **group}, mine)
+
+        targets: dict[str, _Target] = {}
+        self.saved_as = {fqn: (index, name) for fqn, (index, name, _) in tensors.items()}
+        for fqn, (index, name, md) in tensors.items():
+            param = id_map[index][0]
             live = {} if self.fresh else leaf.state.get(param, {})
-            if holder_names:
-                target = _holder_target(leaf, param, name, md, what, live)
+            if holder:
+                target = _holder_target(leaf, param, name, md, live)
                 targets[fqn] = target
                 value = target.live if target.live is not None else _COMMITTED
                 state.setdefault(index, {})[name] = value
                 continue
             current = live.get(name)
+            meta = saved[index][name]
             if isinstance(current, torch.Tensor):
-                if current.shape != md.size:
-                    raise OptimizerCheckpointError(
-                        f"{what}: the checkpoint has shape {tuple(md.size)}, the optimizer "
-                        f"{tuple(current.shape)}"
-                    )
+                state_format.check_shape(index, name, meta, current.shape, "the optimizer keeps")
                 if current.is_floating_point() != md.properties.dtype.is_floating_point:
                     raise OptimizerCheckpointError(
-                        f"{what}: the checkpoint has {md.properties.dtype}, the optimizer "
-                        f"{current.dtype}"
+                        f"param {index!r}: state {name!r} is {md.properties.dtype}, the "
+                        f"optimizer keeps {current.dtype}"
                     )
                 tensor = current
             else:
                 if isinstance(param, DTensor):
                     raise OptimizerCheckpointError(
-                        f"{what}: the optimizer has no state for this sharded (DTensor) "
-                        "parameter yet; initialise it first (wrapped_optim.init_optimizer_state)"
+                        f"param {index!r}: state {name!r}: the optimizer has no state for this "
+                        "sharded (DTensor) parameter yet; initialise it first "
+                        "(wrapped_optim.init_optimizer_state)"
                     )
                 if not _fits_param(md.size, param.shape):
-                    raise OptimizerCheckpointError(
-                        f"{what}: the checkpoint has shape {tuple(md.size)}, which does not fit "
-                        f"the parameter's shape {tuple(param.shape)}"
-                    )
+                    state_format.check_shape(index, name, meta, param.shape)
                 tensor = _new_state_tensor(leaf, param, index, name, md)
                 self.created = True
             targets[fqn] = _Target(md.size, tensor=tensor, live=tensor)
             state.setdefault(index, {})[name] = tensor
-        if holder_names:
-            _check_holder_entries(leaf, state, group_of)
         self.targets = targets
         self.state = state
 
@@ -275,7 +266,13 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         return narrow_tensor_by_index(target.accumulator, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        """Quantizes a holder state into storage once all of its chunks have arrived."""
+        """Checks the values that arrived (state_format); quantizes a holder state into
+        storage once all of its chunks have arrived."""
+        index, name = self.saved_as[read_item.dest_index.fqn]
+        if name == "step":
+            state_format.check_step(f"param {index!r}", tensor)
+        else:
+            state_format.check_values(index, name, tensor)
         target = self.targets[read_item.dest_index.fqn]
         if target.holder is None:
             return
@@ -313,51 +310,16 @@ class _Committed:
 _COMMITTED = _Committed()
 
 
-def _check_group_steps(saved_groups: list[dict[str, Any]]) -> None:
-    for i, group in enumerate(saved_groups):
-        step = group.get("step", 0)
-        if isinstance(step, torch.Tensor) and step.numel() == 1:
-            step = step.item()
-        if isinstance(step, bool) or not isinstance(step, int | float) or step < 0:
-            raise OptimizerCheckpointError(f"parameter group {i}: invalid step {step!r}")
-        if isinstance(step, float) and not step.is_integer():
-            raise OptimizerCheckpointError(f"parameter group {i}: invalid step {step!r}")
-
-
 def _holder_target(
     leaf: Any,
     param: torch.Tensor,
     name: str,
     md: TensorStorageMetadata,
-    what: str,
     live: Mapping[str, Any],
 ) -> _Target:
-    """Where a precision-aware holder's state goes: its live FP32 tensor, or its storage."""
-    if name not in leaf.name_to_dtype_map:
-        raise OptimizerCheckpointError(
-            f"{what}: {type(leaf).__name__} keeps no such state "
-            f"(it keeps {sorted(leaf.name_to_dtype_map)})"
-        )
-    if name == "master_param" and not getattr(leaf, "master_weights", True):
-        raise OptimizerCheckpointError(f"{what}: the optimizer has master_weights off")
-    if md.size != param.shape:
-        raise OptimizerCheckpointError(
-            f"{what}: the checkpoint has shape {tuple(md.size)}, the parameter {tuple(param.shape)}"
-        )
-    saved = md.properties.dtype
+    """Where a precision-aware holder's state goes: its live FP32 tensor, or its storage
+    (checked beforehand by state_format.check_holder_entry)."""
     remainder = _uses_remainder(leaf, param, name)
-    if remainder and saved != torch.int16:
-        raise OptimizerCheckpointError(
-            f"{what}: the optimizer stores bf16 parameter remainders (int16), the checkpoint "
-            f"holds a {saved} master (store_param_remainders mismatch)"
-        )
-    if not remainder and saved == torch.int16 and name == "master_param":
-        raise OptimizerCheckpointError(
-            f"{what}: the checkpoint holds an int16 parameter remainder, the optimizer keeps "
-            "full master weights (store_param_remainders mismatch)"
-        )
-    if not remainder and not saved.is_floating_point:
-        raise OptimizerCheckpointError(f"{what}: expected a floating-point tensor, got {saved}")
     current = live.get(name)
     local_shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
     fp32_storage = leaf.name_to_dtype_map[name] == torch.float32
@@ -368,19 +330,6 @@ def _holder_target(
     dtype = torch.int16 if remainder else torch.float32
     chunks = param.__create_chunk_list__() if isinstance(param, DTensor) else None
     return _Target(local_shape, holder=leaf, param=param, name=name, dtype=dtype, chunks=chunks)
-
-
-def _check_holder_entries(
-    leaf: Any, state: Mapping[int, Mapping[str, Any]], group_of: Mapping[int, int]
-) -> None:
-    required = {"exp_avg", "exp_avg_sq"} & set(leaf.name_to_dtype_map)
-    if getattr(leaf, "master_weights", False):
-        required.add("master_param")
-    for index, entries in state.items():
-        for name in sorted(required - set(entries)):
-            raise OptimizerCheckpointError(
-                f"{_describe(name, index, group_of)}: missing from the checkpoint"
-            )
 
 
 def _fits_param(saved: torch.Size, param_shape: torch.Size) -> bool:
