@@ -209,9 +209,9 @@ def _snapshot(opt: torch.optim.Optimizer) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("other_shapes", "other_groups", "message"),
     [
-        ([(7, 5), (13,), (3, 4, 2), ()], 2, "2 parameter groups"),
-        ([(7, 5), (13,)], 1, "parameter group 0: the checkpoint has 2 parameters"),
-        ([(7, 5), (14,), (3, 4, 2), ()], 1, r"'exp_avg' of parameter 1 .*shape \(14,\)"),
+        ([(7, 5), (13,), (3, 4, 2), ()], 2, "2 param groups"),
+        ([(7, 5), (13,)], 1, "param group 0: the checkpoint has 2 params"),
+        ([(7, 5), (14,), (3, 4, 2), ()], 1, r"param 1: state 'exp_avg' has shape \(14,\)"),
     ],
 )
 def test_mismatched_checkpoint_is_rejected_before_any_write(
@@ -240,7 +240,7 @@ def test_state_that_cannot_fit_a_fresh_parameter_is_rejected(tmp_path: Path) -> 
     _train(src, src_params, 1)
     save_optimizer(src, tmp_path)
     fresh = torch.optim.Adam(_params([(4, 2)]))
-    with pytest.raises(OptimizerCheckpointError, match=r"does not fit.*\(4, 2\)"):
+    with pytest.raises(OptimizerCheckpointError, match=r"shape \(4, 3\), the param has \(4, 2\)"):
         load_optimizer(fresh, tmp_path)
     assert len(fresh.state) == 0
 
@@ -512,7 +512,9 @@ def test_holder_shape_mismatch_is_rejected_before_any_write(tmp_path: Path) -> N
     opt = ToyPrecisionMomentum(params)
     _train(opt, params, 2)
     before = [tuple(t.clone() for t in s) for s in _storage(opt)]
-    with pytest.raises(OptimizerCheckpointError, match=r"'exp_avg' of parameter 1.*\(18,\)"):
+    with pytest.raises(
+        OptimizerCheckpointError, match=r"param 1: state 'exp_avg' has shape \(18,\)"
+    ):
         load_optimizer(opt, tmp_path)
     for x, y in zip(_storage(opt), before, strict=True):
         for u, v in zip(x, y, strict=True):

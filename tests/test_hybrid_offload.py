@@ -239,11 +239,11 @@ def test_state_dict_round_trip_continues_bit_identically(layout, fraction, dtype
     "corrupt, message",
     [
         (lambda sd: sd["param_groups"].append({"params": []}), "param groups"),
-        (lambda sd: sd["param_groups"][0]["params"].pop(), "has 2 params"),
-        (lambda sd: sd["state"].__setitem__(9, {}), "belongs to no param"),
+        (lambda sd: sd["param_groups"][0]["params"].pop(), "the checkpoint has 1 params, this optimizer has 2"),
+        (lambda sd: sd["state"].__setitem__(9, {}), "param 9: the checkpoint has state for a param"),
         (
             lambda sd: sd["state"][1].__setitem__("master_param", torch.zeros(3)),
-            "master_param of param 1",
+            "param 1: state 'master_param' has shape",
         ),
     ],
 )
@@ -357,7 +357,7 @@ BAD_STATES = {
         "param 1: state 'exp_avg_sq' has negative",
     ),
     "string step": (_set("step", lambda e: "three"), "param 1: invalid step"),
-    "state None": (lambda sd: sd["state"].__setitem__(1, None), "state of param 1 must be a dict"),
+    "state None": (lambda sd: sd["state"].__setitem__(1, None), "param 1: state must be a dict"),
     "sgd state for adamw": (_sgd_state, "param 0: unknown state 'momentum_buffer'"),
     "no state entry": (lambda sd: sd.pop("state"), "no 'state' entry"),
     "missing lr": (lambda sd: sd["param_groups"][0].pop("lr"), "param group 0: .*'lr'"),

@@ -556,8 +556,8 @@ def _bad_checkpoints(sd: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         edit(bad)
         cases.append((match, bad))
 
-    variant("parameter groups", lambda d: d["param_groups"].append(d["param_groups"][0]))
-    variant("group 0: loaded group has 1", lambda d: d["param_groups"][0]["params"].pop())
+    variant("2 param groups", lambda d: d["param_groups"].append(d["param_groups"][0]))
+    variant("param group 0: the checkpoint has 1 params", lambda d: d["param_groups"][0]["params"].pop())
     variant(
         r"param 1: state 'exp_avg' has shape \(2,\)",
         lambda d: d["state"][1].update(exp_avg=torch.zeros(2)),
@@ -576,7 +576,7 @@ def _bad_checkpoints(sd: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         r"param 0: state 'master_param' is torch.float32.*remainders",
         lambda d: d["state"][0].update(master_param=torch.zeros(4, 3)),
     )
-    variant("param 7: state for a parameter", lambda d: d["state"].update({7: {}}))
+    variant("param 7: the checkpoint has state for a param", lambda d: d["state"].update({7: {}}))
     variant("invalid step", lambda d: d["param_groups"][0].update(step=-1))
     return cases
 

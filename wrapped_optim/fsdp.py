@@ -25,6 +25,7 @@ from wrapped_optim.adapters.megatron_fsdp import (
     swap_grad,
 )
 from wrapped_optim.adapters.walk import walk_leaves
+from wrapped_optim.rollback import GroupOptions
 from wrapped_optim.wrapper import OptimizerWrapper, find_layer
 
 __all__ = ["FSDPAwareOptimizer", "init_optimizer_state"]
@@ -292,35 +293,15 @@ class FSDPAwareOptimizer(OptimizerWrapper):
 # --------------------------------------------------------------------------------------
 # init_optimizer_state
 # --------------------------------------------------------------------------------------
-def _snapshot_group(group: dict[str, Any]) -> dict[str, tuple[Any, torch.Tensor | None]]:
-    return {
-        key: (value, value.detach().clone() if isinstance(value, torch.Tensor) else None)
-        for key, value in group.items()
-        if key != "params"
-    }
-
-
-def _restore_group(
-    group: dict[str, Any],
-    snapshot: dict[str, tuple[Any, torch.Tensor | None]],
-    *,
-    keep_step_counter: bool,
-) -> None:
-    for key in [key for key in group if key != "params" and key not in snapshot]:
-        if key == "step" and keep_step_counter:
-            # A group-level step counter the step created (TE FusedAdam, PrecisionAwareAdamW):
-            # keep it, at 0 — what an untouched optimizer counts from — so that a DCP load,
-            # which only fills keys its template has, restores the saved count.
-            _zero_counter(group, key)
-        else:
-            del group[key]
-    for key, (value, saved) in snapshot.items():
-        unchanged_object = group.get(key) is value
-        if saved is not None and unchanged_object and isinstance(value, torch.Tensor):
-            with torch.no_grad():
-                value.copy_(saved)  # a tensor hyper-parameter stays the same object
-        else:
-            group[key] = value
+def _keep_step_counter(group: dict[str, Any], key: str) -> None:
+    """What a successful initialising step may leave in a group: its step counter."""
+    if key == "step":
+        # A group-level step counter the step created (TE FusedAdam, PrecisionAwareAdamW):
+        # keep it, at 0 — what an untouched optimizer counts from — so that a DCP load,
+        # which only fills keys its template has, restores the saved count.
+        _zero_counter(group, key)
+    else:
+        del group[key]
 
 
 def _zero_hyperparameters(group: dict[str, Any]) -> None:
@@ -366,7 +347,7 @@ def _init_leaf(leaf: torch.optim.Optimizer, precision_aware: bool) -> None:
     ]
     locals_before = [local_tensor(param).detach().clone() for param in params]
     saved_grads = [(param, param.grad, getattr(param, "grad_dtype", None)) for param in params]
-    snapshots = [_snapshot_group(group) for group in leaf.param_groups]
+    options = GroupOptions.take(leaf.param_groups)
     succeeded = False
     try:
         for param in params:
@@ -381,9 +362,8 @@ def _init_leaf(leaf: torch.optim.Optimizer, precision_aware: bool) -> None:
                 leaf.step()
         succeeded = True
     finally:
-        for group, snapshot in zip(leaf.param_groups, snapshots, strict=True):
-            # After a failed step the state is dropped, so no counter is kept either.
-            _restore_group(group, snapshot, keep_step_counter=succeeded)
+        # After a failed step the state is dropped, so no counter is kept either.
+        options.restore(leaf.param_groups, new_key=_keep_step_counter if succeeded else None)
         with torch.no_grad():
             for param, before in zip(params, locals_before, strict=True):
                 now = local_tensor(param)

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+import torch
+
 from wrapped_optim.adapters.hybrid import (
     MasterCopies,
     find_hybrid_offload,
@@ -138,11 +140,18 @@ class HybridSyncOptimizer(OptimizerWrapper):
     # Step and guard
     # ----------------------------------------------------------------------------------
     def _step(self, closure: Callable[[], Any] | None) -> Any:
+        if self._push_pending or self._guard_armed:
+            self._before_step()
+        return self._inner_step(closure)
+
+    @torch.compiler.disable
+    def _before_step(self) -> None:
+        """The masters push and the stale-master guard: eager even inside ``torch.compile``
+        (they walk Python objects and compare every master once; dynamo cannot trace them)."""
         if self._push_pending:
             self._push_masters()
         if self._guard_armed:
             self.check_masters()
-        return self._inner_step(closure)
 
     def stale_masters(self) -> list[MasterCopies]:
         """Entries with a level that, rounded to the model dtype, differs from the weight.

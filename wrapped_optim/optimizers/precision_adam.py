@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from wrapped_optim import codecs
+from wrapped_optim import codecs, state_format
 from wrapped_optim.adapters.dtensor import like_param, local_tensor
 from wrapped_optim.optimizers import cpu_kernel as _cpu_kernel
 from wrapped_optim.optimizers import torch_step as _torch_step
+from wrapped_optim.rollback import OptimizerSnapshot
 from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["PrecisionAwareAdamW"]
@@ -114,17 +115,18 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 "capturable=True (CUDA graphs) is a FusedAdam CUDA feature; PrecisionAwareAdamW "
                 "does not support it."
             )
-        if isinstance(lr, Tensor):
-            if lr.numel() != 1:
-                raise ValueError("a tensor lr must hold exactly one element")
-        elif not lr >= 0.0:
-            raise ValueError(f"invalid learning rate: {lr}")
-        if not eps >= 0.0:
-            raise ValueError(f"invalid epsilon value: {eps}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas: {betas} (each must be in [0, 1))")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"invalid weight_decay value: {weight_decay}")
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("a tensor lr must hold exactly one element")
+        # The rule every loader applies to a checkpoint's groups (wrapped_optim.state_format).
+        for name, value in (
+            ("lr", lr),
+            ("betas", betas),
+            ("eps", eps),
+            ("weight_decay", weight_decay),
+        ):
+            problem = state_format.hyper_parameter_problem(name, value)
+            if problem is not None:
+                raise ValueError(f"invalid {problem}")
         if chunk_numel <= 0:
             raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
         if cpu_kernel and fused:
@@ -466,48 +468,20 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if not self.atomic_step:
             self._step_groups()
             return loss
-        snapshot = self._snapshot()
+        # What a step may change: group counters, params with a grad, their state and scales.
+        stepped = [
+            p
+            for group in self.param_groups
+            for p in group["params"]
+            if self._grad_of(p) is not None
+        ]
+        snapshot = OptimizerSnapshot.take(self, stepped)
         try:
             self._step_groups()
         except BaseException:
-            self._restore(snapshot)
+            snapshot.restore()
             raise
         return loss
-
-    def _snapshot(self) -> tuple[list[Any], dict[Tensor, Any]]:
-        """What a step may change, for ``atomic_step``: group counters, params with a grad,
-        their state and scales (one copy of each, kept for the duration of the step)."""
-        steps = [group.get("step") for group in self.param_groups]
-        saved: dict[Tensor, Any] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if self._grad_of(p) is None:
-                    continue
-                state = {
-                    k: v.clone() if isinstance(v, Tensor) else v for k, v in self.state[p].items()
-                }
-                scales = {k: v.clone() for k, v in self._scales.get(p, {}).items()}
-                saved[p] = (p.detach().clone(), state, scales, p in self._scales)
-        return steps, saved
-
-    @torch.no_grad()
-    def _restore(self, snapshot: tuple[list[Any], dict[Tensor, Any]]) -> None:
-        steps, saved = snapshot
-        for group, step in zip(self.param_groups, steps, strict=True):
-            if step is None:
-                group.pop("step", None)
-            else:
-                group["step"] = step
-        for p, (value, state, scales, had_scales) in saved.items():
-            p.copy_(value)
-            if state:
-                self.state[p] = state
-            else:
-                self.state.pop(p, None)
-            if had_scales:
-                self._scales[p] = scales
-            else:
-                self._scales.pop(p, None)
 
     def _step_groups(self) -> None:
         for group in self.param_groups:
@@ -666,100 +640,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 }
         return {"state": state, "param_groups": groups}
 
-    def _validate(self, state_dict: Any) -> tuple[dict[int, Tensor], list[dict[str, Any]]]:
-        if not isinstance(state_dict, dict) or "state" not in state_dict:
-            raise ValueError("optimizer state_dict must be a dict with 'state' and 'param_groups'")
-        saved_groups = state_dict.get("param_groups")
-        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
-            count = len(saved_groups) if isinstance(saved_groups, list) else "no"
-            raise ValueError(
-                f"loaded state dict has {count} parameter groups, this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
-            if not isinstance(saved, dict) or len(saved.get("params", ())) != len(group["params"]):
-                raise ValueError(
-                    f"parameter group {i}: loaded group has "
-                    f"{len(saved.get('params', ())) if isinstance(saved, dict) else '?'} "
-                    f"parameters, this optimizer's has {len(group['params'])}"
-                )
-            step = saved.get("step", 0)
-            if isinstance(step, Tensor):
-                step = step.item()
-            if isinstance(step, bool) or not isinstance(step, int | float) or step < 0:
-                raise ValueError(f"parameter group {i}: invalid step {saved.get('step')!r}")
-            if isinstance(step, float) and not step.is_integer():
-                raise ValueError(f"parameter group {i}: invalid step {saved.get('step')!r}")
-        id_map: dict[Any, Tensor] = {}
-        for saved, group in zip(saved_groups, self.param_groups, strict=True):
-            for key, p in zip(saved["params"], group["params"], strict=True):
-                id_map[key] = p
-        saved_state = state_dict["state"]
-        if not isinstance(saved_state, dict):
-            raise ValueError("state_dict['state'] must be a dict")
-        allowed = {"exp_avg", "exp_avg_sq"} | ({"master_param"} if self.master_weights else set())
-        required = allowed
-        resolved: dict[int, Tensor] = {}
-        for key, entry in saved_state.items():
-            if key not in id_map:
-                raise ValueError(f"param {key}: state for a parameter this optimizer does not have")
-            param = id_map[key]
-            if not isinstance(entry, dict):
-                raise ValueError(f"param {key}: state must be a dict, got {type(entry)}")
-            for name in entry:
-                if name not in allowed:
-                    hint = (
-                        " (master_weights is off)"
-                        if name == "master_param"
-                        else f"; expected {sorted(allowed)}"
-                    )
-                    raise ValueError(f"param {key}: unknown state {name!r}{hint}")
-            for name in sorted(required):
-                if entry.get(name) is None:
-                    why = " (master_weights=True)" if name == "master_param" else ""
-                    raise ValueError(f"param {key}: missing state {name!r}{why}")
-            local_param = local_tensor(param)
-            for name, value in entry.items():
-                if not isinstance(value, Tensor):
-                    raise ValueError(
-                        f"param {key}: state {name!r} must be a tensor, got {type(value)}"
-                    )
-                local = local_tensor(value)
-                if tuple(local.shape) != tuple(local_param.shape):
-                    raise ValueError(
-                        f"param {key}: state {name!r} has shape {tuple(local.shape)}, the "
-                        f"parameter has {tuple(local_param.shape)}"
-                    )
-                if self._uses_remainder(param, name):
-                    if local.dtype != torch.int16:
-                        raise ValueError(
-                            f"param {key}: state 'master_param' is {local.dtype}, but this "
-                            "optimizer stores bf16 parameter remainders (int16); the checkpoint "
-                            "holds a full master (store_param_remainders mismatch)"
-                        )
-                    continue
-                if local.dtype == torch.int16 and name == "master_param":
-                    raise ValueError(
-                        f"param {key}: state 'master_param' is an int16 parameter remainder, but "
-                        "this optimizer keeps full master weights (store_param_remainders mismatch)"
-                    )
-                if not local.is_floating_point():
-                    raise ValueError(
-                        f"param {key}: state {name!r} has dtype {local.dtype}, expected floating"
-                    )
-                if not bool(torch.isfinite(local).all()):
-                    raise ValueError(f"param {key}: state {name!r} has non-finite values")
-                if name == "exp_avg_sq" and bool((local < 0).any()):
-                    raise ValueError(
-                        f"param {key}: state 'exp_avg_sq' has negative values (a second moment "
-                        "is a running mean of squares)"
-                    )
-            resolved[key] = param
-        # After the states, so a checkpoint of another optimizer class is named by its state.
-        for i, saved in enumerate(saved_groups):
-            _check_hyper_parameters(i, saved)
-        return resolved, saved_groups
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load FusedAdam's portable format, validating everything before the first write.
 
@@ -782,13 +662,15 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         load_state_dict_with_hooks(self, state_dict, self._load_portable)
 
     def _load_portable(self, state_dict: dict[str, Any]) -> None:
-        resolved, saved_groups = self._validate(state_dict)
+        resolved, saved_groups = state_format.check_holder_state_dict(self, state_dict)
         new_groups = []
-        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
             merged = {k: v for k, v in group.items() if k != "params"}
             merged.update(
                 {k: _copy_value(v) for k, v in saved.items() if k not in ("params", "param_names")}
             )
+            if "step" in saved:  # FusedAdam's group step is an int
+                merged["step"] = state_format.check_step(f"param group {i}", saved["step"])
             merged["params"] = group["params"]
             if "param_names" in group:
                 merged["param_names"] = group["param_names"]
@@ -806,29 +688,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         except BaseException:
             self.state, self._scales, self.param_groups = old
             raise
-
-
-def _check_hyper_parameters(index: int, group: dict[str, Any]) -> None:
-    """A loaded group must carry every hyper-parameter step() reads, with usable types."""
-    for name in ("lr", "eps", "weight_decay"):
-        if name not in group:
-            raise ValueError(f"parameter group {index}: missing hyper-parameter {name!r}")
-        value = group[name]
-        if isinstance(value, Tensor):
-            if value.numel() != 1 or not value.is_floating_point():
-                raise ValueError(
-                    f"parameter group {index}: {name!r} must be a number or a one-element "
-                    f"floating tensor, got a {value.dtype} tensor of shape {tuple(value.shape)}"
-                )
-        elif isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"parameter group {index}: {name!r} must be a number, got {value!r}")
-    betas = group.get("betas")
-    if (
-        not isinstance(betas, tuple | list)
-        or len(betas) != 2
-        or not all(isinstance(b, int | float) and not isinstance(b, bool) for b in betas)
-    ):
-        raise ValueError(f"parameter group {index}: 'betas' must be two numbers, got {betas!r}")
 
 
 def _copy_value(value: Any) -> Any:

@@ -1,0 +1,38 @@
+"""Streaming optimizer checkpoints through torch.distributed.checkpoint (DCP).
+
+``dcp.save(optimizer.state_dict())`` needs the whole state dict first. For a precision-aware
+optimizer that is the FP32 expansion of every compressed moment at once (four bytes per element
+and state, on top of the optimizer itself), and ``dcp.load`` into a full scaffold needs the same
+again before ``load_state_dict`` quantizes it. Here DCP drives the copy instead:
+
+* save: the state dict handed to DCP holds *placeholders* for compressed states; the save
+  planner expands one tensor chunk when the storage writer asks for it (``resolve_data``) and
+  releases it once written. FP32 state is read where it lives.
+* load: the load planner hands the reader either the live state tensor itself (FP32 state is
+  read straight into place) or a host accumulator for a compressed state, which is quantized
+  into the holder's storage as soon as its last chunk arrives (``commit_tensor``).
+
+The files are ordinary DCP checkpoints with the optimizer's own ``state_dict`` layout
+(``state.<param index>.<name>`` tensors, ``param_groups`` as DCP objects): plain ``dcp.load``
+reads them and :func:`load_optimizer` reads what plain ``dcp.save(optimizer.state_dict())``
+wrote. Large tensors are written as several DCP chunks (rows of ``chunk_bytes``), which any DCP
+reader reassembles.
+
+The package's modules: :mod:`~wrapped_optim.checkpoint.deferred` (compressed state as
+placeholders), :mod:`~wrapped_optim.checkpoint.save` and :mod:`~wrapped_optim.checkpoint.load`.
+"""
+
+from wrapped_optim.checkpoint.common import DEFAULT_CHUNK_BYTES, OptimizerCheckpointError
+from wrapped_optim.checkpoint.deferred import DeferredState
+from wrapped_optim.checkpoint.load import StreamingLoadPlanner, load_optimizer
+from wrapped_optim.checkpoint.save import StreamingSavePlanner, save_optimizer
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DeferredState",
+    "OptimizerCheckpointError",
+    "StreamingLoadPlanner",
+    "StreamingSavePlanner",
+    "load_optimizer",
+    "save_optimizer",
+]
