@@ -12,23 +12,9 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-__all__ = ["build_model", "make_loader", "train"]
+from docs.guides.examples.toy import build_model, make_loader
 
-
-def build_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A small regression MLP, the same weights every time."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    return model.to(dtype)
-
-
-def make_loader(batches: int = 4, batch_size: int = 8) -> torch.utils.data.DataLoader[Any]:
-    """A fixed synthetic data set, in a fixed order (no hub downloads)."""
-    generator = torch.Generator().manual_seed(1)
-    inputs = torch.randn(batches * batch_size, 8, generator=generator)
-    targets = torch.randn(batches * batch_size, 4, generator=generator)
-    dataset = torch.utils.data.TensorDataset(inputs, targets)
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size)
+__all__ = ["train"]
 
 
 # --8<-- [start:loop]
@@ -43,7 +29,8 @@ def train(
 ) -> torch.nn.Module:
     """Trains ``epochs`` epochs and saves the whole state after ``save_after`` of them into
     ``checkpoint_dir``; with ``resume=True``, loads it and trains the epochs that are left."""
-    accelerator = Accelerator(cpu=True)
+    # Two micro-batches per step: the stack sees only the steps that happen.
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = build_model(dtype)
     optimizer = make_optimizer(model)  # wrap first: the stack is what Accelerate gets
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=10)
@@ -56,12 +43,14 @@ def train(
         first_epoch = save_after
     for epoch in range(first_epoch, epochs):
         for inputs, targets in loader:
-            loss = torch.nn.functional.mse_loss(model(inputs.to(dtype)), targets.to(dtype))
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), max_norm=0.5)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(inputs.to(dtype)), targets.to(dtype))
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), max_norm=0.5)
+                optimizer.step()  # skipped by Accelerate between accumulation boundaries
+                scheduler.step()
+                optimizer.zero_grad()
         if epoch + 1 == save_after and not resume:
             accelerator.save_state(checkpoint_dir)  # optimizer.bin: the bare optimizer's format
     return accelerator.unwrap_model(model)

@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from docs.guides.examples.accelerate_loop import build_model, make_loader
+from docs.guides.examples.toy import build_model, make_loader
 
 __all__ = ["Regressor", "train"]
 
