@@ -21,6 +21,7 @@ import torch
 
 from docs.guides.examples.stacks import RECIPES
 from wrapped_optim import OptimizerWrapper
+from wrapped_optim.testing import assert_state_dict_equal
 
 Train = Callable[..., torch.nn.Module]
 ReadOptimizerState = Callable[[Path], dict[str, Any]]
@@ -43,24 +44,6 @@ def assert_bitwise_weights(
         assert torch.equal(other, tensor), (
             f"{what}: {name} differs by up to {(other.float() - tensor.float()).abs().max()}"
         )
-
-
-def assert_equal_states(got: Any, expected: Any, path: str = "optimizer state") -> None:
-    """Nested dicts/lists of tensors and plain values, equal in structure, dtype and bits."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(got, torch.Tensor), path
-        assert got.dtype == expected.dtype and got.shape == expected.shape, path
-        assert torch.equal(got.cpu(), expected.cpu()), path
-    elif isinstance(expected, dict):
-        assert isinstance(got, dict) and got.keys() == expected.keys(), path
-        for key, value in expected.items():
-            assert_equal_states(got[key], value, f"{path}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert isinstance(got, (list, tuple)) and len(got) == len(expected), path
-        for index, (a, b) in enumerate(zip(got, expected, strict=True)):
-            assert_equal_states(a, b, f"{path}[{index}]")
-    else:
-        assert got == expected, f"{path}: {got!r} != {expected!r}"
 
 
 def check_resume(
@@ -93,7 +76,7 @@ def check_resume(
     assert_bitwise_weights(run(True, checkpoints[True], resume=False), reference, "stack run")
     assert all(isinstance(opt, OptimizerWrapper) for opt in built[True])
     assert not any(isinstance(opt, OptimizerWrapper) for opt in built[False])
-    assert_equal_states(
+    assert_state_dict_equal(
         read_optimizer_state(checkpoints[True]), read_optimizer_state(checkpoints[False])
     )
     for writer in (False, True):

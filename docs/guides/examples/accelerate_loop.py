@@ -54,6 +54,4 @@ def train(
         if epoch + 1 == save_after and not resume:
             accelerator.save_state(checkpoint_dir)  # optimizer.bin: the bare optimizer's format
     return accelerator.unwrap_model(model)
-
-
-# --8<-- [end:loop]
+    # --8<-- [end:loop]

@@ -40,9 +40,7 @@ class Regressor(L.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
-
-
-# --8<-- [end:module]
+        # --8<-- [end:module]
 
 
 # --8<-- [start:fit]
@@ -76,6 +74,4 @@ def train(
     )
     trainer.fit(module, train_dataloaders=make_loader(), ckpt_path=checkpoint if resume else None)
     return module.net
-
-
-# --8<-- [end:fit]
+    # --8<-- [end:fit]

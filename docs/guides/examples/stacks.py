@@ -29,9 +29,7 @@ def precision_adamw(model: torch.nn.Module, *, wrapped: bool = True) -> Any:
         exp_avg_sq_dtype=torch.bfloat16,
     )
     return wrapped_optim.wrap(optimizer) if wrapped else optimizer
-
-
-# --8<-- [end:precision]
+    # --8<-- [end:precision]
 
 
 # --8<-- [start:hybrid]
@@ -51,9 +49,7 @@ def hybrid_offload(model: torch.nn.Module, *, wrapped: bool = True) -> Any:
         config = {**config, "hybrid": False, "staged": False, "fsdp": False}
     optimizer, _ = wrapped_optim.build_optimizer(model, config)
     return optimizer
-
-
-# --8<-- [end:hybrid]
+    # --8<-- [end:hybrid]
 
 
 # --8<-- [start:fsdp]
@@ -74,9 +70,8 @@ def fsdp_aware(model: torch.nn.Module, *, wrapped: bool = True) -> Any:
     )
     # wrap() sees grads in another dtype than their weights: FSDPAwareOptimizer on top.
     return wrapped_optim.wrap(optimizer) if wrapped else optimizer
+    # --8<-- [end:fsdp]
 
-
-# --8<-- [end:fsdp]
 
 # name -> (recipe, model dtype)
 RECIPES: dict[str, tuple[Callable[..., Any], torch.dtype]] = {

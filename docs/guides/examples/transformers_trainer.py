@@ -81,6 +81,4 @@ def train(
     first = checkpoint_dir / f"checkpoint-{save_after * steps_per_epoch}"
     trainer.train(resume_from_checkpoint=str(first) if resume else None)
     return model
-
-
-# --8<-- [end:trainer]
+    # --8<-- [end:trainer]
