@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,12 @@ def _optimizer_state(checkpoint_dir: Path) -> dict[str, Any]:
     checkpoint = torch.load(checkpoint_dir / f"epoch={SAVE_AFTER - 1}.ckpt", weights_only=False)
     (state,) = checkpoint["optimizer_states"]
     return dict(state)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_lightning_manual_optimization_resumes_the_stack(recipe: str, tmp_path: Path) -> None:
+    train = functools.partial(lightning_module.train, module_cls=lightning_module.ManualRegressor)
+    check_resume(train, recipe, tmp_path, _optimizer_state)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))

@@ -14,7 +14,7 @@ import torch
 
 from docs.guides.examples.toy import build_model, make_loader
 
-__all__ = ["Regressor", "train"]
+__all__ = ["ManualRegressor", "Regressor", "train"]
 
 
 # --8<-- [start:module]
@@ -43,6 +43,30 @@ class Regressor(L.LightningModule):
         # --8<-- [end:module]
 
 
+# --8<-- [start:manual]
+class ManualRegressor(Regressor):
+    """The same module with manual optimization: Lightning's wrapper around the stack."""
+
+    def __init__(
+        self, make_optimizer: Callable[[torch.nn.Module], Any], dtype: torch.dtype
+    ) -> None:
+        super().__init__(make_optimizer, dtype)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        optimizer = self.optimizers()  # a LightningOptimizer around the stack
+        scheduler = self.lr_schedulers()
+        inputs, targets = (tensor.to(self.input_dtype) for tensor in batch)
+        loss = torch.nn.functional.mse_loss(self.net(inputs), targets)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        optimizer.step()
+        scheduler.step()
+        return loss
+        # --8<-- [end:manual]
+
+
 # --8<-- [start:fit]
 def train(
     make_optimizer: Callable[[torch.nn.Module], Any],
@@ -52,6 +76,7 @@ def train(
     save_after: int = 1,
     resume: bool = False,
     dtype: torch.dtype = torch.float32,
+    module_cls: type[Regressor] = Regressor,
 ) -> torch.nn.Module:
     """Fits ``epochs`` epochs, checkpointing after ``save_after`` of them into
     ``checkpoint_dir``; with ``resume=True``, fits from that checkpoint instead."""
@@ -59,12 +84,12 @@ def train(
     saver = L.pytorch.callbacks.ModelCheckpoint(  # calls trainer.save_checkpoint
         dirpath=checkpoint_dir, filename="{epoch}", every_n_epochs=save_after, save_top_k=-1
     )
-    module = Regressor(make_optimizer, dtype)
+    module = module_cls(make_optimizer, dtype)
     trainer = L.Trainer(
         max_epochs=epochs,
         accelerator="cpu",
         devices=1,
-        gradient_clip_val=0.5,
+        gradient_clip_val=0.5 if module.automatic_optimization else None,
         callbacks=[] if resume else [saver],
         enable_checkpointing=not resume,
         default_root_dir=checkpoint_dir,
