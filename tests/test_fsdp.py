@@ -243,17 +243,85 @@ def test_precision_aware_passes_low_precision_grads_through() -> None:
     assert opt.cast_buffer_bytes == 0
 
 
-def test_closure_is_rejected_clearly_when_a_cast_is_needed() -> None:
-    params = make_params([(3,)], None) + make_params([(2, 2)], torch.bfloat16)
+def test_closure_grads_are_cast_after_the_closure_runs() -> None:
+    # Lightning's automatic optimization always steps with a closure (forward, backward,
+    # clipping): the inner optimizer must see the closure's grads cast, the closure the
+    # originals, and the caller the original grad objects afterwards.
+    params = make_params([(3,)], None) + make_params([(2, 2)], torch.bfloat16, seed=1)
+    reference = clone_params(params)
+    inner = RecordingSGD(params, lr=0.1)
+    opt = FSDPAwareOptimizer(inner)
+    give_grads(params, seed=0)  # stale grads the closure replaces
+    seen_in_closure: list[list[torch.dtype]] = []
+    produced: list[torch.Tensor | None] = []
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = sum((p * (i + 2)).square().sum() for i, p in enumerate(params))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        seen_in_closure.append([p.grad.dtype for p in params])
+        produced[:] = [p.grad for p in params]
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.grad_fn is not None
+    assert seen_in_closure == [[torch.float32, torch.bfloat16]]
+    assert [dtype for dtype, _ in inner.seen[0]] == [torch.float32, torch.float32]
+    assert all(p.grad is g for p, g in zip(params, produced, strict=True))
+    assert params[1].grad.dtype == torch.bfloat16 and params[1].grad_dtype == torch.bfloat16
+    # The same update as casting the clipped grads by hand.
+    for ref, grad in zip(reference, produced, strict=True):
+        ref.grad = grad.float()
+    torch.optim.SGD(reference, lr=0.1).step()
+    assert all(torch.equal(p, r) for p, r in zip(params, reference, strict=True))
+
+
+def test_closure_evaluated_several_times_is_cast_each_time() -> None:
+    # LBFGS evaluates its closure many times inside one step: every evaluation's grads must
+    # reach it cast, exactly as bf16-rounded grads on plain FP32 parameters would.
+    params = make_params([(4,), (3, 2)], torch.bfloat16, seed=3)
+    reference = clone_params(params)
+    targets = [torch.full_like(p, 0.5) for p in params]
+
+    def make_closure(
+        opt: torch.optim.Optimizer, ps: list[torch.nn.Parameter], round_grads: bool
+    ) -> Any:
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = sum(((p - t) ** 4).sum() for p, t in zip(ps, targets, strict=True))
+            loss.backward()
+            if round_grads:
+                for p in ps:
+                    p.grad = p.grad.to(torch.bfloat16).float()
+            return loss
+
+        return closure
+
+    opt = FSDPAwareOptimizer(torch.optim.LBFGS(params, lr=0.5, max_iter=5))
+    ref_opt = torch.optim.LBFGS(reference, lr=0.5, max_iter=5)
+    for _ in range(2):
+        opt.step(make_closure(opt, params, round_grads=False))
+        ref_opt.step(make_closure(ref_opt, reference, round_grads=True))
+    assert all(p.grad.dtype == torch.bfloat16 for p in params)
+    assert all(torch.equal(p, r) for p, r in zip(params, reference, strict=True))
+
+
+def test_closure_that_raises_leaves_the_original_grads() -> None:
+    params = make_params([(2, 2)], torch.bfloat16)
     opt = FSDPAwareOptimizer(torch.optim.SGD(params, lr=0.1))
     give_grads(params, seed=0)
     grads = [p.grad for p in params]
     before = [bits(p) for p in params]
-    called: list[bool] = []
-    with pytest.raises(NotImplementedError, match=r"parameter #1 \(shape \(2, 2\)"):
-        opt.step(lambda: called.append(True))
-    assert called == []
+
+    def closure() -> torch.Tensor:
+        assert all(p.grad is g for p, g in zip(params, grads, strict=True))
+        raise RuntimeError("closure failed")
+
+    with pytest.raises(RuntimeError, match="closure failed"):
+        opt.step(closure)
     assert all(p.grad is g for p, g in zip(params, grads, strict=True))
+    assert all(p.grad_dtype == torch.bfloat16 for p in params)
     assert all(torch.equal(bits(p), b) for p, b in zip(params, before, strict=True))
 
 

@@ -96,34 +96,56 @@ def _restore_grads(swapped: list[tuple[torch.Tensor, torch.Tensor | None, Any]])
         raise failure
 
 
-@contextmanager
-def _grads_in_data_dtype(params: Iterable[torch.Tensor], buffers: _CastBuffers) -> Iterator[int]:
-    """Swaps every grad whose dtype differs from its parameter's for a cast copy, then back.
+def _cast_grads(
+    params: Iterable[torch.Tensor],
+    buffers: _CastBuffers,
+    swapped: list[tuple[torch.Tensor, torch.Tensor | None, Any]],
+) -> None:
+    """Swaps every grad whose dtype differs from its parameter's for a cast copy.
 
-    Yields the number of swapped grads. The original grad objects and ``grad_dtype`` values
-    are put back when the block exits, also when it raises.
+    Each swap is recorded in ``swapped`` as it happens, so :func:`_restore_grads` puts back
+    every original grad object (and ``grad_dtype``) even if a later swap fails.
+    """
+    for param in params:
+        grad = param.grad
+        if grad is None or grad.dtype == param.dtype:
+            continue
+        buffer = buffers.for_grad(param, grad)
+        with torch.no_grad():
+            local_tensor(buffer).copy_(local_tensor(grad))
+        swapped.append((param, grad, getattr(param, "grad_dtype", None)))
+        swap_grad(param, buffer, param.dtype)
+
+
+@contextmanager
+def _grads_in_data_dtype(
+    params: list[torch.Tensor], buffers: _CastBuffers
+) -> Iterator[Callable[[Callable[[], Any]], Callable[[], Any]]]:
+    """Casts grads to their parameter's dtype for the block, then puts the originals back.
+
+    Yields a function that turns a step closure into one that restores the original grads
+    before each evaluation (the closure zeroes, accumulates into and clips the grads autograd
+    owns) and casts the new grads after it, so an optimizer that evaluates its closure inside
+    ``step`` -- once, like Adam, or several times, like LBFGS -- steps on cast grads.
+    The original grad objects and ``grad_dtype`` values are put back when the block exits,
+    also when it raises.
     """
     swapped: list[tuple[torch.Tensor, torch.Tensor | None, Any]] = []
+
+    def casting(closure: Callable[[], Any]) -> Callable[[], Any]:
+        def evaluate() -> Any:
+            _restore_grads(swapped)
+            loss = closure()
+            _cast_grads(params, buffers, swapped)
+            return loss
+
+        return evaluate
+
     try:
-        for param in params:
-            grad = param.grad
-            if grad is None or grad.dtype == param.dtype:
-                continue
-            buffer = buffers.for_grad(param, grad)
-            with torch.no_grad():
-                local_tensor(buffer).copy_(local_tensor(grad))
-            swapped.append((param, grad, getattr(param, "grad_dtype", None)))
-            swap_grad(param, buffer, param.dtype)
-        yield len(swapped)
+        _cast_grads(params, buffers, swapped)
+        yield casting
     finally:
         _restore_grads(swapped)
-
-
-def _describe(index: int, param: torch.Tensor) -> str:
-    return (
-        f"parameter #{index} (shape {tuple(param.shape)}, dtype {param.dtype}, "
-        f"grad dtype {grad_dtype_of(param)})"
-    )
 
 
 class FSDPAwareOptimizer(OptimizerWrapper):
@@ -143,9 +165,9 @@ class FSDPAwareOptimizer(OptimizerWrapper):
        Megatron-FSDP's own ``sync_model_weight_from_main_weight()`` for parameters it owns,
        ``refresh(param_group)`` for every optimizer parameter group holding other parameters.
 
-    Closures are passed through when no grad needs a cast (e.g. under PyTorch FSDP2, where the
-    wrapper is transparent); otherwise they are rejected, because the closure would produce
-    grads after the cast happened.
+    A closure (Lightning always passes one) is wrapped so that the grads it produces are cast
+    when it returns, before the inner optimizer uses them; it sees the original grads, so
+    gradient clipping inside it acts on them, as without the wrapper.
 
     Args:
         inner: the optimizer (or wrapper stack) to decorate.
@@ -186,25 +208,12 @@ class FSDPAwareOptimizer(OptimizerWrapper):
         if self.precision_aware:
             loss = self._inner_step(closure)
         else:
-            if closure is not None:
-                self._reject_closure_if_casting(params)
-            with _grads_in_data_dtype(params, self._cast_buffers):
-                loss = self._inner_step(closure)
+            with _grads_in_data_dtype(params, self._cast_buffers) as casting:
+                loss = self._inner_step(None if closure is None else casting(closure))
         # Not reached when the step raised: a refresh may be collective (Megatron-FSDP
         # redistributes compute weights), and other ranks may not have failed.
         self.refresh_compute_weights()
         return loss
-
-    def _reject_closure_if_casting(self, params: list[torch.Tensor]) -> None:
-        for index, param in enumerate(params):
-            if grad_dtype_of(param) != param.dtype:
-                raise NotImplementedError(
-                    "FSDPAwareOptimizer.step does not take a closure when a grad needs a "
-                    f"dtype cast: {_describe(index, param)} gets grads the optimizer cannot "
-                    "consume, and a closure would produce them after the cast. Run "
-                    "forward/backward before step(), or pass precision_aware=True for an "
-                    "optimizer that consumes such grads itself."
-                )
 
     def refresh_compute_weights(self) -> None:
         """Refreshes compute weights from the (updated) main weights, once per group.

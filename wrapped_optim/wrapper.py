@@ -32,6 +32,21 @@ _HOOK_DICTS = (
 )
 
 
+def _forwarded_to_inner(name: str, doc: str) -> property:
+    """A property whose reads, writes and deletions all go to ``self.inner``."""
+
+    def get(self: OptimizerWrapper) -> Any:
+        return getattr(self.inner, name)
+
+    def set_(self: OptimizerWrapper, value: Any) -> None:
+        setattr(self.inner, name, value)
+
+    def delete(self: OptimizerWrapper) -> None:
+        delattr(self.inner, name)
+
+    return property(get, set_, delete, doc)
+
+
 class OptimizerWrapper(torch.optim.Optimizer):
     """Decorates an optimizer while remaining one.
 
@@ -48,6 +63,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
     firing around the inner call only. Global optimizer hooks
     (``torch.optim.optimizer.register_optimizer_step_pre_hook``) are not fired by wrappers:
     they fire once per ``step`` of each torch optimizer inside, exactly as without wrappers.
+
+    fp16 AMP: ``grad_scale`` and ``found_inf``, which torch's GradScaler sets on the optimizer
+    it steps for a fused leaf to unscale and skip with, are kept on the inner optimizer, so they
+    reach the leaf through any number of wrappers.
 
     Subclasses override :meth:`_step`, :meth:`_state_dict` and :meth:`_load_state_dict`
     (the public methods add the hook handling) and :meth:`_extra_repr`.
@@ -115,6 +134,19 @@ class OptimizerWrapper(torch.optim.Optimizer):
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
         self.inner.defaults = value
+
+    # torch's GradScaler steps an optimizer that unscales in its own fused kernel
+    # (``_step_supports_amp_scaling``, read through to the leaf) by setting ``grad_scale`` and
+    # ``found_inf`` on the object it steps, then deleting them; the leaf reads them from
+    # itself. Kept on a wrapper, they would never reach it: the leaf would step on scaled
+    # grads and ignore infs.
+    grad_scale = _forwarded_to_inner(
+        "grad_scale", "The GradScaler's scale for a fused leaf's step, kept on the inner optimizer."
+    )
+    found_inf = _forwarded_to_inner(
+        "found_inf",
+        "The GradScaler's inf flag for a fused leaf's step, kept on the inner optimizer.",
+    )
 
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails. Never forward dunders or lookups made before
