@@ -21,6 +21,7 @@ import torch
 
 from wrapped_optim.adapters.hybrid import MasterCopies
 from wrapped_optim.adapters.precision import is_precision_aware_holder, supports_chunked_state
+from wrapped_optim.optimizers.transfers import copy_all
 from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["HybridOffloadOptimizer"]
@@ -261,6 +262,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _copy_grads_to_copies(self) -> None:
+        pairs = []
         for param, inner in self.param_to_inner_param.items():
             if inner is param:
                 continue
@@ -275,7 +277,8 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                 inner.grad = torch.empty(
                     inner.shape, dtype=inner.dtype, device=inner.device, pin_memory=pin
                 )
-            inner.grad.copy_(grad)
+            pairs.append((inner.grad, grad))
+        copy_all(pairs)
 
     def _holders(self) -> list[torch.optim.Optimizer]:
         return [sub for sub in self.sub_optimizers if is_precision_aware_holder(sub)]
@@ -358,9 +361,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _copy_back(self) -> None:
-        for param, inner in self.param_to_inner_param.items():
-            if inner is not param:
-                param.copy_(inner)
+        copy_all([(p, inner) for p, inner in self.param_to_inner_param.items() if inner is not p])
         self._copy_back_pending = False
 
     def _finish_copy_back(self) -> None:
