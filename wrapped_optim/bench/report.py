@@ -213,12 +213,15 @@ def _run_topic(topic: str, module: ModuleType, quick: bool, image_dir: Path | No
 
 
 def _kept_results(out: Path, topics: Sequence[str]) -> list[TopicResult]:
-    """The sections of ``topics`` from their pages of an earlier full run in ``out``."""
+    """The sections of ``topics`` from their pages of an earlier full run in ``out``, with
+    the figures there named ``<topic>_*.png``."""
     kept = []
     for topic in topics:
         page = out / TOPIC_DIR / f"{topic}.md"
         if page.is_file():
-            kept.append(TopicResult(topic, page.read_text(), 0.0, None, (), kept=True))
+            # Its figures are the files plots() wrote, named after the topic.
+            figures = tuple(sorted((out / IMAGE_DIR).glob(f"{topic}_*.png")))
+            kept.append(TopicResult(topic, page.read_text(), 0.0, None, figures, kept=True))
     return kept
 
 
@@ -436,7 +439,10 @@ def run_benchmarks(
             (out / TOPIC_DIR / f"{topic}.md").write_text(result.markdown.strip("\n") + "\n")
         results.append(result)
     if not quick:
-        results += _kept_results(out, [t for t in known if t not in topics])
+        kept = _kept_results(out, [t for t in known if t not in topics])
+        if kept:  # the page lists topics in their usual order
+            order = {topic: i for i, topic in enumerate(known)}
+            results = sorted([*results, *kept], key=lambda r: order.get(r.topic, len(order)))
 
     measured = [r for r in results if not r.kept]
     summary_plot = _runtime_plot(measured, image_dir) if draw and measured else None
