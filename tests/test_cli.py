@@ -298,3 +298,32 @@ def test_fsdp_topic_leaves_the_thread_count_as_it_found_it() -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_bench_writes_where_asked_and_keeps_other_topics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --out nothing lands in ./docs but in the folder the command names; a full run
+    of one topic into a folder that holds another topic's page keeps that topic's section."""
+    toys = {}
+    for name, text in (("toy_a", "## Toy A\n\nmeasured: 1 ms"), ("toy_b", "## Toy B\n\n2 ms")):
+        module = types.ModuleType(f"wrapped_optim.bench.{name}")
+        module.run = lambda quick, text=text: text  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        toys[name] = module
+    monkeypatch.setattr(report, "discover_topics", lambda package=report.PACKAGE: sorted(toys))
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "toy_a", "--no-plots"]) == 0
+    assert not (tmp_path / "docs").exists()
+    default = tmp_path / report.DEFAULT_OUT
+    assert (default / "benchmarks.md").is_file()
+    assert f"wrote {default.resolve() / 'benchmarks.md'}" in capsys.readouterr().out
+    out = tmp_path / "site"
+    assert main(["bench", "--out", str(out), "--no-plots"]) == 0
+    toys["toy_a"].run = lambda quick: "## Toy A\n\nmeasured: 3 ms"  # type: ignore[attr-defined]
+    toys["toy_b"].run = lambda quick: "## Toy B\n\nnot run"  # type: ignore[attr-defined]
+    assert main(["bench", "toy_a", "--out", str(out), "--no-plots"]) == 0
+    page = (out / "benchmarks.md").read_text()
+    assert "measured: 3 ms" in page and "2 ms" in page and "not run" not in page
+    assert "| [toy_b](#toy-b) | ok (kept from an earlier run) | - |" in page
+    assert (out / "bench" / "toy_a.md").read_text() == "## Toy A\n\nmeasured: 3 ms\n"

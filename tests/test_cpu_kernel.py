@@ -77,6 +77,16 @@ def reference_step(
     return p32 - update * lr, m, v
 
 
+def param_and_master(values: torch.Tensor, master: str) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    """(parameter, master or None, FP32 value the kernel updates) for a master kind."""
+    if master == "none":
+        return values.clone(), None, values
+    if master == "fp32":
+        return values.to(BF16), values.clone(), values
+    param, remainder = codecs.split_master(values)
+    return param, remainder, codecs.join_master(param, remainder)
+
+
 # ----------------------------------------------------------------------------- the kernel
 
 
@@ -112,15 +122,7 @@ def test_kernel_equals_single_torch_ops_bitwise(
     v = (torch.rand(n, generator=gen) * 0.01).to(v_dtype)
     beta1, beta2, eps = 0.9, 0.95, 1e-8
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-    if master == "none":
-        param, master_t = values.clone(), None
-        p32 = values
-    elif master == "fp32":
-        param, master_t = values.to(BF16), values.clone()
-        p32 = values
-    else:
-        param, master_t = codecs.split_master(values)
-        p32 = codecs.join_master(param, master_t)
+    param, master_t, p32 = param_and_master(values, master)
     want_p, want_m, want_v = reference_step(
         p32.clone(), g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd,
         bc1=bc1, bc2=bc2, adam_w_mode=adam_w_mode,
@@ -354,7 +356,13 @@ def test_operands_are_checked_before_anything_is_written() -> None:
     good = ([p.clone()], [g], [m.clone()], [v.clone()])  # a valid first entry: still unwritten
     cases = [
         ((p, g[:3], m, v), {}, r"grads\[1\] has 3 elements, its parameter has 4"),
-        ((p, g, m.float().to(torch.float16), v), {}, r"exp_avgs\[1\] has dtype torch.float16"),
+        ((p, g, m.float().to(torch.float16), v), {},
+         r"exp_avgs\[1\] is torch.float16 \(scaled\): its per-tensor scale is missing"),
+        ((p, g, m.float().to(torch.float64), v), {}, r"exp_avgs\[1\] has dtype torch.float64"),
+        ((p, g, m, v), {"exp_avg_scales": [None, torch.ones(1)]},
+         r"exp_avgs\[1\] is torch.bfloat16, which has no scale; pass None"),
+        ((p, g, m, v.to(torch.uint8)), {"exp_avg_sq_scales": [None, torch.ones(2)]},
+         r"the scale of exp_avg_sqs\[1\] must be a one-element float32 CPU tensor"),
         ((torch.ones(4, 2).t(), torch.ones(2, 4), torch.zeros(8), torch.zeros(8)), {},
          r"params\[1\] must be contiguous"),
         ((p, g, m, torch.zeros(4, dtype=BF16, device="meta")), {},
@@ -371,7 +379,7 @@ def test_operands_are_checked_before_anything_is_written() -> None:
             cpu_kernel.adamw_step_(*columns, masters, **hyper, **extra)
         after = [t for column in columns for t in column if t.device.type == "cpu"]
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    with pytest.raises(ValueError, match="one entry per parameter; got 1, 1, 1, 0 and 1"):
+    with pytest.raises(ValueError, match="one entry per parameter; got 1, 1, 1, 0, 1, 1 and 1"):
         cpu_kernel.adamw_step_([p], [g], [m], [], **hyper)
 
 
@@ -471,7 +479,26 @@ CONFIGS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
         BF16,
         {"master_weights": True, "store_param_remainders": True},
     ),
+    "fp32 params, fp16 m, FP8 v": (
+        FP32,
+        {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.uint8},
+    ),
+    "bf16 params, remainders, FP8 m, bf16 v": (
+        BF16,
+        {
+            "master_weights": True,
+            "store_param_remainders": True,
+            "exp_avg_dtype": torch.uint8,
+            "exp_avg_sq_dtype": BF16,
+        },
+    ),
 }
+
+
+def as_stored(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """New FP32 moment values as the next step reads them back (encoded, then decoded)."""
+    stored, scale = codecs.encode(values, dtype)
+    return codecs.decode(stored, dtype, scale)
 
 
 @needs_kernel
@@ -528,7 +555,7 @@ def test_optimizer_steps_are_the_kernel_formula(config: str, adam_w_mode: bool) 
                     bc1=1 - b1**step, bc2=1 - b2**step, adam_w_mode=adam_w_mode,
                 )  # fmt: skip
                 # What the state stores, not the FP32 value, is what the next step reads.
-                ref[i] = [p32, m.to(m_dtype).float(), v.to(v_dtype).float()]
+                ref[i] = [p32, as_stored(m, m_dtype), as_stored(v, v_dtype)]
             opt.step()
     assert len(calls) == 5 * len(groups)  # one call per group and step
     for i, p in enumerate(params):
@@ -607,3 +634,160 @@ def test_without_the_kernel_the_optimizer_still_trains(
     opt.step()
     assert torch.allclose(p.detach(), torch.full((8,), 0.9))
     assert cpu_kernel.status().reason == "disabled by WRAPPED_OPTIM_CPU_KERNEL=off"
+
+
+# ----------------------------------------------------------------------------- scaled moments
+
+FP16, FP8 = torch.float16, codecs.FP8_E4M3
+MOMENT_DTYPES = [FP32, BF16, FP16, FP8]
+
+
+def stored_moment(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+    """``values`` in storage ``dtype`` as the optimizer keeps them (with the codecs' scale)."""
+    if not codecs.is_scaled(dtype):
+        return values.to(dtype), None
+    stored, scale = codecs.encode(values, dtype)
+    return stored, scale
+
+
+def reference_moment(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+    """What the torch path stores for new FP32 moment values: the codecs' amax, scale and
+    encoding, applied to the whole tensor."""
+    if not codecs.is_scaled(dtype):
+        return values.to(dtype), None
+    scale = codecs.scale_from_amax(codecs.amax_of(values), dtype)
+    out = torch.empty(values.shape, dtype=dtype)
+    codecs.encode_into(values, out, dtype, scale)
+    return out, scale
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, except that any NaN matches any NaN (torch's casts differ in payload)."""
+    if a.dtype == FP8:
+        a, b = a.view(torch.float8_e4m3fn).float(), b.view(torch.float8_e4m3fn).float()
+    nan = torch.isnan(a.float())
+    if not torch.equal(nan, torch.isnan(b.float())):
+        return False
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a[~nan].view(width), b[~nan].view(width))
+
+
+@needs_kernel
+@given(
+    n=st.integers(1, 1500),
+    master=st.sampled_from(["none", "fp32", "remainder"]),
+    grad_dtype=st.sampled_from([FP32, BF16]),
+    m_dtype=st.sampled_from(MOMENT_DTYPES),
+    v_dtype=st.sampled_from([FP16, FP8]),
+    adam_w_mode=st.booleans(),
+    step=st.integers(1, 1000),
+    magnitude=st.sampled_from([1e-30, 1e-6, 1.0, 1e4]),
+    special=st.sampled_from([None, 0.0, float("inf"), float("nan")]),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_scaled_moments_equal_reference_and_codecs_bitwise(
+    n: int,
+    master: str,
+    grad_dtype: torch.dtype,
+    m_dtype: torch.dtype,
+    v_dtype: torch.dtype,
+    adam_w_mode: bool,
+    step: int,
+    magnitude: float,
+    special: float | None,
+    threads: int,
+    seed: int,
+) -> None:
+    """fp16/FP8 moments: decoded with the old scale, updated by the single-op reference,
+    re-encoded with the scale of the new amax exactly as the codecs do it (amax, scale,
+    multiplier, rounding, FP8 saturation), across subnormal, huge and non-finite values and
+    thread splits; the new scales are written into the scale tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(n, generator=gen) * 3
+    g32 = torch.randn(n, generator=gen) * magnitude
+    if special is not None:
+        g32[torch.randint(0, n, (1,), generator=gen)] = special
+    g = g32.to(grad_dtype)
+    m, m_scale = stored_moment(torch.randn(n, generator=gen) * 0.1 * magnitude, m_dtype)
+    v, v_scale = stored_moment(torch.rand(n, generator=gen) * 0.01 * magnitude**2, v_dtype)
+    m_old = codecs.decode(m, m_dtype, m_scale)
+    v_old = codecs.decode(v, v_dtype, v_scale)
+    beta1, beta2, eps, lr, wd = 0.9, 0.95, 1e-8, 1e-3, 0.1
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    param, master_t, p32 = param_and_master(values, master)
+    want_p, want_m, want_v = reference_step(
+        p32.clone(), g, m_old, v_old, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd,
+        bc1=bc1, bc2=bc2, adam_w_mode=adam_w_mode,
+    )  # fmt: skip
+    want_m_stored, want_m_scale = reference_moment(want_m, m_dtype)
+    want_v_stored, want_v_scale = reference_moment(want_v, v_dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernel, "_MIN_ELEMENTS_PER_THREAD", 1)
+        mp.setattr(cpu_kernel, "_BLOCK_ELEMENTS", 64)
+        cpu_kernel.adamw_step_(
+            [param], [g], [m], [v], [master_t], lr=lr, betas=(beta1, beta2), eps=eps,
+            weight_decay=wd, bias_correction1=bc1, bias_correction2=bc2,
+            adam_w_mode=adam_w_mode, num_threads=threads, exp_avg_scales=[m_scale],
+            exp_avg_sq_scales=[v_scale],
+        )  # fmt: skip
+    assert same_bits(m, want_m_stored)
+    assert same_bits(v, want_v_stored)
+    for got, want in ((m_scale, want_m_scale), (v_scale, want_v_scale)):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert same_bits(got, want)
+    p_now = param if master == "none" else (
+        master_t if master == "fp32" else codecs.join_master(param, master_t)
+    )  # fmt: skip
+    assert p_now is not None and same_bits(p_now, want_p)
+    if master == "fp32":
+        assert same_bits(param, want_p.to(BF16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [FP16, FP8])
+def test_fp16_and_fp8_conversions_match_the_codecs_for_every_code(dtype: torch.dtype) -> None:
+    """lr = 0, beta1 = 0, beta2 = 1: the new exp_avg is the gradient, encoded under scale 1
+    (its amax is the format's range): every finite code, every midpoint between neighbours
+    (ties round to even) and points just off them, below the smallest subnormal and past the
+    range. The new exp_avg_sq is every finite code decoded with a scale, then re-encoded."""
+    if dtype == FP16:
+        codes = torch.arange(-(2**15), 2**15).to(torch.int16).view(FP16)
+    else:
+        codes = torch.arange(256).to(torch.uint8)
+    decoded = codes.view(torch.float8_e4m3fn).float() if dtype == FP8 else codes.float()
+    finite = torch.isfinite(decoded)
+    top = codecs.storage_range(dtype)
+    values = decoded[finite & (decoded.abs() <= top)].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    off = torch.cat([mids.nextafter(values[1:]), mids.nextafter(values[:-1])])
+    tiny = torch.tensor([1e-45, -1e-45, 2.0**-26, 2.0**-25, 2.0**-11, 2.0**-10, 1e-38, -0.0])
+    g = torch.cat([values, mids, off, tiny, torch.tensor([top, -top])])
+    over = torch.tensor([top * 2, 465.0 if dtype == FP8 else 65520.0])
+    n = max(g.numel(), int(finite.sum()))
+    g = g.repeat(n // g.numel() + 1)[:n]
+    v = codes[finite].repeat(n // int(finite.sum()) + 1)[:n].clone()
+    m = torch.zeros(n, dtype=dtype)
+    m_scale, v_scale = torch.ones(1), torch.tensor([0.5])
+    v_old = codecs.decode(v, dtype, v_scale)
+    p = torch.zeros(n)
+    cpu_kernel.adamw_step_(
+        [p], [g], [m], [v], lr=0.0, betas=(0.0, 1.0), eps=1.0, weight_decay=0.0,
+        exp_avg_scales=[m_scale], exp_avg_sq_scales=[v_scale],
+    )  # fmt: skip
+    want_m, want_m_scale = reference_moment(torch.zeros(n) * 0.0 + g * 1.0, dtype)
+    want_v, want_v_scale = reference_moment(v_old * 1.0 + (g * 0.0) * g, dtype)
+    assert float(m_scale) == 1.0 and same_bits(m_scale, want_m_scale)
+    assert same_bits(v_scale, want_v_scale)
+    assert same_bits(m, want_m)
+    assert same_bits(v, want_v)
+    # Past the range (saturation / overflow), under a scale that keeps them there.
+    m2 = torch.zeros(2, dtype=dtype)
+    scale = torch.ones(1)
+    g2 = torch.cat([over, torch.tensor([top * 4])])[:2]
+    cpu_kernel.adamw_step_(
+        [torch.zeros(2)], [g2], [m2], [torch.zeros(2)], lr=0.0, betas=(0.0, 0.5), eps=1.0,
+        weight_decay=0.0, exp_avg_scales=[scale],
+    )  # fmt: skip
+    assert same_bits(m2, reference_moment(g2 * 1.0, dtype)[0])

@@ -24,7 +24,8 @@ def test_demo_measures_what_it_claims() -> None:
     assert rows["resume bit-identical (params, losses)"] == ("yes", "PASS")
     unstaged = int(rows["peak expansion bytes, unstaged"][0].replace(",", ""))
     staged = int(rows["peak expansion bytes, staged"][0].split()[0].replace(",", ""))
-    assert 0 < staged <= 16 * 1024 < unstaged
+    # On a CPU the state is host-resident: decoded straight into the host buffers (0 extra).
+    assert 0 <= staged <= 16 * 1024 < unstaged
     assert int(rows["stale masters synced before step 1"][0]) > 0
 
 

@@ -372,7 +372,8 @@ def test_staged_state_dict_equals_the_unstaged_one_and_reads_chunk_by_chunk(frac
         for name in ("exp_avg", "exp_avg_sq")
     )
     assert baseline.peak_extra_bytes >= expansion_bytes  # the bare call keeps all of them
-    assert 0 < probe.peak_extra_bytes <= CHUNK_BYTES  # staged: one scratch chunk at most
+    # staged: at most one chunk (host-resident state needs no scratch at all)
+    assert 0 <= probe.peak_extra_bytes <= CHUNK_BYTES
     for sub in subs:
         assert "get_unscaled_state" not in vars(sub)  # every patch removed
 

@@ -711,7 +711,10 @@ def test_small_params_packed_together_equal_one_by_one(config: str, dtype: torch
 def test_atomic_step_undoes_a_step_that_raises_partway(atomic: bool) -> None:
     # Two params: the second update raises after the first has been applied.
     a, b = make_params([(4,), (3,)], FP32)
-    opt = PrecisionAwareAdamW([a, b], lr=0.1, exp_avg_dtype=FP8, atomic_step=atomic)
+    # The torch path (the CPU kernel would update both in one call, without _update).
+    opt = PrecisionAwareAdamW(
+        [a, b], lr=0.1, exp_avg_dtype=FP8, atomic_step=atomic, cpu_kernel=False
+    )
     opt._pack_small = False  # one _update call per param, so the fault lands between them
     for p in (a, b):
         p.grad = torch.ones_like(p)

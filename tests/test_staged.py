@@ -162,7 +162,9 @@ def test_staged_state_dict_equals_unstaged_within_chunk_bound(
     assert staged.last_stats.staged_holders == 1
     assert staged.last_stats.chunked_reads > 0
     assert staged.last_stats.whole_tensor_reads == 0
-    assert 0 < probe.peak_extra_bytes <= chunk_bytes
+    # Host-resident state is decoded straight into the host buffer: only the decode's own
+    # chunk-sized temporaries (FP8's index), never more than one chunk.
+    assert 0 <= probe.peak_extra_bytes <= chunk_bytes
     assert_unpatched(opt)
 
 
@@ -171,7 +173,7 @@ def test_chunked_staging_decodes_in_chunks_and_never_aliases_storage() -> None:
     staged = StagedCheckpointOptimizer(opt, chunk_bytes=256)
     with DeviceMemoryProbe() as probe:
         result = staged.state_dict()
-    assert probe.peak_extra_bytes == 256  # one scratch of 64 FP32 elements, reused
+    assert probe.peak_extra_bytes == 0  # on the host: no scratch, no copy through one
     assert staged.last_stats.chunked_reads == 2
     stored = opt.state[params[0]]["exp_avg"]
     assert result["state"][0]["exp_avg"].data_ptr() != stored.data_ptr()

@@ -57,8 +57,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _FP32 = torch.float32
-# A host-resident source has no bus to amortise: a cache-sized scratch keeps the extra copy
-# through it cheap (the path, and its bound, stay those of a device source).
+# A host-resident source is decoded straight into the host buffer, this many elements per
+# chunk call (cache-sized, so the decode's temporaries stay small).
 _HOST_SCRATCH_NUMEL = 64 * 1024
 _ADAM_MOMENTS = frozenset({"exp_avg", "exp_avg_sq"})
 
@@ -317,7 +317,12 @@ def _read_chunked(
     flat = host.view(-1)
     step = scratch.chunk_numel(_FP32)
     if device.type == "cpu":
+        # The state already lives on the host: decode straight into the host buffer, chunk by
+        # chunk (the decode's own temporaries stay chunk-sized), with no scratch to copy from.
         step = min(step, _HOST_SCRATCH_NUMEL)
+        for start in range(0, numel, step):
+            holder.read_unscaled_state_chunk(param, name, start, flat[start : start + step])
+        return host
     buffer = scratch.get(device, _FP32, min(numel, step))
     try:
         if device.type == "cuda":

@@ -1,4 +1,4 @@
-"""Runs the benchmark topics and writes ``docs/benchmarks.md`` with its plots.
+"""Runs the benchmark topics and writes ``benchmarks.md`` with its plots where it is told.
 
 Every module ``wrapped_optim.bench.<topic>`` (except this one and the CUDA-only ``gpu_*``
 scripts) is a topic: its ``run(quick)`` returns a Markdown section, and its optional
@@ -6,6 +6,11 @@ scripts) is a topic: its ``run(quick)`` returns a Markdown section, and its opti
 fails (the page says which and why), and writes one page: a header with the machine, the date
 and how to reproduce, a summary table, then every topic's section with its figures. Figures are
 drawn only when matplotlib is importable (``pip install 'wrapped-optim[plots]'``).
+
+Output goes to ``--out`` (default ``./wrapped-optim-bench``, never the docs of whatever
+directory it runs in); the project's docs are regenerated with ``--out docs``. A full run of
+some topics (``wrapped-optim bench precision_adam --out docs``) refreshes their pages and keeps
+the other topics' sections from their pages of an earlier run, so the page stays whole.
 
 Run it as ``wrapped-optim bench`` or ``python -m wrapped_optim.bench.report``.
 """
@@ -45,6 +50,8 @@ __all__ = [
 
 PACKAGE = "wrapped_optim.bench"
 PAGE = "benchmarks.md"
+#: Where ``wrapped-optim bench`` writes when ``--out`` is not given (relative to the cwd).
+DEFAULT_OUT = "wrapped-optim-bench"
 IMAGE_DIR = "img"
 TOPIC_DIR = "bench"
 
@@ -72,6 +79,8 @@ class TopicResult:
         seconds: wall time of ``run`` (plus ``plots``).
         error: ``"Type: message"`` when ``run`` or ``plots`` raised, else None.
         plots: the figures it wrote.
+        kept: the section was not measured now but kept from the topic's page of an
+            earlier full run in the same output folder.
 
     Example:
         >>> from wrapped_optim.bench.report import TopicResult
@@ -84,6 +93,7 @@ class TopicResult:
     seconds: float
     error: str | None
     plots: tuple[Path, ...]
+    kept: bool = False
 
     @property
     def ok(self) -> bool:
@@ -202,6 +212,19 @@ def _run_topic(topic: str, module: ModuleType, quick: bool, image_dir: Path | No
     return TopicResult(topic, markdown, time.perf_counter() - start, error, plots)
 
 
+def _kept_results(out: Path, topics: Sequence[str]) -> list[TopicResult]:
+    """The sections of ``topics`` from their pages of an earlier full run in ``out``, with
+    the figures there named ``<topic>_*.png``."""
+    kept = []
+    for topic in topics:
+        page = out / TOPIC_DIR / f"{topic}.md"
+        if page.is_file():
+            # Its figures are the files plots() wrote, named after the topic.
+            figures = tuple(sorted((out / IMAGE_DIR).glob(f"{topic}_*.png")))
+            kept.append(TopicResult(topic, page.read_text(), 0.0, None, figures, kept=True))
+    return kept
+
+
 def matplotlib_available() -> bool:
     """True when matplotlib can be imported (figures are drawn only then).
 
@@ -284,7 +307,7 @@ def render_report(
     """
     mode = "quick mode (`--quick`, smaller sizes)" if quick else "full mode"
     stamp = date.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "wrapped-optim bench" + (" --quick" if quick else "")
+    command = "wrapped-optim bench" + (" --quick" if quick else "") + f" --out {page_dir.name}"
     parts = [
         "# Benchmarks",
         "",
@@ -302,9 +325,9 @@ def render_report(
         "",
         "```bash",
         "pip install -e '.[plots]'              # matplotlib, for the figures",
-        "wrapped-optim bench                    # every topic, full sizes",
-        "wrapped-optim bench --quick            # every topic, small sizes",
-        "wrapped-optim bench --only TOPIC       # some topics (repeatable)",
+        "wrapped-optim bench --out docs         # every topic, full sizes, into docs/",
+        "wrapped-optim bench --quick            # every topic, small sizes (./wrapped-optim-bench)",
+        "wrapped-optim bench TOPIC --out docs   # some topics; the others' sections are kept",
         "python -m wrapped_optim.bench.TOPIC    # one topic, printed instead of written",
         "```",
         "",
@@ -315,8 +338,11 @@ def render_report(
     ]
     for r in results:
         status = "ok" if r.ok else f"**failed**: {_cell(r.error or '')}"
+        if r.kept:
+            status = "ok (kept from an earlier run)"
+        seconds = "-" if r.kept else f"{r.seconds:.1f}"
         parts.append(
-            f"| [{r.topic}](#{_anchor(r)}) | {status} | {r.seconds:.1f} | "
+            f"| [{r.topic}](#{_anchor(r)}) | {status} | {seconds} | "
             f"`python -m {PACKAGE}.{r.topic}` |"
         )
     if not results:
@@ -362,7 +388,7 @@ def _relative(path: Path, start: Path) -> str:
 def run_benchmarks(
     quick: bool = False,
     only: Sequence[str] | None = None,
-    out_dir: str | os.PathLike[str] = "docs",
+    out_dir: str | os.PathLike[str] = DEFAULT_OUT,
     *,
     package: str = PACKAGE,
     plots: bool = True,
@@ -372,8 +398,9 @@ def run_benchmarks(
 
     ``only`` picks topics by name (all discovered ones by default); every name is checked
     before anything runs. ``echo`` receives one progress line per topic. A full (not quick)
-    run also refreshes each successful topic's own page, ``<out_dir>/bench/<topic>.md``;
-    a quick run leaves those pages alone.
+    run also refreshes each successful topic's own page, ``<out_dir>/bench/<topic>.md``,
+    and the page keeps the sections of topics not run now from their pages there (marked as
+    kept); a quick run leaves those pages alone and shows only what it ran.
 
     Raises:
         UnknownTopicError: a name in ``only`` is not a topic module.
@@ -411,8 +438,14 @@ def run_benchmarks(
             (out / TOPIC_DIR).mkdir(parents=True, exist_ok=True)
             (out / TOPIC_DIR / f"{topic}.md").write_text(result.markdown.strip("\n") + "\n")
         results.append(result)
+    if not quick:
+        kept = _kept_results(out, [t for t in known if t not in topics])
+        if kept:  # the page lists topics in their usual order
+            order = {topic: i for i, topic in enumerate(known)}
+            results = sorted([*results, *kept], key=lambda r: order.get(r.topic, len(order)))
 
-    summary_plot = _runtime_plot(results, image_dir) if draw and results else None
+    measured = [r for r in results if not r.kept]
+    summary_plot = _runtime_plot(measured, image_dir) if draw and measured else None
     if draw:
         note = None
     elif plots:
@@ -439,7 +472,8 @@ def run_benchmarks(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the bench options (``--quick``, ``--only``, ``--out``, ``--no-plots``) to a parser.
+    """Adds the bench options (``TOPIC...``, ``--quick``, ``--only``, ``--out``,
+    ``--no-plots``) to a parser.
 
     Example:
         >>> import argparse
@@ -448,8 +482,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         >>> add_arguments(parser)
         >>> args = parser.parse_args(["--quick", "--only", "a", "b", "--only", "c"])
         >>> args.quick, args.only, args.out
-        (True, ['a', 'b', 'c'], 'docs')
+        (True, ['a', 'b', 'c'], 'wrapped-optim-bench')
+        >>> parser.parse_args(["precision_adam", "--out", "docs"]).topics
+        ['precision_adam']
     """
+    parser.add_argument(
+        "topics", nargs="*", metavar="TOPIC", help="run only these topics (default: all)"
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument(
         "--only",
@@ -459,7 +498,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run only these topics (repeatable; default: all)",
     )
     parser.add_argument(
-        "--out", default="docs", help="folder for benchmarks.md and img/ (default: docs)"
+        "--out",
+        default=DEFAULT_OUT,
+        help=f"folder for benchmarks.md, bench/ and img/ (default: ./{DEFAULT_OUT}; the "
+        "project's docs: --out docs)",
     )
     parser.add_argument("--no-plots", action="store_true", help="do not draw figures")
 
@@ -476,10 +518,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         ...                                  no_plots=True))
         2
     """
+    only = [*getattr(args, "topics", []), *(args.only or [])] or None
     try:
         report = run_benchmarks(
             quick=args.quick,
-            only=args.only,
+            only=only,
             out_dir=args.out,
             plots=not args.no_plots,
             echo=lambda line: print(line, flush=True),
@@ -487,7 +530,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     except UnknownTopicError as error:
         print(f"wrapped-optim bench: error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {report.page}")
+    print(f"wrote {report.page.resolve()}")
     failed = [r.topic for r in report.results if not r.ok]
     if failed:
         print(f"failed topics: {', '.join(failed)}")

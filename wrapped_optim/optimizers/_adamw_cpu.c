@@ -12,16 +12,22 @@
  *
  * Formats: FP32; bf16 (decode exact, encode round-to-nearest-even, NaN as the quiet NaN
  * 0x7FC0, as torch's scalar float -> bfloat16 conversion); a bf16 parameter plus the int16 low half of its FP32
- * master (TE's store_param_remainders bit arithmetic).
+ * master (TE's store_param_remainders bit arithmetic); moments in fp16 or FP8 E4M3 relative to a
+ * per-tensor scale (wrapped_optim.codecs: decode = stored value times a multiplier, encode =
+ * value times a multiplier, rounded to nearest even, FP8 saturated to +-448). A scaled moment's
+ * new scale needs the amax of the whole updated tensor, so those tensors take two passes: pass 1
+ * computes the new moments and only their amax (nothing is written), Python derives the scales
+ * with the codecs' own functions, pass 0 redoes the same arithmetic and writes everything.
  */
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
 enum { MASTER_NONE = 0, MASTER_FP32 = 1, MASTER_REMAINDER = 2 };
-enum { KIND_FP32 = 0, KIND_BF16 = 1 };
+enum { KIND_FP32 = 0, KIND_BF16 = 1, KIND_FP16 = 2, KIND_FP8 = 3 };
+enum { PASS_WRITE = 0, PASS_AMAX = 1 };
 
-#define WO_ABI_VERSION 6
+#define WO_ABI_VERSION 7
 
 int wo_abi_version(void) { return WO_ABI_VERSION; }
 
@@ -59,11 +65,228 @@ static inline __attribute__((always_inline)) void store(void *base, int64_t i, i
         ((float *)base)[i] = x;
 }
 
+
+/* fp16 <-> FP32 bits, as torch's scalar conversions (c10's fp16_ieee_*): round to nearest
+ * even, overflow to inf, NaN to the quiet NaN 0x7E00 with the sign kept. Integer selects only,
+ * so the loops vectorize. */
+static inline __attribute__((always_inline)) uint16_t f32_to_f16(float x) {
+    uint32_t f = f2u(x);
+    uint32_t sign = f & 0x80000000u;
+    f ^= sign;
+    uint32_t big = f > 0x7F800000u ? 0x7E00u : 0x7C00u;
+    /* below 2^-14: the FP32 adder rounds into the subnormal (a magic-number add) */
+    uint32_t small = f2u(u2f(f) + u2f(126u << 23)) - (126u << 23);
+    uint32_t normal = (f + ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((f >> 13) & 1u)) >> 13;
+    uint32_t o = f >= (143u << 23) ? big : (f < (113u << 23) ? small : normal);
+    return (uint16_t)(o | (sign >> 16));
+}
+
+static inline __attribute__((always_inline)) float f16_to_f32(uint16_t h) {
+    uint32_t o = ((uint32_t)h & 0x7FFFu) << 13;
+    uint32_t exp = o & (0x7C00u << 13);
+    uint32_t normal = o + ((uint32_t)(127 - 15) << 23);
+    uint32_t special = normal + ((uint32_t)(128 - 16) << 23); /* inf, NaN */
+    uint32_t sub = f2u(u2f(normal + (1u << 23)) - u2f(113u << 23)); /* exact */
+    uint32_t r = exp == (0x7C00u << 13) ? special : (exp == 0 ? sub : normal);
+    return u2f(r | (((uint32_t)h & 0x8000u) << 16));
+}
+
+/* FP8 E4M3 (no inf; 0x7F/0xFF are NaN), as c10's fp8e4m3fn_from_fp32_value of a value already
+ * clamped to +-448 (codecs saturates before the cast). */
+static inline __attribute__((always_inline)) uint8_t f32_to_e4m3(float x) {
+    uint32_t f = f2u(x);
+    uint32_t sign = f & 0x80000000u;
+    f ^= sign;
+    uint32_t small = f2u(u2f(f) + u2f(141u << 23)) - (141u << 23);
+    uint32_t normal = (f + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((f >> 20) & 1u)) >> 20;
+    normal = (normal & 0xFFu) == 0x7Fu ? 0x7Eu : normal;
+    uint32_t o = f >= (1087u << 20) ? (f > 0x7F800000u ? 0x7Fu : 0x7Eu)
+                                    : (f < (121u << 23) ? small : normal);
+    return (uint8_t)((o & 0xFFu) | (sign >> 24));
+}
+
+static inline __attribute__((always_inline)) float e4m3_to_f32(uint8_t b) {
+    uint32_t e = ((uint32_t)b >> 3) & 0xFu, m = (uint32_t)b & 7u;
+    float sub = (float)m * u2f((127u - 9u) << 23); /* m * 2^-9, exact */
+    float normal = u2f(((e + 120u) << 23) | (m << 20));
+    float mag = (b & 0x7Fu) == 0x7Fu ? u2f(0x7FC00000u) : (e == 0 ? sub : normal);
+    return u2f(f2u(mag) | (((uint32_t)b & 0x80u) << 24));
+}
+
 typedef struct {
     float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
     float inv_bias_correction1, inv_bias_correction2;
     int adam_w_mode;
 } wo_hyper;
+
+/* One tensor's operands and how each is stored (the enums above). A scaled (fp16/FP8) moment
+ * is decoded with its *_decode multiplier and encoded with its *_encode multiplier; pass 1 ORs
+ * the bits of the largest |new value| into *_amax (FP32 bits of a non-negative value, or of a
+ * NaN: the unsigned order of those bits is the order of the values, NaN above inf). */
+typedef struct {
+    void *param;
+    void *master;
+    const void *grad;
+    void *exp_avg;
+    void *exp_avg_sq;
+    int64_t numel;
+    int master_kind, grad_kind, m_kind, v_kind;
+    float m_decode, v_decode, m_encode, v_encode;
+    uint32_t m_amax, v_amax;
+} wo_tensor;
+
+static inline __attribute__((always_inline)) int is_scaled(int kind) {
+    return kind == KIND_FP16 || kind == KIND_FP8;
+}
+
+/* The tile loop: WO_TILE elements at a time, each operand is decoded into an FP32 array on the
+ * stack, updated there and encoded back, so one loop per format (not one per combination of
+ * formats) is compiled; memory traffic is still one read and one write of each stored element
+ * per pass. Scaled moments always take it (pass 1 measures their amax). */
+#define WO_TILE 512
+
+static inline __attribute__((always_inline)) void decode_tile(const void *base, int64_t s,
+                                                             int64_t k, int kind, float mult,
+                                                             float *restrict out) {
+    switch (kind) {
+        case KIND_FP32:
+            for (int64_t i = 0; i < k; ++i) out[i] = ((const float *)base)[s + i];
+            break;
+        case KIND_BF16:
+            for (int64_t i = 0; i < k; ++i) out[i] = bf16_to_f32(((const uint16_t *)base)[s + i]);
+            break;
+        case KIND_FP16:
+            for (int64_t i = 0; i < k; ++i)
+                out[i] = f16_to_f32(((const uint16_t *)base)[s + i]) * mult;
+            break;
+        default:
+            for (int64_t i = 0; i < k; ++i)
+                out[i] = e4m3_to_f32(((const uint8_t *)base)[s + i]) * mult;
+            break;
+    }
+}
+
+static inline __attribute__((always_inline)) void encode_tile(void *base, int64_t s, int64_t k,
+                                                             int kind, float mult,
+                                                             float *restrict in) {
+    switch (kind) {
+        case KIND_FP32:
+            for (int64_t i = 0; i < k; ++i) ((float *)base)[s + i] = in[i];
+            break;
+        case KIND_BF16:
+            for (int64_t i = 0; i < k; ++i) ((uint16_t *)base)[s + i] = f32_to_bf16(in[i]);
+            break;
+        case KIND_FP16:
+            for (int64_t i = 0; i < k; ++i) ((uint16_t *)base)[s + i] = f32_to_f16(in[i] * mult);
+            break;
+        default: /* the tile is scaled and saturated in place first (NaN stays NaN) */
+            for (int64_t i = 0; i < k; ++i) {
+                float x = in[i] * mult;
+                in[i] = x > 448.0f ? 448.0f : (x < -448.0f ? -448.0f : x);
+            }
+            for (int64_t i = 0; i < k; ++i) ((uint8_t *)base)[s + i] = f32_to_e4m3(in[i]);
+            break;
+    }
+}
+
+static inline __attribute__((always_inline)) uint32_t amax_bits(const float *restrict x,
+                                                               int64_t k, uint32_t acc) {
+    for (int64_t i = 0; i < k; ++i) {
+        uint32_t b = f2u(x[i]) & 0x7FFFFFFFu;
+        acc = b > acc ? b : acc;
+    }
+    return acc;
+}
+
+static inline __attribute__((always_inline)) void atomic_max_u32(uint32_t *slot, uint32_t value) {
+    uint32_t seen = __atomic_load_n(slot, __ATOMIC_RELAXED);
+    while (value > seen &&
+           !__atomic_compare_exchange_n(slot, &seen, value, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+}
+
+/* The update of one tile in FP32 (the same operations, in the same order, as adamw_range). */
+static inline __attribute__((always_inline)) void update_tile(
+    int64_t k, float *restrict p, float *restrict g, float *restrict m, float *restrict v,
+    const wo_hyper *h, const int adam_w_mode, const int pass) {
+    const float lr = h->lr, b1 = h->beta1, omb1 = h->one_minus_beta1, b2 = h->beta2;
+    const float omb2 = h->one_minus_beta2, eps = h->eps, wd = h->weight_decay;
+    const float inv_bc1 = h->inv_bias_correction1, inv_bc2 = h->inv_bias_correction2;
+    for (int64_t i = 0; i < k; ++i) {
+        float gi = g[i];
+        if (!adam_w_mode) gi = gi + wd * p[i];
+        float mi = b1 * m[i] + omb1 * gi;
+        float vi = b2 * v[i] + omb2 * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        if (pass == PASS_WRITE) {
+            float denom = __builtin_sqrtf(vi * inv_bc2) + eps;
+            float update = (mi * inv_bc1) / denom;
+            if (adam_w_mode) update = update + wd * p[i];
+            p[i] = p[i] - lr * update;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_range(wo_tensor *t, int64_t begin,
+                                                              int64_t end, const wo_hyper *h,
+                                                              int pass) {
+    float P[WO_TILE], G[WO_TILE], M[WO_TILE], V[WO_TILE];
+    uint32_t m_amax = 0, v_amax = 0;
+    const int mk = t->master_kind;
+    for (int64_t s = begin; s < end; s += WO_TILE) {
+        int64_t k = end - s < WO_TILE ? end - s : WO_TILE;
+        if (pass == PASS_WRITE || !h->adam_w_mode) {
+            if (mk == MASTER_NONE) {
+                decode_tile(t->param, s, k, KIND_FP32, 1.0f, P);
+            } else if (mk == MASTER_FP32) {
+                decode_tile(t->master, s, k, KIND_FP32, 1.0f, P);
+            } else {
+                const uint16_t *hi = (const uint16_t *)t->param + s;
+                const int16_t *lo = (const int16_t *)t->master + s;
+                for (int64_t i = 0; i < k; ++i)
+                    P[i] = u2f(((uint32_t)hi[i] << 16) + (uint32_t)(int32_t)lo[i]);
+            }
+        }
+        decode_tile(t->grad, s, k, t->grad_kind, 1.0f, G);
+        decode_tile(t->exp_avg, s, k, t->m_kind, t->m_decode, M);
+        decode_tile(t->exp_avg_sq, s, k, t->v_kind, t->v_decode, V);
+        if (pass == PASS_AMAX) {
+            if (h->adam_w_mode)
+                update_tile(k, P, G, M, V, h, 1, PASS_AMAX);
+            else
+                update_tile(k, P, G, M, V, h, 0, PASS_AMAX);
+            if (is_scaled(t->m_kind)) m_amax = amax_bits(M, k, m_amax);
+            if (is_scaled(t->v_kind)) v_amax = amax_bits(V, k, v_amax);
+            continue;
+        }
+        if (h->adam_w_mode)
+            update_tile(k, P, G, M, V, h, 1, PASS_WRITE);
+        else
+            update_tile(k, P, G, M, V, h, 0, PASS_WRITE);
+        encode_tile(t->exp_avg, s, k, t->m_kind, t->m_encode, M);
+        encode_tile(t->exp_avg_sq, s, k, t->v_kind, t->v_encode, V);
+        if (mk == MASTER_NONE) {
+            encode_tile(t->param, s, k, KIND_FP32, 1.0f, P);
+        } else if (mk == MASTER_FP32) {
+            encode_tile(t->master, s, k, KIND_FP32, 1.0f, P);
+            encode_tile(t->param, s, k, KIND_BF16, 1.0f, P);
+        } else {
+            uint16_t *hi = (uint16_t *)t->param + s;
+            int16_t *lo = (int16_t *)t->master + s;
+            for (int64_t i = 0; i < k; ++i) {
+                uint32_t bits = f2u(P[i]);
+                int16_t rem = (int16_t)(bits & 0xFFFFu);
+                lo[i] = rem;
+                hi[i] = (uint16_t)((bits - (uint32_t)(int32_t)rem) >> 16);
+            }
+        }
+    }
+    if (pass == PASS_AMAX) {
+        atomic_max_u32(&t->m_amax, m_amax);
+        atomic_max_u32(&t->v_amax, v_amax);
+    }
+}
 
 /*
  * TE's update, per element, with the bias corrections applied as multiplications by their
@@ -125,43 +348,35 @@ static inline __attribute__((always_inline)) void adamw_range(
 #if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute) && \
     !defined(WO_NO_CLONES)
 #if __has_attribute(target_clones)
-#define WO_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define WO_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #endif
 #endif
 #ifndef WO_CLONES
 #define WO_CLONES
 #endif
 
-#define WO_CASE(mk, gk, ak, vk)                                                              \
-    case (((mk)*2 + (gk)) * 2 + (ak)) * 2 + (vk):                                            \
-        if (h->adam_w_mode)                                                                  \
-            adamw_range(begin, end, t->param, t->master, t->grad, t->exp_avg, t->exp_avg_sq, \
-                        h, 1, mk, gk, ak, vk);                                               \
-        else                                                                                 \
-            adamw_range(begin, end, t->param, t->master, t->grad, t->exp_avg, t->exp_avg_sq, \
-                        h, 0, mk, gk, ak, vk);                                               \
+/* The common formats (AdamW mode, both moments FP32 or both bf16) get a loop of their own,
+ * each operand loaded and stored in its format inline; every other combination (scaled
+ * moments, mixed moment formats, L2 mode) goes through the tile loop, which does the same
+ * operations in the same order. Fewer instantiations keep the build short (three clones). */
+#define WO_CASE(mk, gk, k)                                                               \
+    case ((mk)*2 + (gk)) * 2 + (k):                                                      \
+        adamw_range(begin, end, t->param, t->master, t->grad, t->exp_avg, t->exp_avg_sq, \
+                    h, 1, mk, gk, k, k);                                                 \
         return 0;
 
-#define WO_CASES_FOR_MASTER(mk)                                          \
-    WO_CASE(mk, 0, 0, 0) WO_CASE(mk, 0, 0, 1) WO_CASE(mk, 0, 1, 0)       \
-    WO_CASE(mk, 0, 1, 1) WO_CASE(mk, 1, 0, 0) WO_CASE(mk, 1, 0, 1)       \
-    WO_CASE(mk, 1, 1, 0) WO_CASE(mk, 1, 1, 1)
+#define WO_CASES_FOR_MASTER(mk) WO_CASE(mk, 0, 0) WO_CASE(mk, 0, 1) WO_CASE(mk, 1, 0) WO_CASE(mk, 1, 1)
 
-/* One tensor's operands and how each is stored (the enums above). */
-typedef struct {
-    void *param;
-    void *master;
-    const void *grad;
-    void *exp_avg;
-    void *exp_avg_sq;
-    int64_t numel;
-    int master_kind, grad_kind, m_kind, v_kind;
-} wo_tensor;
-
-static inline __attribute__((always_inline)) int adamw_tensor(const wo_tensor *t,
-                                                              int64_t begin, int64_t end,
-                                                              const wo_hyper *h) {
-    switch (((t->master_kind * 2 + t->grad_kind) * 2 + t->m_kind) * 2 + t->v_kind) {
+static inline __attribute__((always_inline)) int adamw_tensor(wo_tensor *t, int64_t begin,
+                                                              int64_t end, const wo_hyper *h,
+                                                              int pass) {
+    int scaled = is_scaled(t->m_kind) || is_scaled(t->v_kind);
+    if (pass == PASS_AMAX && !scaled) return 0; /* nothing to measure: pass 0 updates it */
+    if (scaled || !h->adam_w_mode || t->m_kind != t->v_kind) {
+        tile_range(t, begin, end, h, pass);
+        return 0;
+    }
+    switch ((t->master_kind * 2 + t->grad_kind) * 2 + t->m_kind) {
         WO_CASES_FOR_MASTER(MASTER_NONE)
         WO_CASES_FOR_MASTER(MASTER_FP32)
         WO_CASES_FOR_MASTER(MASTER_REMAINDER)
@@ -174,7 +389,7 @@ static int wo_kinds_ok(const wo_tensor *tensors, int64_t count) {
     for (int64_t k = 0; k < count; ++k) {
         const wo_tensor *t = &tensors[k];
         if (t->master_kind < 0 || t->master_kind > 2 || t->grad_kind < 0 || t->grad_kind > 1 ||
-            t->m_kind < 0 || t->m_kind > 1 || t->v_kind < 0 || t->v_kind > 1)
+            t->m_kind < 0 || t->m_kind > 3 || t->v_kind < 0 || t->v_kind > 3)
             return 0;
     }
     return 1;
@@ -186,18 +401,18 @@ typedef struct {
 } wo_cursor;
 
 /* Updates elements [begin, end) of the tensors laid end to end. */
-WO_CLONES static void wo_update_range(const wo_tensor *tensors, int64_t count, int64_t begin,
-                                      int64_t end, const wo_hyper *h, wo_cursor *at) {
+WO_CLONES static void wo_update_range(wo_tensor *tensors, int64_t count, int64_t begin,
+                                      int64_t end, const wo_hyper *h, int pass, wo_cursor *at) {
     while (at->tensor < count && at->offset + tensors[at->tensor].numel <= begin) {
         at->offset += tensors[at->tensor].numel;
         at->tensor++;
     }
     int64_t offset = at->offset;
     for (int64_t k = at->tensor; k < count && offset < end; ++k) {
-        const wo_tensor *t = &tensors[k];
+        wo_tensor *t = &tensors[k];
         int64_t lo = begin > offset ? begin - offset : 0;
         int64_t hi = end - offset < t->numel ? end - offset : t->numel;
-        if (lo < hi) adamw_tensor(t, lo, hi, h);
+        if (lo < hi) adamw_tensor(t, lo, hi, h, pass);
         offset += t->numel;
     }
 }
@@ -214,9 +429,10 @@ WO_CLONES static void wo_update_range(const wo_tensor *tensors, int64_t count, i
  * whichever thread runs it.
  */
 typedef struct {
-    const wo_tensor *tensors;
+    wo_tensor *tensors;
     int64_t count, total, blocks, block;
     const wo_hyper *h;
+    int pass;
     atomic_llong next;
 } wo_job;
 
@@ -227,7 +443,7 @@ static void wo_take_blocks(wo_job *job) {
         if (b >= job->blocks) return;
         int64_t begin = (int64_t)b * job->block;
         int64_t end = begin + job->block < job->total ? begin + job->block : job->total;
-        wo_update_range(job->tensors, job->count, begin, end, job->h, &at);
+        wo_update_range(job->tensors, job->count, begin, end, job->h, job->pass, &at);
     }
 }
 
@@ -243,23 +459,25 @@ int wo_parallel(void) {
 }
 
 /*
- * Updates all elements of the tensors with up to `threads` threads (the caller included).
- * Returns 0, -1 for an operand kind outside the enums above (the Python side validates
- * first; this is a last guard, never a silent no-op) or -2 for a bad thread count or block
- * size.
+ * Updates all elements of the tensors with up to `threads` threads (the caller included);
+ * with pass PASS_AMAX only measures the new amax of the scaled moments (writing nothing but
+ * the *_amax fields). Returns 0, -1 for an operand kind outside the enums above (the Python
+ * side validates first; this is a last guard, never a silent no-op) or -2 for a bad thread
+ * count, block size or pass.
  */
-int wo_adamw_step(const wo_tensor *tensors, int64_t count, int64_t total, int threads,
-                  int64_t block, const wo_hyper *h) {
+int wo_adamw_step(wo_tensor *tensors, int64_t count, int64_t total, int threads, int64_t block,
+                  const wo_hyper *h, int pass) {
     if (!wo_kinds_ok(tensors, count)) return -1;
     if (threads < 1 || threads > WO_MAX_THREADS || block < 64 || block % 64 != 0) return -2;
+    if (pass != PASS_WRITE && pass != PASS_AMAX) return -2;
     int64_t blocks = (total + block - 1) / block;
     if (threads > blocks) threads = blocks > 0 ? (int)blocks : 1;
     if (threads == 1) {
         wo_cursor at = {0, 0};
-        wo_update_range(tensors, count, 0, total, h, &at);
+        wo_update_range(tensors, count, 0, total, h, pass, &at);
         return 0;
     }
-    wo_job job = {tensors, count, total, blocks, block, h, 0};
+    wo_job job = {tensors, count, total, blocks, block, h, pass, 0};
 #pragma omp parallel num_threads(threads)
     wo_take_blocks(&job);
     return 0;

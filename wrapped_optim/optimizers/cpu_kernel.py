@@ -40,12 +40,19 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
+from wrapped_optim import codecs
+
 __all__ = ["KernelStatus", "adamw_step_", "available", "status"]
 
 _SOURCE = Path(__file__).with_name("_adamw_cpu.c")
-_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
+# -fno-trapping-math lets the fp16/FP8 selects vectorize (values are unchanged: only FP flags,
+# which nothing reads, may differ); 512-bit vectors in the AVX-512 clone.
+_FLAGS = (
+    "-O3", "-std=c11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+    "-ffp-contract=off", "-mprefer-vector-width=512",
+)  # fmt: skip
 _OPENMP_FLAGS = ("-fopenmp",)
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 _DISABLE_ENV = "WRAPPED_OPTIM_CPU_KERNEL"
 _CACHE_ENV = "WRAPPED_OPTIM_KERNEL_CACHE"
 # Below this many elements per thread (about 50 us of work), another thread costs more than
@@ -56,7 +63,10 @@ _MAX_THREADS = 256  # the kernel's own limit
 _BLOCK_ELEMENTS = 1 << 14
 
 _MASTER_KIND = {None: 0, torch.float32: 1, torch.int16: 2}
-_VALUE_KIND = {torch.float32: 0, torch.bfloat16: 1}
+_VALUE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, codecs.FP8_E4M3: 3}
+_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+_MOMENT_DTYPES = tuple(_VALUE_KIND)
+_PASS_WRITE, _PASS_AMAX = 0, 1
 
 
 def _fields(ctype: Any, names: str) -> list[tuple[str, Any]]:
@@ -80,6 +90,8 @@ class _Tensor(ctypes.Structure):
         *_fields(ctypes.c_void_p, "param master grad exp_avg exp_avg_sq"),
         ("numel", ctypes.c_int64),
         *_fields(ctypes.c_int, "master_kind grad_kind m_kind v_kind"),
+        *_fields(ctypes.c_float, "m_decode v_decode m_encode v_encode"),
+        *_fields(ctypes.c_uint32, "m_amax v_amax"),
     ]
 
 
@@ -197,7 +209,7 @@ def _open(library: Path) -> ctypes.CDLL:
     fn.argtypes = [
         ctypes.POINTER(_Tensor), ctypes.c_int64,  # tensors, count
         ctypes.c_int64, ctypes.c_int, ctypes.c_int64,  # elements of all tensors, threads, block
-        ctypes.POINTER(_Hyper),
+        ctypes.POINTER(_Hyper), ctypes.c_int,  # hyper-parameters, pass
     ]  # fmt: skip
     return lib
 
@@ -246,7 +258,7 @@ def _compile(
             [compiler, *_FLAGS, *extra_flags, "-o", tmp, str(_SOURCE)],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=900,  # a loaded machine (several ranks building at once) is slow
         )
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed to build {_SOURCE.name}:\n{result.stderr}")
@@ -269,9 +281,25 @@ def _check_operand(name: str, t: Tensor, numel: int, dtypes: tuple[torch.dtype, 
         )
 
 
+def _check_scale(name: str, storage: Tensor, scale: Tensor | None) -> float:
+    """The decode multiplier of a moment (1.0 unscaled); a scaled one needs its scale."""
+    if not codecs.is_scaled(storage.dtype):
+        if scale is not None:
+            raise ValueError(f"{name} is {storage.dtype}, which has no scale; pass None")
+        return 1.0
+    if scale is None:
+        raise ValueError(f"{name} is {storage.dtype} (scaled): its per-tensor scale is missing")
+    if scale.dtype != torch.float32 or scale.numel() != 1 or scale.device.type != "cpu":
+        raise ValueError(
+            f"the scale of {name} must be a one-element float32 CPU tensor, got a "
+            f"{scale.dtype} tensor of shape {tuple(scale.shape)} on {scale.device}"
+        )
+    return float(codecs.decode_multiplier(scale.reshape(1), storage.dtype))
+
+
 def _describe(
     index: int, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-    master: Tensor | None,
+    master: Tensor | None, m_scale: Tensor | None, v_scale: Tensor | None,
 ) -> _Tensor:  # fmt: skip
     n = param.numel()
     if master is None:
@@ -279,9 +307,11 @@ def _describe(
     else:
         _check_operand(f"params[{index}]", param, n, (torch.bfloat16,))
         _check_operand(f"masters[{index}]", master, n, (torch.float32, torch.int16))
-    _check_operand(f"grads[{index}]", grad, n, (torch.float32, torch.bfloat16))
-    _check_operand(f"exp_avgs[{index}]", exp_avg, n, (torch.float32, torch.bfloat16))
-    _check_operand(f"exp_avg_sqs[{index}]", exp_avg_sq, n, (torch.float32, torch.bfloat16))
+    _check_operand(f"grads[{index}]", grad, n, _GRAD_DTYPES)
+    _check_operand(f"exp_avgs[{index}]", exp_avg, n, _MOMENT_DTYPES)
+    _check_operand(f"exp_avg_sqs[{index}]", exp_avg_sq, n, _MOMENT_DTYPES)
+    m_decode = _check_scale(f"exp_avgs[{index}]", exp_avg, m_scale)
+    v_decode = _check_scale(f"exp_avg_sqs[{index}]", exp_avg_sq, v_scale)
     return _Tensor(
         param.data_ptr(),
         None if master is None else master.data_ptr(),
@@ -293,7 +323,21 @@ def _describe(
         _VALUE_KIND[grad.dtype],
         _VALUE_KIND[exp_avg.dtype],
         _VALUE_KIND[exp_avg_sq.dtype],
+        m_decode,
+        v_decode,
+        1.0,
+        1.0,
+        0,
+        0,
     )
+
+
+def _new_scale(amax_bits: int, dtype: torch.dtype) -> tuple[Tensor, float]:
+    """The codecs' scale for a tensor whose amax has these FP32 bits, and its encode
+    multiplier: the very functions the torch path calls, so the bits agree."""
+    amax = torch.tensor([amax_bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    scale = codecs.scale_from_amax(amax, dtype)
+    return scale, float(codecs.encode_multiplier(scale, dtype))
 
 
 def adamw_step_(
@@ -311,36 +355,45 @@ def adamw_step_(
     bias_correction2: float = 1.0,
     adam_w_mode: bool = True,
     num_threads: int | None = None,
+    exp_avg_scales: Sequence[Tensor | None] | None = None,
+    exp_avg_sq_scales: Sequence[Tensor | None] | None = None,
 ) -> None:
     """One AdamW update of CPU tensors in place, each read and written in its stored dtype.
 
     Lists as in torch's ``_fused_adamw_``: one entry per parameter. A parameter is FP32 (its
     ``masters`` entry None) or bf16 with an FP32 master or the int16 remainder of one; grads
-    and moments are FP32 or bf16. The update is TE's FusedAdam formula in FP32
-    (``adam_w_mode``: ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``, otherwise
-    ``wd * p`` is added to the gradient); ``bias_correction1/2`` are ``1 - beta**t`` and are
-    applied as multiplications by their (FP32-rounded) reciprocals. The elements of all
-    tensors are shared by up to ``num_threads`` (default ``torch.get_num_threads()``)
-    OpenMP threads when the build has OpenMP (``status().parallel``), else one thread; in a
-    process forked after the library was loaded always one (GNU OpenMP's workers do not
-    survive ``fork()``: a parallel region there never returns, torch's own included). Every
-    operand is checked before anything is written. Raises ``RuntimeError`` when the kernel is
-    unavailable (see :func:`status`).
+    are FP32 or bf16; moments FP32, bf16, fp16 or FP8 E4M3 (``torch.uint8``, TE's marker).
+    An fp16/FP8 moment is stored relative to its per-tensor scale (``exp_avg_scales`` /
+    ``exp_avg_sq_scales``: a one-element float32 tensor each, None for the other formats),
+    exactly as :mod:`wrapped_optim.codecs` encodes it: it is decoded with the old scale and
+    re-encoded with the scale of its new amax, which is written into the scale tensor. Such
+    tensors take two passes over memory (the first only measures the amax). The update is
+    TE's FusedAdam formula in FP32 (``adam_w_mode``: ``p -= lr * (m_hat / (sqrt(v_hat) + eps)
+    + wd * p)``, otherwise ``wd * p`` is added to the gradient); ``bias_correction1/2`` are
+    ``1 - beta**t`` and are applied as multiplications by their (FP32-rounded) reciprocals.
+    The elements of all tensors are shared by up to ``num_threads`` (default
+    ``torch.get_num_threads()``) OpenMP threads when the build has OpenMP
+    (``status().parallel``), else one thread; in a process forked after the library was
+    loaded always one (GNU OpenMP's workers do not survive ``fork()``: a parallel region
+    there never returns, torch's own included). Every operand is checked before anything is
+    written. Raises ``RuntimeError`` when the kernel is unavailable (see :func:`status`).
 
     Example:
         >>> import torch
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> p, g = torch.ones(3), torch.full((3,), 0.5)
         >>> m = torch.zeros(3, dtype=torch.bfloat16)
-        >>> v = torch.zeros(3, dtype=torch.bfloat16)
+        >>> v = torch.zeros(3, dtype=torch.uint8)  # FP8 E4M3, with a per-tensor scale
+        >>> v_scale = torch.ones(1)
         >>> if cpu_kernel.available():
         ...     cpu_kernel.adamw_step_([p], [g], [m], [v], lr=0.1, betas=(0.9, 0.999),
         ...                            eps=1e-8, weight_decay=0.0, bias_correction1=0.1,
-        ...                            bias_correction2=0.001)
+        ...                            bias_correction2=0.001, exp_avg_sq_scales=[v_scale])
         ... else:  # the same update in torch
         ...     _ = p.sub_(0.1)
-        >>> p
-        tensor([0.9000, 0.9000, 0.9000])
+        ...     _ = v_scale.fill_(0.25 * 0.001 / 448)
+        >>> p, v_scale * 448
+        (tensor([0.9000, 0.9000, 0.9000]), tensor([0.0003]))
     """
     loaded_status, lib = _load()
     if lib is None:
@@ -349,19 +402,22 @@ def adamw_step_(
             "wrapped_optim.optimizers.cpu_kernel.status() before calling adamw_step_"
         )
     count = len(params)
-    if masters is None:
-        masters = [None] * count
-    lengths = {len(grads), len(exp_avgs), len(exp_avg_sqs), len(masters)}
-    if lengths != {count}:
+    masters = [None] * count if masters is None else masters
+    m_scales = [None] * count if exp_avg_scales is None else exp_avg_scales
+    v_scales = [None] * count if exp_avg_sq_scales is None else exp_avg_sq_scales
+    lengths = [len(grads), len(exp_avgs), len(exp_avg_sqs), len(masters), len(m_scales),
+               len(v_scales)]  # fmt: skip
+    if set(lengths) != {count}:
         raise ValueError(
-            f"params, grads, exp_avgs, exp_avg_sqs and masters must have one entry per "
-            f"parameter; got {count}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)} and "
-            f"{len(masters)}"
+            "params, grads, exp_avgs, exp_avg_sqs, masters, exp_avg_scales and "
+            f"exp_avg_sq_scales must have one entry per parameter; got {count}, "
+            + ", ".join(map(str, lengths[:-1]))
+            + f" and {lengths[-1]}"
         )
     threads = torch.get_num_threads() if num_threads is None else num_threads
     if threads < 1:
         raise ValueError(f"num_threads must be at least 1, got {threads}")
-    operands = zip(params, grads, exp_avgs, exp_avg_sqs, masters, strict=True)
+    operands = zip(params, grads, exp_avgs, exp_avg_sqs, masters, m_scales, v_scales, strict=True)
     described = [_describe(i, *ops) for i, ops in enumerate(operands)]
     tensors = (_Tensor * max(count, 1))(*described)
     beta1, beta2 = float(betas[0]), float(betas[1])
@@ -373,13 +429,37 @@ def adamw_step_(
     threads = max(1, min(threads, total // _MIN_ELEMENTS_PER_THREAD, _MAX_THREADS))
     if os.getpid() != _loaded_in_pid:
         threads = 1
-    # ctypes drops the GIL for the call; the threads are OpenMP's (torch's own runtime).
-    code = lib.wo_adamw_step(tensors, count, total, threads, _BLOCK_ELEMENTS, ctypes.byref(hyper))
-    if code != 0:
-        raise RuntimeError(
-            f"the CPU AdamW kernel rejected its operands (code {code}): the compiled library "
-            f"does not match this Python module; delete {loaded_status.library} to rebuild it"
+
+    def run(pass_: int) -> None:
+        # ctypes drops the GIL for the call; the threads are OpenMP's (torch's own runtime).
+        code = lib.wo_adamw_step(
+            tensors, count, total, threads, _BLOCK_ELEMENTS, ctypes.byref(hyper), pass_
         )
+        if code != 0:
+            raise RuntimeError(
+                f"the CPU AdamW kernel rejected its operands (code {code}): the compiled "
+                f"library does not match this Python module; delete {loaded_status.library} "
+                "to rebuild it"
+            )
+
+    new_scales: list[tuple[Tensor, Tensor]] = []  # (scale tensor to update, new value)
+    scaled = [
+        i for i in range(count)
+        if codecs.is_scaled(exp_avgs[i].dtype) or codecs.is_scaled(exp_avg_sqs[i].dtype)
+    ]  # fmt: skip
+    if scaled:
+        run(_PASS_AMAX)
+        for i in scaled:
+            t = tensors[i]
+            for storage, scale, prefix in ((exp_avgs[i], m_scales[i], "m"),
+                                           (exp_avg_sqs[i], v_scales[i], "v")):  # fmt: skip
+                if scale is not None:
+                    new, multiplier = _new_scale(getattr(t, f"{prefix}_amax"), storage.dtype)
+                    setattr(t, f"{prefix}_encode", multiplier)
+                    new_scales.append((scale, new))
+    run(_PASS_WRITE)
+    for scale, new in new_scales:
+        scale.copy_(new.reshape(scale.shape))
     # Written through raw pointers, so torch did not see it: tell autograd (and anything else
     # that watches version counters) as torch's own in-place ops would.
     written = [*params, *exp_avgs, *exp_avg_sqs, *(m for m in masters if m is not None)]

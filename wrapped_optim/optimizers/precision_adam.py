@@ -22,6 +22,7 @@ from wrapped_optim import codecs, state_format
 from wrapped_optim.adapters.dtensor import like_param, local_tensor
 from wrapped_optim.optimizers import cpu_kernel as _cpu_kernel
 from wrapped_optim.optimizers import torch_step as _torch_step
+from wrapped_optim.optimizers.kernel_step import KernelOperands, kernel_operands, kernel_update
 from wrapped_optim.rollback import OptimizerSnapshot
 from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
@@ -29,8 +30,6 @@ __all__ = ["PrecisionAwareAdamW"]
 
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 _MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
-# (param, grad, exp_avg, exp_avg_sq, master or None), flat, as the CPU kernel takes them.
-_KernelOperands = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]
 
 
 class PrecisionAwareAdamW(torch.optim.Optimizer):
@@ -44,9 +43,10 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     ``param.grad``. Ours: ``chunk_numel`` is how many elements the step expands to FP32 at
     once; ``fused`` picks the FP32 update: torch's fused AdamW kernel (``None``: where torch
     has one) or TE's elementwise formula (``False``); ``cpu_kernel`` updates CPU parameters
-    whose state needs conversion (bf16 moments beside FP32 params, a bf16 param with an FP32
-    master or remainder) in one pass with the compiled kernel of
-    :mod:`~wrapped_optim.optimizers.cpu_kernel` (TE's formula; ``None``: when it can be built
+    whose state needs conversion (bf16, fp16 or FP8 moments beside FP32 params, or beside a
+    bf16 param with an FP32 master or remainder) in one pass (two with fp16/FP8 moments) with
+    the compiled kernel of :mod:`~wrapped_optim.optimizers.cpu_kernel`, dispatched by
+    :mod:`~wrapped_optim.optimizers.kernel_step` (TE's formula; ``None``: when it can be built
     and ``fused`` is not ``True``, ``True``: required, ``False``: never); ``atomic_step=True``
     makes a step all or nothing (a copy of what it changes is kept during the step and put
     back if it raises).
@@ -492,7 +492,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             # one call per (device, dtype), as torch.optim.AdamW(fused=True) does.
             batches: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, ...]]] = {}
             small: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
-            kernel: list[_KernelOperands] = []  # one call for all of them: threads share it
+            kernel: list[KernelOperands] = []  # one call for all of them: threads share it
             for p in group["params"]:
                 grad = self._grad_of(p)
                 if grad is None:
@@ -507,7 +507,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                         f"got {p.dtype}"
                     )
                 views = self._direct_views(p, grad, group)
-                operands = None if views is not None else self._kernel_operands(p, grad)
+                operands = None if views is not None else kernel_operands(self, p, grad)
                 if views is not None:
                     batches.setdefault((views[0].device, views[0].dtype), []).append(views)
                 elif operands is not None:
@@ -523,61 +523,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             for device, pairs in small.items():
                 self._update_packed(pairs, group, device)
             if kernel:
-                self._kernel_update(kernel, group)
-
-    def _kernel_on(self) -> bool:
-        if self.cpu_kernel is False or (self.cpu_kernel is None and self.fused is True):
-            return False
-        return _cpu_kernel.available()
-
-    def _kernel_operands(self, param: Tensor, grad: Tensor) -> _KernelOperands | None:
-        """Flat (param, grad, exp_avg, exp_avg_sq, master) for the one-pass CPU kernel, or
-        None when its formats or layout are not ones the kernel reads."""
-        if not self._kernel_on():
-            return None
-        p, g = local_tensor(param), local_tensor(grad)
-        if p.device.type != "cpu" or g.device != p.device or g.numel() != p.numel():
-            return None
-        state = self.state[param]
-        stored = [state["exp_avg"], state["exp_avg_sq"]]
-        if any(t.dtype not in (torch.float32, torch.bfloat16) for t in stored):
-            return None
-        if g.dtype not in (torch.float32, torch.bfloat16):
-            return None
-        master: Tensor | None = state.get("master_param")
-        if p.dtype == torch.float32:
-            if master is not None:  # synced after the update; the general path does that
-                return None
-        elif p.dtype != torch.bfloat16 or master is None:
-            return None  # fp16 params, or bf16 params updated in place without a master
-        elif master.dtype != torch.float32 and not self._uses_remainder(param):
-            return None  # an fp16 master
-        if master is not None:
-            stored.append(master)
-        if not p.is_contiguous() or not all(t.is_contiguous() for t in stored):
-            return None
-        flat = [t.view(-1) for t in stored]
-        return (
-            p.view(-1),
-            g.reshape(-1).contiguous(),
-            flat[0],
-            flat[1],
-            flat[2] if master is not None else None,
-        )
-
-    def _kernel_update(self, operands: list[_KernelOperands], group: dict[str, Any]) -> None:
-        ps, gs, ms, vs, masters = (list(column) for column in zip(*operands, strict=True))
-        beta1, beta2 = group["betas"]
-        step = group["step"]
-        correct = group["bias_correction"]
-        _cpu_kernel.adamw_step_(
-            ps, gs, ms, vs, masters,
-            lr=float(group["lr"]), betas=(beta1, beta2), eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            bias_correction1=1.0 - beta1**step if correct else 1.0,
-            bias_correction2=1.0 - beta2**step if correct else 1.0,
-            adam_w_mode=bool(self.adam_w_mode),
-        )  # fmt: skip
+                kernel_update(self, kernel, group)
 
     def _packable(self, param: Tensor, grad: Tensor, group: dict[str, Any]) -> bool:
         return _torch_step.packable(self, param, grad, group)
