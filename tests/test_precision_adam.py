@@ -557,7 +557,9 @@ def _bad_checkpoints(sd: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         cases.append((match, bad))
 
     variant("2 param groups", lambda d: d["param_groups"].append(d["param_groups"][0]))
-    variant("param group 0: the checkpoint has 1 params", lambda d: d["param_groups"][0]["params"].pop())
+    variant(
+        "param group 0: the checkpoint has 1 params", lambda d: d["param_groups"][0]["params"].pop()
+    )
     variant(
         r"param 1: state 'exp_avg' has shape \(2,\)",
         lambda d: d["state"][1].update(exp_avg=torch.zeros(2)),
