@@ -512,7 +512,9 @@ def test_holder_shape_mismatch_is_rejected_before_any_write(tmp_path: Path) -> N
     opt = ToyPrecisionMomentum(params)
     _train(opt, params, 2)
     before = [tuple(t.clone() for t in s) for s in _storage(opt)]
-    with pytest.raises(OptimizerCheckpointError, match=r"param 1: state 'exp_avg' has shape \(18"):
+    with pytest.raises(
+        OptimizerCheckpointError, match=r"param 1: state 'exp_avg' has shape \(18,\)"
+    ):
         load_optimizer(opt, tmp_path)
     for x, y in zip(_storage(opt), before, strict=True):
         for u, v in zip(x, y, strict=True):

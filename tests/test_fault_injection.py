@@ -1,10 +1,13 @@
 """Fault injection: an exception at any internal call leaves every stack consistent.
 
-For each stack and each operation (``step``, ``state_dict``, ``load_state_dict``), a dry run
-counts the calls made to every injection site — tensor copies, the leaf's and sub-optimizers'
-``step``/``load_state_dict``, precision-aware accessors, codec functions. Then, for the first
-and the last call of each site, the operation is repeated on a fresh stack with that
-call raising, and afterwards:
+For each stack and each operation (``init_optimizer_state``, ``step``, ``state_dict``,
+``load_state_dict``; the streaming ``save_optimizer`` / ``load_optimizer`` on four stacks), a
+dry run counts the calls made to every injection site — tensor copies, the leaf's and
+sub-optimizers' ``step``/``load_state_dict``, precision-aware accessors, codec functions.
+Then the operation is repeated on a fresh stack with one call raising: ``KeyboardInterrupt``
+at every call of every site (up to ``WRAPPED_OPTIM_FAULT_CALLS`` calls per site, default 6,
+spread evenly over the site's calls and always including the first and the last; ``all`` for
+every call), and a ``RuntimeError`` at the first and the last call. Afterwards:
 
 * no patch is left behind: every foreign object's instance attributes and every patched
   class are exactly as before;
@@ -17,8 +20,14 @@ call raising, and afterwards:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
+import shutil
+import tempfile
+import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -41,6 +50,13 @@ class InjectedFault(RuntimeError):
     """The exception planted at an injection site."""
 
 
+class InjectedInterrupt(KeyboardInterrupt):
+    """Ctrl-C planted at a site (not an ``Exception``: ``except Exception`` misses it)."""
+
+
+_PLANTED = (InjectedFault, InjectedInterrupt)
+
+
 @attrs.define
 class Site:
     """``owner.name`` (a class or a module attribute) made to raise on its ``fail_at``-th call."""
@@ -50,6 +66,7 @@ class Site:
     name: str
     calls: int = 0
     fail_at: int | None = None
+    interrupt: bool = False
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[Site]:
@@ -60,7 +77,8 @@ class Site:
         def injected(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             if self.fail_at is not None and self.calls == self.fail_at:
-                raise InjectedFault(f"injected at call {self.calls} of {self.label}")
+                kind = InjectedInterrupt if self.interrupt else InjectedFault
+                raise kind(f"injected at call {self.calls} of {self.label}")
             return function(*args, **kwargs)
 
         replacement: Any = (
@@ -203,19 +221,81 @@ def _run_init(stack: Any, _: Any) -> Any:
     return init_optimizer_state(stack)
 
 
+_CHECKPOINTS = Path(tempfile.mkdtemp(prefix="wrapped-optim-faults-"))
+atexit.register(shutil.rmtree, _CHECKPOINTS, ignore_errors=True)
+
+
+def _new_checkpoint_dir() -> Path:
+    return Path(tempfile.mkdtemp(dir=_CHECKPOINTS))
+
+
+def _prepare_save_optimizer(target: Target) -> tuple[Any, Any]:
+    return target.stepped(2)[1], _new_checkpoint_dir() / "ckpt"
+
+
+def _run_save_optimizer(stack: Any, path: Any) -> Any:
+    from wrapped_optim.checkpoint import save_optimizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_optimizer(stack, path, chunk_bytes=256)
+
+
+def _prepare_load_optimizer(target: Target) -> tuple[Any, Any]:
+    _, other = target.stepped(3)
+    path = _new_checkpoint_dir() / "ckpt"
+    _run_save_optimizer(other, path)
+    return target.stepped(2)[1], path
+
+
+def _run_load_optimizer(stack: Any, path: Any) -> Any:
+    from wrapped_optim.checkpoint import load_optimizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_optimizer(stack, path, chunk_bytes=256)
+
+
 OPERATIONS = {
     "init_optimizer_state": Operation("init_optimizer_state", _prepare_init, _run_init),
     "step": Operation("step", _prepare_step, _run_step),
     "state_dict": Operation("state_dict", _prepare_state_dict, _run_state_dict),
     "load_state_dict": Operation("load_state_dict", _prepare_load, _run_load),
+    "save_optimizer": Operation("save_optimizer", _prepare_save_optimizer, _run_save_optimizer),
+    "load_optimizer": Operation("load_optimizer", _prepare_load_optimizer, _run_load_optimizer),
 }
+# The streaming checkpoint (wrapped_optim.checkpoint) on the stacks that reach each of its
+# paths: a torch optimizer, a precision-aware holder (both codec paths, one behind staging),
+# a hybrid behind HybridSyncOptimizer.
+_STREAMING = ("save_optimizer", "load_optimizer")
+_STREAMING_TARGETS = (
+    "adamw",
+    "precision_adamw[remainders]",
+    "staged(precision_adamw[fp8/fp16 moments, fp16 master])",
+    "hybrid_sync(hybrid_offload[bf16])",
+)
 
 # Real bugs found here, reported to the lead: (target-name fragment, operation) -> why.
 KNOWN_BUG_RULES: dict[tuple[str, str], str] = {}
 
 
-def _known_bug(target: Target, operation: str) -> str | None:
-    for (fragment, op), reason in KNOWN_BUG_RULES.items():
+# Found by the KeyboardInterrupt injection, reported to the lead (the code is not this
+# suite's to fix): (target-name fragment, operation) -> why. Faults of other kinds are still
+# checked for these cases; if the interrupt problems disappear, the test fails so that the
+# rule is removed.
+KNOWN_INTERRUPT_BUGS: dict[tuple[str, str], str] = {
+    ("hybrid_sync(", "load_state_dict"): (
+        "HybridSyncOptimizer._on_state_loaded pushes the loaded masters into the model after "
+        "the load committed and retries only on Exception: a KeyboardInterrupt there leaves "
+        "the new state with the old weights (wrapped_optim/hybrid.py)"
+    ),
+}
+
+
+def _known_bug(
+    target: Target, operation: str, rules: dict[tuple[str, str], str] = KNOWN_BUG_RULES
+) -> str | None:
+    for (fragment, op), reason in rules.items():
         if fragment in target.name and op == operation:
             return reason
     return None
@@ -250,6 +330,7 @@ def _check_one(
     fail_at: int,
     clean: dict[str, Any],
     clean_next: dict[str, Any],
+    interrupt: bool = False,
 ) -> list[str]:
     stack, argument = operation.prepare(target)
     objects = _foreign_objects(stack)
@@ -257,13 +338,15 @@ def _check_one(
     patches, classes, grads = _patch_snapshot(objects), _class_snapshot(objects), _grads(stack)
     site = _sites(stack)[site_index]
     site.fail_at = fail_at
+    site.interrupt = interrupt
     raised: BaseException | None = None
     with site.armed():
         try:
             operation.run(stack, argument)
         except BaseException as error:
             raised = error
-    where = f"{target.name} {operation.name}, fault at call {fail_at} of {site.label}"
+    kind = "KeyboardInterrupt" if interrupt else "fault"
+    where = f"{target.name} {operation.name}, {kind} at call {fail_at} of {site.label}"
     problems = []
     if raised is not None and not _caused_by_fault(raised):
         problems.append(f"{where}: the fault surfaced as {type(raised).__name__}: {raised}")
@@ -306,11 +389,26 @@ def _check_one(
 def _caused_by_fault(error: BaseException | None) -> bool:
     seen = 0
     while error is not None and seen < 10:
-        if isinstance(error, InjectedFault):
+        if isinstance(error, _PLANTED):
             return True
+        failures = getattr(error, "failures", None)  # DCP's CheckpointException, per rank
+        if isinstance(failures, dict) and failures:
+            failure = next(iter(failures.values()))
+            error = failure[0] if isinstance(failure, tuple) else failure
+            seen += 1
+            continue
         error = error.__cause__ or error.__context__
         seen += 1
     return False
+
+
+def _calls_to_interrupt(count: int) -> list[int]:
+    """Which calls of a site get a KeyboardInterrupt: all, or an even spread with both ends."""
+    limit = os.environ.get("WRAPPED_OPTIM_FAULT_CALLS", "6")
+    if limit == "all" or count <= int(limit):
+        return list(range(1, count + 1))
+    n = max(2, int(limit))
+    return sorted({1 + round(i * (count - 1) / (n - 1)) for i in range(n)})
 
 
 # Torch's own optimizers are not ours to fix: one of them is the baseline; the budget goes to
@@ -328,6 +426,8 @@ def _cases() -> list[Any]:
     params = []
     for target in FAULT_TARGETS:
         for name in OPERATIONS:
+            if name in _STREAMING and target.name not in _STREAMING_TARGETS:
+                continue
             reason = _known_bug(target, name)
             marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
             params.append(pytest.param(target, name, id=f"{target.name}-{name}", marks=marks))
@@ -339,15 +439,27 @@ def test_fault_at_every_internal_call(target: Target, operation_name: str) -> No
     operation = OPERATIONS[operation_name]
     clean, clean_next, calls = _fault_free(target, operation)
     problems: list[str] = []
+    interrupted: list[str] = []
     injected = 0
     for site_index, count in enumerate(calls):
         for fail_at in sorted({1, count} - {0}):
             injected += 1
             problems += _check_one(target, operation, site_index, fail_at, clean, clean_next)
+        for fail_at in _calls_to_interrupt(count):
+            injected += 1
+            interrupted += _check_one(
+                target, operation, site_index, fail_at, clean, clean_next, interrupt=True
+            )
+    known = _known_bug(target, operation_name, KNOWN_INTERRUPT_BUGS)
+    if known is None:
+        problems += interrupted
     assert injected > 0, f"no injection site is reached by {target.name} {operation_name}"
     assert not problems, "\n".join(problems[:12]) + (
         f"\n... {len(problems) - 12} more" if len(problems) > 12 else ""
     )
+    if known is not None:
+        assert interrupted, f"fixed? remove the KNOWN_INTERRUPT_BUGS rule: {known}"
+        pytest.xfail(f"{len(interrupted)} interrupt problems, known: {known}")
 
 
 def test_sites_cover_sub_optimizer_steps_and_codecs_where_present() -> None:

@@ -445,3 +445,78 @@ def test_hybrid_offload_checkpoint_is_torch_state_with_masters(tmp_path: Path) -
     masters = [t for t in opt_report.tensors if t.name == "master_param"]
     assert len(masters) == 4 and all(t.dtype == torch.float32 for t in masters)
     assert any("master_param present" in note for note in opt_report.notes)
+
+
+class _RunsCode:
+    """A pickle that, when unpickled, creates a file: proof that code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (Path.touch, (self.marker,))
+
+
+def _adamw_dcp(path: Path) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt, 1)
+    _dcp_save(opt.state_dict(), path)
+
+
+@pytest.mark.parametrize("where", ["top", "inside"])
+def test_malicious_dcp_metadata_runs_no_code_without_trust(where: str, tmp_path: Path) -> None:
+    """Issue 20 item 1: on main, inspect unpickled .metadata with a plain pickle.load."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from wrapped_optim.cli import run_inspect
+
+    checkpoint, marker = tmp_path / "ckpt", tmp_path / "code-ran"
+    _adamw_dcp(checkpoint)
+    if where == "top":
+        payload: Any = _RunsCode(marker)
+    else:  # hidden inside an otherwise valid Metadata
+        payload = Metadata(state_dict_metadata={}, planner_data={"x": _RunsCode(marker)})
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(payload))
+    with pytest.raises(InspectError, match="--trust"):
+        inspect_checkpoint(checkpoint)
+    assert run_inspect(str(checkpoint)) == 2
+    assert not marker.exists()
+
+
+def test_safe_metadata_reader_reads_every_real_checkpoint_kind(tmp_path: Path) -> None:
+    from wrapped_optim.checkpoint import save_optimizer
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    p = torch.nn.Parameter(torch.randn(64, 4, dtype=torch.bfloat16))
+    opt = PrecisionAwareAdamW(
+        [p], exp_avg_dtype=torch.uint8, master_weights=True, store_param_remainders=True
+    )
+    p.grad = torch.ones_like(p)
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_optimizer(opt, tmp_path / "streamed", chunk_bytes=128)
+    report = inspect_checkpoint(tmp_path / "streamed")
+    assert report.optimizers[0].format is StateFormat.REMAINDER_MASTERS
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_missing_or_truncated_shard_is_one_line_and_exit_2(
+    damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 20 item 9: on main a CheckpointException escaped with a traceback (exit 1)."""
+    from wrapped_optim.cli import main
+
+    _adamw_dcp(tmp_path)
+    for shard in tmp_path.glob("*.distcp"):
+        if damage == "missing":
+            shard.unlink()
+        else:
+            shard.write_bytes(shard.read_bytes()[:40])
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and "could not read values" in err

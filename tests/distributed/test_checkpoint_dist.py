@@ -263,9 +263,44 @@ def _fsdp_precision_aware(rank: int, root: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# One spawn, three scenarios
+# Atomic and asynchronous saves on two ranks
+# ------------------------------------------------------------------------------------------
+def _atomic_and_async(rank: int, root: str) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    opt = _trained_adam()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    save_optimizer(opt, Path(root, "good"), chunk_bytes=16)
+    _train(opt, params, 1, seed=5)
+
+    original = FileSystemWriter.write_data
+
+    def full_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if rank == 1:
+            raise OSError(28, "No space left on device")  # ENOSPC on one rank only
+        return original(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = full_disk  # type: ignore[method-assign]
+    try:
+        save_optimizer(opt, Path(root, "good"), chunk_bytes=16)
+    except BaseException as exc:  # every rank learns of the failure (DCP gathers them)
+        Path(root, f"failed{rank}.txt").write_text(type(exc).__name__)
+    finally:
+        FileSystemWriter.write_data = original  # type: ignore[method-assign]
+
+    group = dist.new_group(backend="gloo")  # the save's own collectives
+    future = save_optimizer(
+        opt, Path(root, "async"), chunk_bytes=16, async_=True, process_group=group
+    )
+    _train(opt, params, 2, seed=6)  # while it writes
+    future.result(timeout=120)
+
+
+# ------------------------------------------------------------------------------------------
+# One spawn, every scenario
 # ------------------------------------------------------------------------------------------
 def _all_scenarios(rank: int, root: str) -> None:
+    _atomic_and_async(rank, str(Path(root, "atomic")))
     _save_on_two_ranks(rank, str(Path(root, "w2")))
     _load_on_two_ranks(rank, str(Path(root, "w1")))
     _fsdp_round_trip(rank, str(Path(root, "fsdp2")))
@@ -283,8 +318,26 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
         warnings.simplefilter("ignore")
         dcp.save(adam.state_dict(), checkpoint_id=w1 / "plain", no_dist=True)
     save_optimizer(_trained_holder(), w1 / "holder", chunk_bytes=24)
+    (root / "atomic").mkdir()
     _spawn(_all_scenarios, root, str(root))
     return root
+
+
+def test_failed_save_on_one_rank_keeps_the_checkpoint_and_async_saves_the_call(
+    world: Path,
+) -> None:
+    root = world / "atomic"
+    assert sorted(p.name for p in root.glob("failed*.txt")) == ["failed0.txt", "failed1.txt"]
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["async", "good"]
+    expected = _trained_adam()
+    fresh = torch.optim.AdamW(_params(seed=7), lr=1.0)
+    load_optimizer(fresh, root / "good")  # the first save: the failed one changed nothing
+    _assert_sd_equal(fresh.state_dict(), expected.state_dict())
+
+    params = [p for group in expected.param_groups for p in group["params"]]
+    _train(expected, params, 1, seed=5)  # the state when the async save was called
+    load_optimizer(fresh, root / "async")
+    _assert_sd_equal(fresh.state_dict(), expected.state_dict())
 
 
 def test_two_ranks_save_one_process_loads(world: Path) -> None:

@@ -44,7 +44,7 @@ def _quiet_no_dist() -> Iterator[None]:
 def _raise_ours(exc: CheckpointException) -> None:
     for failure in exc.failures.values():
         error = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(error, OptimizerCheckpointError):
+        if isinstance(error, OptimizerCheckpointError | KeyboardInterrupt):
             raise error from None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict, defaultdict
 from typing import Any, cast
 
 import attrs
@@ -11,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from wrapped_optim.adapters.dtensor import like_param
 from wrapped_optim.adapters.precision import is_precision_aware_holder, supports_chunked_state
 from wrapped_optim.patching import patch_attribute
+from wrapped_optim.rollback import deep_clone
 
 __all__ = ["DeferredState"]
 
@@ -146,3 +148,91 @@ def _placeholder_state_dict(
             if _is_meta(value):
                 deferred[(int(index), str(name))] = DeferredState(leaf, params[int(index)], name)
     return state_dict, deferred
+
+
+def _staged_contents(
+    leaf: torch.optim.Optimizer,
+) -> tuple[dict[str, Any], dict[tuple[int, str], DeferredState]]:
+    """What an asynchronous save writes: the state at this moment, apart from the optimizer.
+
+    A precision-aware holder is copied as it stores its state (compressed moments stay
+    compressed, with their scales, and the params a remainder master needs) into a frozen
+    twin, which is then expanded chunk by chunk like the live one; any other optimizer's
+    ``state_dict()`` is copied (for a hybrid with precision-aware sub-optimizers, that is the
+    FP32 expansion its ``state_dict`` produces).
+    """
+    if _compressed_names(leaf) and not getattr(leaf, "sub_optimizers", None):
+        return _placeholder_state_dict(_frozen_twin(leaf))
+    state_dict = leaf.state_dict()
+    live = {
+        t.untyped_storage().data_ptr()
+        for entry in leaf.state.values()
+        for t in entry.values()
+        if isinstance(t, torch.Tensor)
+    }
+    live |= {p.untyped_storage().data_ptr() for g in leaf.param_groups for p in g["params"]}
+
+    def copied(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            shared = value.untyped_storage().data_ptr() in live
+            return value.detach().clone() if shared else value
+        if isinstance(value, dict):
+            return {k: copied(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(copied(v) for v in value)
+        return value
+
+    return copied(state_dict), {}
+
+
+@torch.no_grad()
+def _frozen_twin(leaf: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A copy of ``leaf`` over cloned params, state and param-keyed tables (such as scales).
+
+    Instance attributes that override a method (patches of a wrapper) are left out: the twin
+    reads its state through its class's own accessors; tensor caches keyed by anything else
+    (scratch buffers) start empty, so that the twin shares no buffer with the optimizer.
+    """
+    clones: dict[int, torch.Tensor] = {}
+    for group in leaf.param_groups:
+        for p in group["params"]:
+            clones.setdefault(id(p), p.detach().clone())
+    ids = set(clones)
+
+    def keyed_by_params(table: Any) -> bool:
+        return (
+            isinstance(table, dict)
+            and not isinstance(table, OrderedDict)
+            and bool(table)
+            and all(isinstance(k, torch.Tensor) and id(k) in ids for k in table)
+        )
+
+    twin = object.__new__(type(leaf))
+    for name, value in vars(leaf).items():
+        if callable(value) and hasattr(type(leaf), name):
+            continue
+        if (
+            isinstance(value, dict)
+            and not keyed_by_params(value)
+            and value
+            and all(isinstance(v, torch.Tensor) for v in value.values())
+        ):
+            value = type(value)()  # a tensor cache (scratch buffers): the twin's own
+        elif keyed_by_params(value) or name == "state":
+            value = {clones[id(k)]: _cloned(v, clones) for k, v in value.items()}
+            if name == "state":
+                value = defaultdict(dict, value)
+        vars(twin)[name] = value
+    vars(twin)["param_groups"] = [
+        {k: [clones[id(p)] for p in v] if k == "params" else deep_clone(v) for k, v in g.items()}
+        for g in leaf.param_groups
+    ]
+    return twin
+
+
+def _cloned(value: Any, clones: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor) and id(value) in clones:
+        return clones[id(value)]  # a state entry that is the param itself
+    if isinstance(value, dict):
+        return {k: _cloned(v, clones) for k, v in value.items()}
+    return deep_clone(value)

@@ -40,6 +40,7 @@ from wrapped_optim.checkpoint.common import (
     _raise_ours,
 )
 from wrapped_optim.checkpoint.deferred import _uses_remainder
+from wrapped_optim.rollback import GroupOptions, OptimizerSnapshot
 from wrapped_optim.wrapper import OptimizerWrapper
 
 __all__ = ["StreamingLoadPlanner", "load_optimizer"]
@@ -119,6 +120,13 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self.state: dict[int, dict[str, Any]] = {}
         self.param_groups: list[dict[str, Any]] = []
         self.created = False  # some state tensor is new (the optimizer had none for it)
+        # An optimizer of sub-optimizers (a hybrid) keeps its state in them, in their own
+        # storage formats: everything is read into new tensors and handed to its own loader.
+        self.fresh = any(
+            is_precision_aware_holder(sub) for sub in getattr(leaf, "sub_optimizers", None) or ()
+        )
+        self.undo: _Undo | None = None  # what reading in place overwrites, to put it back
+        self.wrapped = False  # a wrapper's state_loaded() runs after the load (writes weights)
         self.saved_as: dict[str, tuple[Any, str]] = {}  # fqn -> (param index, state name)
         self.chunk_bytes = chunk_bytes
 
@@ -139,6 +147,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         """Validates the checkpoint against the optimizer and plans one read per saved chunk."""
         assert self.metadata is not None
         self._build_targets(self.metadata)
+        self.undo = _Undo.take(self.leaf, self.targets.values(), self.wrapped)
         items: list[ReadItem] = []
         for fqn, target in self.targets.items():
             md = self.metadata.state_dict_metadata[fqn]
@@ -211,7 +220,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self.saved_as = {fqn: (index, name) for fqn, (index, name, _) in tensors.items()}
         for fqn, (index, name, md) in tensors.items():
             param = id_map[index][0]
-            live = leaf.state.get(param, {})
+            live = {} if self.fresh else leaf.state.get(param, {})
             if holder:
                 target = _holder_target(leaf, param, name, md, live)
                 targets[fqn] = target
@@ -404,7 +413,10 @@ def load_optimizer(
     Reads what :func:`save_optimizer` or plain ``dcp.save(optimizer.state_dict())`` wrote, at
     any world size. The checkpoint is checked against the optimizer (group sizes, every state
     tensor's parameter, shape and dtype) before the first byte of state is read; a mismatch
-    raises :class:`OptimizerCheckpointError` and leaves the optimizer untouched.
+    raises :class:`OptimizerCheckpointError` and leaves the optimizer untouched. Any failure
+    while reading (a missing or truncated file, an I/O error, ``KeyboardInterrupt``) puts the
+    optimizer back exactly as it was; the extra memory for that is one copy of the leaf
+    optimizer's state as stored (and its params) for the duration of the load.
 
     Args:
         optimizer: the optimizer or wrapper stack to load into.
@@ -449,18 +461,93 @@ def load_optimizer(
         for fqn, value in objects_planner.state_dict.items():
             _set_path(objects, _path_of(metadata, fqn), value)
         planner = StreamingLoadPlanner(leaf, objects, chunk_bytes=chunk_bytes)
-        with _quiet_no_dist():
-            dcp.load(
-                {},
-                checkpoint_id=checkpoint_id,
-                storage_reader=reader(),
-                planner=planner,
-                process_group=process_group,
-            )
+        planner.wrapped = isinstance(optimizer, OptimizerWrapper)
+
+        def read() -> None:
+            with _quiet_no_dist():
+                dcp.load(
+                    {},
+                    checkpoint_id=checkpoint_id,
+                    storage_reader=reader(),
+                    planner=planner,
+                    process_group=process_group,
+                )
+
+        _read_and_apply(optimizer, leaf, planner, read)
     except CheckpointException as exc:
         _raise_ours(exc)
         raise
-    _apply(optimizer, leaf, planner)
+
+
+def _read_and_apply(
+    optimizer: Any, leaf: torch.optim.Optimizer, planner: StreamingLoadPlanner, read: Any
+) -> None:
+    """Reads the state (``read()``) and installs it, all or nothing.
+
+    Reading writes in place (FP32 state into the live tensors, compressed state quantized into
+    the holder's storage), so what the load may change is kept first (one copy of the leaf's
+    state as stored, its param-keyed tables and its params; the rollback utility's snapshot)
+    and put back if anything raises. A hybrid's state is read into new tensors and installed
+    by its own loader, which is all or nothing itself.
+    """
+    try:
+        read()
+        _apply(optimizer, leaf, planner)
+    except BaseException:
+        if planner.undo is not None:
+            planner.undo.restore()
+        raise
+
+
+class _Undo:
+    """What a streaming load overwrites in place, kept until it has finished.
+
+    A precision-aware holder's state is kept by the rollback utility's snapshot (its storage as
+    stored, its scales, its params). Otherwise the live state tensors that the checkpoint is
+    read into are cloned and copied back into the same tensors (which sub-optimizers or
+    wrappers may alias), the state entries and the group options are put back as they were;
+    under a wrapper, whose ``state_loaded()`` may write the weights, the params are kept too.
+    """
+
+    def __init__(self, leaf: torch.optim.Optimizer, targets: Any, with_params: bool) -> None:
+        self.leaf = leaf
+        self.snapshot: OptimizerSnapshot | None = None
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.entries = {param: dict(entry) for param, entry in leaf.state.items()}
+        self.options = GroupOptions.take(leaf.param_groups)
+        self.params: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if is_precision_aware_holder(leaf):
+            self.snapshot = OptimizerSnapshot.take(leaf)
+            return
+        live = {id(t): t for entry in leaf.state.values() for t in entry.values()}
+        for target in targets:
+            tensor = target.live
+            if isinstance(tensor, torch.Tensor) and id(tensor) in live:
+                self.copies.append((tensor, tensor.detach().clone()))
+        if with_params:  # a wrapper's state_loaded() writes weights (HybridSyncOptimizer)
+            unique = {id(p): p for g in leaf.param_groups for p in g["params"]}
+            self.params = [(p, p.detach().clone()) for p in unique.values()]
+
+    @classmethod
+    def take(cls, leaf: torch.optim.Optimizer, targets: Any, with_params: bool) -> _Undo:
+        """Keeps what loading ``targets`` into ``leaf`` may change (and its params)."""
+        return cls(leaf, targets, with_params)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Puts it all back."""
+        if self.snapshot is not None:
+            self.snapshot.restore()
+            return
+        for tensor, copy in self.copies + self.params:
+            tensor.copy_(copy)
+        state = self.leaf.state
+        for param in [p for p in state if p not in self.entries]:
+            del state[param]
+        for param, entry in self.entries.items():
+            state[param].clear()
+            state[param].update(entry)
+        self.options.restore(self.leaf.param_groups)
 
 
 def _set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:

@@ -8,6 +8,7 @@ import math
 import os
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.tensor import DTensor
 
 from wrapped_optim.adapters.precision import supports_chunked_state
+from wrapped_optim.checkpoint.commit import CheckpointCommit
 from wrapped_optim.checkpoint.common import (
     DEFAULT_CHUNK_BYTES,
     OptimizerCheckpointError,
@@ -46,6 +48,7 @@ from wrapped_optim.checkpoint.deferred import (
     DeferredState,
     _owned_cpu_copy,
     _placeholder_state_dict,
+    _staged_contents,
 )
 from wrapped_optim.patching import patch_attribute
 
@@ -269,7 +272,8 @@ def save_optimizer(
     storage_writer: StorageWriter | None = None,
     process_group: Any = None,
     chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
-) -> Metadata:
+    async_: bool = False,
+) -> Any:
     """Saves ``optimizer``'s state as a DCP checkpoint, expanding one chunk at a time.
 
     ``optimizer`` is a torch optimizer or any wrapper stack around one (precision-aware
@@ -277,15 +281,26 @@ def save_optimizer(
     larger than ``chunk_bytes`` (expanded) are written as row chunks. With several processes,
     call it on every rank (a collective, like ``dcp.save``); replicated state is written once.
 
+    Saved into a directory (``checkpoint_id``, or a ``FileSystemWriter``'s path), the save is
+    atomic: it is written into a staging directory beside the target and renamed into place
+    only once complete (:mod:`wrapped_optim.checkpoint.commit`); a save that raises leaves what
+    the directory held before. With ``async_=True`` the call takes a copy of the state as
+    stored (compressed moments stay compressed) and returns a ``concurrent.futures.Future``
+    at once, as ``torch.distributed.checkpoint.async_save`` does; a background thread writes
+    that copy while training goes on, and the checkpoint holds the state at the call.
+
     Args:
         optimizer: the optimizer or wrapper stack.
         checkpoint_id: the checkpoint directory (or the writer's id).
         storage_writer: a DCP writer; default ``FileSystemWriter(checkpoint_id)``.
         process_group: the group to coordinate over (default: the world, if initialised).
+            With ``async_`` and several processes, pass a group of its own (e.g. a gloo
+            ``dist.new_group``) so that the save's collectives never interleave with training's.
         chunk_bytes: the most expanded bytes materialised per write item (None: whole tensors).
+        async_: return a future at once and write in a background thread.
 
     Returns:
-        The DCP metadata of the checkpoint.
+        The DCP metadata of the checkpoint; with ``async_``, a future of it.
 
     Example:
         >>> import tempfile, torch
@@ -305,24 +320,56 @@ def save_optimizer(
     if checkpoint_id is None and storage_writer is None:
         raise ValueError("save_optimizer needs a checkpoint_id or a storage_writer")
     leaf = _leaf_of(optimizer)
-    state_dict, deferred = _placeholder_state_dict(leaf)
+    if not async_:
+        contents = _placeholder_state_dict(leaf)
+        return _save(contents, checkpoint_id, storage_writer, process_group, chunk_bytes)
+    contents = _staged_contents(leaf)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wrapped_optim-save")
+    try:
+        return executor.submit(
+            _save, contents, checkpoint_id, storage_writer, process_group, chunk_bytes
+        )
+    finally:
+        executor.shutdown(wait=False)
+
+
+def _save(
+    contents: tuple[dict[str, Any], dict[tuple[int, str], DeferredState]],
+    checkpoint_id: str | os.PathLike[str] | None,
+    storage_writer: StorageWriter | None,
+    process_group: Any,
+    chunk_bytes: int | None,
+) -> Metadata:
+    state_dict, deferred = contents
     writer = storage_writer if storage_writer is not None else FileSystemWriter(checkpoint_id)  # type: ignore[arg-type]
+    commit: CheckpointCommit | None = None
+    if isinstance(writer, FileSystemWriter):
+        commit = CheckpointCommit(checkpoint_id or writer.path, process_group)
+        checkpoint_id = commit.staging
     deferred_by_key = {f"state.{index}.{name}": d for (index, name), d in deferred.items()}
     with _serial_writer(writer) as release:
         planner = StreamingSavePlanner(
             deferred_by_key, chunk_bytes=chunk_bytes, release_after_write=release
         )
         try:
+            if commit is not None:
+                commit.prepare()
             with _quiet_no_dist():
-                return dcp.save(
+                metadata = dcp.save(
                     state_dict,
                     checkpoint_id=checkpoint_id,
                     storage_writer=writer,
                     planner=planner,
                     process_group=process_group,
                 )
-        except CheckpointException as exc:
-            _raise_ours(exc)
+            if commit is not None:
+                commit.commit()
+            return metadata
+        except BaseException as exc:
+            if commit is not None:
+                commit.abort()
+            if isinstance(exc, CheckpointException):
+                _raise_ours(exc)
             raise
         finally:
             planner.release_all()
