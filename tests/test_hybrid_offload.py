@@ -369,7 +369,7 @@ BAD_STATES = {
     "missing lr": (lambda sd: sd["param_groups"][0].pop("lr"), "param group 0: .*'lr'"),
     "string lr": (
         lambda sd: sd["param_groups"][0].__setitem__("lr", "fast"),
-        "param group 0: .*'lr'",
+        "param group 0: lr must be a finite number",
     ),
 }
 
