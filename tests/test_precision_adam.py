@@ -110,7 +110,7 @@ def test_fused_adam_validation() -> None:
         PrecisionAwareAdamW(p, exp_avg_sq_dtype=torch.float64)
     with pytest.raises(RuntimeError, match="capturable"):
         PrecisionAwareAdamW(p, capturable=True)
-    with pytest.raises(ValueError, match="learning rate"):
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
         PrecisionAwareAdamW(p, lr=-1.0)
     with pytest.raises(ValueError, match="betas"):
         PrecisionAwareAdamW(p, betas=(1.0, 0.9))
