@@ -197,3 +197,108 @@ def test_torch_accepts_silently(case: BadCase) -> None:
     opt.load_state_dict(bad)  # no error...
     # ...and the damage is now the optimizer's state, waiting for the next step.
     assert state_dict_differences(opt.state_dict(), good), f"{case.name}: nothing was taken"
+
+
+# ------------------------------------------------------------------------------------------
+# One validator: load_state_dict and the streaming load_optimizer reject alike
+# ------------------------------------------------------------------------------------------
+# Kinds DCP cannot write, so the streaming loader never sees them: a top level that is not a
+# dict (dcp.save refuses it), and what DCP's flattening loses (empty dicts are dropped, so a
+# missing 'state' or an empty entry of an unknown param leaves no trace; param keys are
+# written as strings, so a string key reads back as the int it spells).
+NOT_EXPRESSIBLE_IN_DCP = frozenset(
+    {"not_a_mapping", "missing_state", "unknown_param_index", "string_param_index"}
+)
+PRECISION_CONFIGS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
+    "fp32": (torch.float32, {}),
+    "bf16-moments-masters": (
+        torch.bfloat16,
+        {"master_weights": True, "exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.uint8},
+    ),
+    "remainders": (
+        torch.bfloat16,
+        {"master_weights": True, "store_param_remainders": True, "exp_avg_dtype": torch.float16},
+    ),
+}
+
+
+def _precision_opt(config: str) -> Any:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    dtype, options = PRECISION_CONFIGS[config]
+    generator = torch.Generator().manual_seed(0)
+    params = [
+        torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype))
+        for shape in ((4, 3), (5,))
+    ]
+    opt = PrecisionAwareAdamW(params, lr=0.01, weight_decay=0.1, **options)
+    for step in range(2):
+        synthetic_gradients(opt, step)
+        opt.step()
+    return opt
+
+
+def _parity_cases() -> list[Any]:
+    cases = []
+    for config in PRECISION_CONFIGS:
+        good = checkpoint_roundtrip(_precision_opt(config).state_dict())
+        for case in CATALOGUE:
+            if case.name in NOT_EXPRESSIBLE_IN_DCP or not case.applies(good):
+                continue
+            cases.append(pytest.param(config, case, id=f"{config}-{case.name}"))
+    return cases
+
+
+def _stream_outcome(opt: Any, bad: Any, path: Any) -> BaseException | None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from wrapped_optim.checkpoint import load_optimizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(bad, checkpoint_id=path, no_dist=True)
+        try:
+            load_optimizer(opt, path)
+        except Exception as error:
+            return error
+    return None
+
+
+@pytest.mark.parametrize(("config", "case"), _parity_cases())
+def test_load_state_dict_and_load_optimizer_reject_alike(
+    config: str, case: BadCase, tmp_path: Any
+) -> None:
+    from wrapped_optim.checkpoint import OptimizerCheckpointError
+
+    opt = _precision_opt(config)
+    good = checkpoint_roundtrip(opt.state_dict())
+    params = [p.detach().clone() for p in optimizer_params(opt)]
+    by_dict = _load_outcome(opt, bad_copy(case, good))
+    streamed = _precision_opt(config)
+    by_stream = _stream_outcome(streamed, bad_copy(case, good), tmp_path)
+
+    assert isinstance(by_dict, OptimizerCheckpointError), f"load_state_dict: {by_dict!r}"
+    assert type(by_stream) is type(by_dict), f"load_optimizer: {by_stream!r}"
+    assert str(by_stream) == str(by_dict)
+    assert re.search(case.mentions, str(by_dict)), str(by_dict)
+    for loaded in (opt, streamed):
+        assert_state_dict_equal(good, checkpoint_roundtrip(loaded.state_dict()))
+        for old, new in zip(params, optimizer_params(loaded), strict=True):
+            assert torch.equal(old, new)
+
+
+@pytest.mark.parametrize("config", ["fp32", "bf16-moments-masters"])
+def test_load_optimizer_value_fault_leaves_optimizer_unchanged(config: str, tmp_path: Any) -> None:
+    case = next(c for c in CATALOGUE if c.name == "negative_second_moment")
+    opt = _precision_opt(config)
+    good = checkpoint_roundtrip(opt.state_dict())
+    # Found while reading: every param but the last gets another step's state, so a
+    # partial load would show (the streaming load undoes what it wrote, issue 17).
+    other = _precision_opt(config)
+    synthetic_gradients(other, 5)
+    other.step()
+    bad = bad_copy(case, checkpoint_roundtrip(other.state_dict()))
+    assert _stream_outcome(opt, bad, tmp_path) is not None
+    assert_state_dict_equal(good, checkpoint_roundtrip(opt.state_dict()))

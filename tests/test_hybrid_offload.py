@@ -239,8 +239,14 @@ def test_state_dict_round_trip_continues_bit_identically(layout, fraction, dtype
     "corrupt, message",
     [
         (lambda sd: sd["param_groups"].append({"params": []}), "param groups"),
-        (lambda sd: sd["param_groups"][0]["params"].pop(), "the checkpoint has 1 params, this optimizer has 2"),
-        (lambda sd: sd["state"].__setitem__(9, {}), "param 9: the checkpoint has state for a param"),
+        (
+            lambda sd: sd["param_groups"][0]["params"].pop(),
+            "has 1 params, this optimizer has 2",
+        ),
+        (
+            lambda sd: sd["state"].__setitem__(9, {}),
+            "param 9: the checkpoint has state",
+        ),
         (
             lambda sd: sd["state"][1].__setitem__("master_param", torch.zeros(3)),
             "param 1: state 'master_param' has shape",
@@ -363,7 +369,7 @@ BAD_STATES = {
     "missing lr": (lambda sd: sd["param_groups"][0].pop("lr"), "param group 0: .*'lr'"),
     "string lr": (
         lambda sd: sd["param_groups"][0].__setitem__("lr", "fast"),
-        "param group 0: .*'lr'",
+        "param group 0: lr must be a finite number",
     ),
 }
 

@@ -110,7 +110,7 @@ def test_fused_adam_validation() -> None:
         PrecisionAwareAdamW(p, exp_avg_sq_dtype=torch.float64)
     with pytest.raises(RuntimeError, match="capturable"):
         PrecisionAwareAdamW(p, capturable=True)
-    with pytest.raises(ValueError, match="learning rate"):
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
         PrecisionAwareAdamW(p, lr=-1.0)
     with pytest.raises(ValueError, match="betas"):
         PrecisionAwareAdamW(p, betas=(1.0, 0.9))
@@ -557,7 +557,9 @@ def _bad_checkpoints(sd: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         cases.append((match, bad))
 
     variant("2 param groups", lambda d: d["param_groups"].append(d["param_groups"][0]))
-    variant("param group 0: the checkpoint has 1 params", lambda d: d["param_groups"][0]["params"].pop())
+    variant(
+        "param group 0: the checkpoint has 1 params", lambda d: d["param_groups"][0]["params"].pop()
+    )
     variant(
         r"param 1: state 'exp_avg' has shape \(2,\)",
         lambda d: d["state"][1].update(exp_avg=torch.zeros(2)),

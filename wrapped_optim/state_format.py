@@ -224,6 +224,13 @@ def check_hyper_parameters(
         wrapped_optim.errors.OptimizerCheckpointError: param group 0: missing hyper-parameter 'lr'
     """
     where = f"param group {group_index}"
+    for key in (*_NON_NEGATIVE, "betas"):
+        # A wrapper's group may lack an option its sub-optimizers take (the hybrid offload
+        # optimizer passes its groups' options on): the checkpoint's is held to the range.
+        if key in saved and key not in current:
+            problem = hyper_parameter_problem(key, saved[key])
+            if problem is not None:
+                raise _fault(where, problem)
     for key, mine in current.items():
         if key in ("params", "param_names", "step"):
             continue
@@ -244,10 +251,20 @@ def check_hyper_parameters(
                 f"hyper-parameter {key!r} must be a finite number like {mine!r}, got a "
                 f"{value.dtype} tensor of shape {value.shape}",
             )
+        # The Adam-family ranges, where this optimizer's option has their form (Adafactor's
+        # eps, for one, is a pair).
+        if key in _NON_NEGATIVE:
+            adam_form = _is_number(mine)
+        else:
+            adam_form = key == "betas" and isinstance(mine, tuple | list) and len(mine) == 2
+        if adam_form:
+            problem = hyper_parameter_problem(key, value)
+            if problem is not None:
+                raise _fault(where, problem)
+            continue
+
         if _is_number(mine):
             number = _as_number(value)
-            if number is None and isinstance(value, int) and not isinstance(value, bool):
-                number = float(value)
             if number is None or not math.isfinite(number):
                 raise _fault(
                     where,
@@ -271,15 +288,6 @@ def check_hyper_parameters(
                 f"hyper-parameter {key!r} must be a {type(mine).__name__} like {mine!r}, got "
                 f"{value!r}",
             )
-        # The Adam-family ranges, where this optimizer's option has their form (Adafactor's
-        # eps, for one, is a pair).
-        if key in _NON_NEGATIVE:
-            adam_form = _is_number(mine)
-        else:
-            adam_form = key == "betas" and isinstance(mine, tuple | list) and len(mine) == 2
-        problem = hyper_parameter_problem(key, value) if adam_form else None
-        if problem is not None:
-            raise _fault(where, problem)
 
 
 def check_step(where: str, value: Any) -> int:

@@ -324,10 +324,11 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Copies grads to the copies, steps both sub-optimizers, copies the results back.
 
-        A closure is evaluated once, before the sub-optimizers step. A step is all or
-        nothing: with two sub-optimizers, the host one steps first and, when ``atomic_step``
-        (the default), a snapshot of its params and state is kept until the device one has
-        stepped too — if that raises, the host one is put back. The copy-back is idempotent:
+        A closure is evaluated once, before the sub-optimizers step. With two
+        sub-optimizers the host one steps first; with ``atomic_step=True`` (off by default)
+        a snapshot of its params and state is kept until the device one has stepped too — if
+        that raises, the host one is put back, so the step is all or nothing; without it
+        such a fault leaves the host half advanced. The copy-back is idempotent:
         one that raises is retried at once and, if it fails again, at the start of the next
         ``step`` or ``state_dict``.
 

@@ -126,7 +126,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         ):
             problem = state_format.hyper_parameter_problem(name, value)
             if problem is not None:
-                raise ValueError(f"invalid {problem}")
+                raise ValueError(problem)
         if chunk_numel <= 0:
             raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
         if cpu_kernel and fused:
