@@ -283,13 +283,7 @@ KNOWN_BUG_RULES: dict[tuple[str, str], str] = {}
 # suite's to fix): (target-name fragment, operation) -> why. Faults of other kinds are still
 # checked for these cases; if the interrupt problems disappear, the test fails so that the
 # rule is removed.
-KNOWN_INTERRUPT_BUGS: dict[tuple[str, str], str] = {
-    ("hybrid_sync(", "load_state_dict"): (
-        "HybridSyncOptimizer._on_state_loaded pushes the loaded masters into the model after "
-        "the load committed and retries only on Exception: a KeyboardInterrupt there leaves "
-        "the new state with the old weights (wrapped_optim/hybrid.py)"
-    ),
-}
+KNOWN_INTERRUPT_BUGS: dict[tuple[str, str], str] = {}
 
 
 def _known_bug(

@@ -20,9 +20,15 @@ FP16 = torch.float16
 def _two_params_opt() -> tuple[PrecisionAwareAdamW, list[torch.nn.Parameter]]:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(40_000)) for _ in range(2)]
-    # fp16 moments: the two-pass sliced path, which decodes every slice into the workspace.
+    # fp16 moments on the torch path (the GPU path; on a CPU the compiled kernel would take
+    # them): two sliced passes, which decode every slice into the workspace.
     opt = PrecisionAwareAdamW(
-        params, lr=1e-2, exp_avg_dtype=FP16, exp_avg_sq_dtype=FP16, chunk_numel=512
+        params,
+        lr=1e-2,
+        exp_avg_dtype=FP16,
+        exp_avg_sq_dtype=FP16,
+        chunk_numel=512,
+        cpu_kernel=False,
     )
     for p in params:
         opt.initialize_state(p)

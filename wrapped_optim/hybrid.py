@@ -254,13 +254,17 @@ class HybridSyncOptimizer(OptimizerWrapper):
 
     def _on_state_loaded(self) -> None:
         # The load is committed: the masters are the truth now. Pushing them is idempotent:
-        # a push that raises is retried at once and, failing again, before the next step.
+        # a push that raises is retried at once and, failing again, before the next step. An
+        # interrupt (Ctrl-C) first lets the short push finish, so state and weights agree.
         self._push_pending = True
         self._guard_armed = True
         try:
             self._push_masters()
         except Exception:
             self._push_masters()
+        except BaseException:
+            self._push_masters()
+            raise
 
     def _push_masters(self) -> None:
         self.sync_from_masters()
