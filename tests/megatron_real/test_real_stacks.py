@@ -125,6 +125,8 @@ def test_staged_and_compat_saves_equal_the_bare_save_bitwise(compared: Any) -> N
 def test_wrap_derives_hybrid_sync_for_offload_only(compared: Any) -> None:
     name, result = compared
     assert ("HybridSyncOptimizer" in result["derived"]) == (name in OFFLOAD)
+    # torch's AdamW in a DistributedOptimizer: the staged layer, for its step repair
+    assert ("StagedCheckpointOptimizer" in result["derived"]) == (name == "distributed")
 
 
 # --------------------------------------------------------------------------------------
@@ -139,11 +141,17 @@ def _masters(optimizer: Any) -> list[torch.Tensor]:
     return [entry.master.detach().clone() for entry in hybrid_master_copies(optimizer)]
 
 
-def _first_run(rank: int, world: int, name: str, root: str, wrapped: bool) -> dict[str, Any]:
+def _wrapped(optimizer: Any, wrapped: Any) -> Any:
+    """True: every layer; "derived": ``wrap(optimizer)`` as a user calls it; else bare."""
+    if wrapped is True:
+        return wrap(optimizer, ALL_LAYERS)
+    return wrap(optimizer) if wrapped == "derived" else optimizer
+
+
+def _first_run(rank: int, world: int, name: str, root: str, wrapped: Any) -> dict[str, Any]:
     with megatron_session():
         model, optimizer = build(name)
-        if wrapped:
-            optimizer = wrap(optimizer, ALL_LAYERS)
+        optimizer = _wrapped(optimizer, wrapped)
         train(model, optimizer, range(RESUME_AT), rank)
         checkpoint = {"model": model.state_dict(), "optimizer": full_state(optimizer)}
         torch.save(checkpoint, Path(root, f"checkpoint_{rank}.pt"))
@@ -153,14 +161,14 @@ def _first_run(rank: int, world: int, name: str, root: str, wrapped: bool) -> di
 
 
 def _resumed_run(rank: int, world: int, name: str, root: str, wrapped: Any) -> dict[str, Any]:
-    """``wrapped``: True (all layers), False (bare) or "compat" (bare, loaded inside
-    ``compat.hybrid_optimizer_state_loading``)."""
+    """``wrapped``: True (all layers), "derived" (``wrap(optimizer)``), False (bare) or
+    "compat" (bare, loaded inside ``compat.hybrid_optimizer_state_loading``)."""
     # Megatron's HybridDeviceOptimizer keeps its sub-optimizer classes in its param groups.
     checkpoint = torch.load(Path(root, f"checkpoint_{rank}.pt"), weights_only=False)
     with megatron_session():
         model, optimizer = build(name, seed=1)
-        if wrapped is True:
-            optimizer = wrap(optimizer, ALL_LAYERS)
+        optimizer = _wrapped(optimizer, wrapped)
+        layers = [type(layer).__name__ for layer in _layers(optimizer)]
         model.load_state_dict(checkpoint["model"])
         try:
             with compat.hybrid_optimizer_state_loading(optimizer if wrapped == "compat" else None):
@@ -169,7 +177,7 @@ def _resumed_run(rank: int, world: int, name: str, root: str, wrapped: Any) -> d
             return {"error": f"{type(error).__name__}: {error}"}
         masters = _masters(optimizer)
         train(model, optimizer, range(RESUME_AT, RESUME_AT + STEPS), rank)
-        return {"weights": weights(model), "masters": masters}
+        return {"weights": weights(model), "masters": masters, "layers": layers}
 
 
 # Found on the real stacks, megatron-core 0.16.1 with torch's AdamW (no TE/Apex); the staged
@@ -185,7 +193,7 @@ def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     name = request.param
     root = tmp_path_factory.mktemp(f"resume_{name}")
     runs = {}
-    for wrapped in (False, True):
+    for wrapped in (False, True, "derived"):
         stores = [root / f"{phase}{wrapped}" for phase in "ab"]
         for store in stores:
             store.mkdir()
@@ -220,6 +228,19 @@ def test_wrapped_resume_continues_bitwise(resumed: Any) -> None:
     uninterrupted, continued = runs[True]
     assert "error" not in continued, continued.get("error")
     assert mismatches(uninterrupted["weights"], continued["weights"]) == []
+
+
+def test_derived_wrap_resumes_bitwise(resumed: Any) -> None:
+    # wrap(optimizer) as a user calls it: the layer policy adds the staged layer for torch's
+    # AdamW inside the DistributedOptimizer (its step repair), hybrid sync under offload.
+    name, runs = resumed
+    uninterrupted, continued = runs["derived"]
+    assert "error" not in continued, continued.get("error")
+    assert mismatches(uninterrupted["weights"], continued["weights"]) == []
+    expected = {"distributed": ["StagedCheckpointOptimizer"]}.get(name, [])
+    if name in OFFLOAD:
+        expected = ["HybridSyncOptimizer"]
+    assert continued["layers"] == [*expected, "ChainedOptimizer"]
 
 
 def test_bare_resume_matches_wrapped_where_megatron_can_load(
