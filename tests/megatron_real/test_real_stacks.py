@@ -381,3 +381,29 @@ def test_fp32_no_copy_load_declines_torch_adamw_and_matches_megatron(tmp_path: P
     assert result["reasons"] == ["AdamW is not a FusedAdam-like holder"]
     assert mismatches(result["megatron"], result["compat"]) == []
     assert mismatches(result["megatron"], result["staged"]) == []
+
+
+# --------------------------------------------------------------------------------------
+# compat.init_optimizer_state on the real DistributedOptimizer (what a dist_checkpointing
+# load of a not yet stepped torch-AdamW DistributedOptimizer needs first)
+# --------------------------------------------------------------------------------------
+def _init_state_worker(rank: int, world: int) -> dict[str, Any]:
+    with megatron_session():
+        model, optimizer = build("distributed")
+        before = weights(model)
+        created = compat.init_optimizer_state(optimizer)
+        inner = leaf(optimizer).optimizer
+        keys = [sorted(state) for state in inner.state.values()]
+        # Megatron's sharded_state_dict(is_loading=True) asserts one step across the states
+        optimizer.sharded_state_dict(
+            {}, is_loading=True, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+        )
+        return {"created": created, "keys": keys, "before": before, "after": weights(model)}
+
+
+def test_init_optimizer_state_on_the_real_distributed_optimizer(tmp_path: Path) -> None:
+    # It stepped non-leaf FP32 shard views, whose grad_dtype torch refuses to read.
+    result = run_in_this_process(_init_state_worker, tmp_path)
+    assert result["created"] is True
+    assert result["keys"] == [["exp_avg", "exp_avg_sq", "step"]] * 4
+    assert mismatches(result["before"], result["after"]) == []
