@@ -385,19 +385,21 @@ def test_init_optimizer_state_creates_state_without_side_effects() -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# Bridge's checkpoint flow through Megatron-shaped containers (issue5's structural doubles)
+# Bridge's checkpoint flow: the real ChainedOptimizer around the DistributedOptimizer double
 # ----------------------------------------------------------------------------------------
 def _megatron_hybrid(seed: int) -> tuple[torch.nn.Module, Any]:
-    from tests.doubles.distributed_hybrid import ChainedOptimizerDouble, DistributedOptimizerDouble
+    from tests.doubles.distributed import DistributedOptimizerDouble
+
+    chained_optimizer = pytest.importorskip("megatron.core.optimizer").ChainedOptimizer
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)).to(torch.bfloat16)
-    distributed = DistributedOptimizerDouble(
+    distributed = DistributedOptimizerDouble.of_model(
         model,
         lambda groups: HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=1e-2),
         precision_aware=False,
     )
-    return model, ChainedOptimizerDouble([distributed])
+    return model, chained_optimizer([distributed])
 
 
 def _steps(model: torch.nn.Module, optimizer: Any, count: int) -> None:

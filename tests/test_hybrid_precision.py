@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.doubles.distributed_staged import ddp_config, megatron_config, te_fp16_bug
+from tests.doubles.distributed import ddp_config, megatron_config
+from tests.doubles.te_fused_adam import te_fp16_bug
 from wrapped_optim import HybridSyncOptimizer, StagedCheckpointOptimizer
 from wrapped_optim.adapters.precision import is_precision_aware_holder
 from wrapped_optim.demo_model import TinyGPT, batch_for_step, lm_loss

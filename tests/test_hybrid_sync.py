@@ -1,6 +1,7 @@
 """HybridSyncOptimizer: model-only loads, full resumes and the stale-master guard, on real
-training of a small bf16 model; Megatron's DistributedOptimizer/ChainedOptimizer through
-structural doubles; Megatron's real HybridDeviceOptimizer class where it runs on CPU."""
+training of a small bf16 model; the portable hybrid optimizer inside the DistributedOptimizer
+double and megatron-core's real ChainedOptimizer; Megatron's real HybridDeviceOptimizer class
+where it runs on CPU (the real stacks: tests/megatron_real)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from param_builders import random_groups
 
 import wrapped_optim.hybrid as hybrid_module
-from tests.doubles.distributed_hybrid import ChainedOptimizerDouble, DistributedOptimizerDouble
+from tests.doubles.distributed import DistributedOptimizerDouble
 from wrapped_optim import OptimizerWrapper
 from wrapped_optim.adapters.hybrid import (
     find_hybrid_offload,
@@ -391,10 +392,11 @@ def test_property_model_only_and_full_resume(layout, fraction, dtypes):
 
 
 # ------------------------------------------------------------------------------------------
-# Megatron containers (structural doubles) and the real HybridDeviceOptimizer class
+# The DistributedOptimizer double (portable hybrid optimizer inside), the real
+# ChainedOptimizer and the real HybridDeviceOptimizer class
 # ------------------------------------------------------------------------------------------
 def distributed(model, precision_aware, fraction=0.5):
-    return DistributedOptimizerDouble(
+    return DistributedOptimizerDouble.of_model(
         model,
         lambda groups: HybridOffloadOptimizer(groups, offload_fraction=fraction, lr=3e-3),
         precision_aware,
@@ -473,14 +475,14 @@ def test_unwrapped_megatron_resume_fails_or_diverges():
     assert not torch.equal(resumed[0].weight, first[0].weight)
 
 
-def test_chained_double_model_only_and_resume(pretrained):
+def test_chained_model_only_and_resume(pretrained):
     def build(model):
         halves = [list(model[0].parameters()), list(model[2].parameters())]
         parts = []
         for params in halves:
             sub = torch.nn.ParameterList(params)
             parts.append(distributed(sub, precision_aware=False))
-        return ChainedOptimizerDouble(parts)
+        return pytest.importorskip("megatron.core.optimizer").ChainedOptimizer(parts)
 
     model = make_model(1)
     opt = HybridSyncOptimizer(build(model))
@@ -553,7 +555,7 @@ def test_real_hdo_inside_the_distributed_double(real_hdo_class, pretrained):
             lr=1e-3,
         )
 
-    dist = DistributedOptimizerDouble(model, make, precision_aware=True)
+    dist = DistributedOptimizerDouble.of_model(model, make, precision_aware=True)
     opt = HybridSyncOptimizer(dist)
     model.load_state_dict(pretrained)
     stale = opt.stale_masters()

@@ -277,3 +277,42 @@ def test_no_import_cycle_among_the_package_modules() -> None:
 
     cycles = sorted(name for name in graph if name in reach(name))
     assert cycles == []
+
+
+@pytest.mark.parametrize(
+    ("inner", "config", "staged"),
+    [
+        ("adamw", {}, True),  # the shared-step repair
+        ("adam", {}, True),
+        ("sgd", {}, False),  # no per-param step tensor to share
+        ("adamw", {"cpu_offload": True}, False),  # hybrid sync's resume handles it
+        ("adamw", {"precision_aware": True}, False),  # needs TE: step kept per group
+    ],
+)
+def test_wrap_adds_the_step_repair_for_torch_adam_in_a_distributed_optimizer(
+    inner: str, config: dict[str, Any], staged: bool
+) -> None:
+    from tests.doubles.distributed import DistributedOptimizerDouble, ddp_config, megatron_config
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    leaf = {
+        "adamw": lambda: torch.optim.AdamW(params, lr=0.1),
+        "adam": lambda: torch.optim.Adam(params, lr=0.1),
+        "sgd": lambda: torch.optim.SGD(params, lr=0.1),
+    }[inner]()
+    settings = {"precision_aware": False, **config}
+    container = DistributedOptimizerDouble(leaf, megatron_config(**settings), ddp_config())
+    wrapped = wrap(container)
+    assert (type(wrapped) is StagedCheckpointOptimizer) is staged
+    assert (wrapped is container) is not staged
+    megatron = SimpleNamespace(
+        use_distributed_optimizer=True,
+        optimizer="adam" if inner != "sgd" else "sgd",
+        use_precision_aware_optimizer=settings["precision_aware"],
+        optimizer_cpu_offload=settings.get("cpu_offload", False),
+        exp_avg_dtype=torch.float32,
+        exp_avg_sq_dtype=torch.float32,
+        main_params_dtype=torch.float32,
+    )
+    if not settings["precision_aware"]:  # the config-side derivation agrees
+        assert bool(StackConfig.from_megatron(megatron).staged) is staged

@@ -1,4 +1,5 @@
-"""StagedCheckpointOptimizer and its staging engine, against PrecisionAwareAdamW and doubles."""
+"""StagedCheckpointOptimizer and its staging engine, against PrecisionAwareAdamW, the
+DistributedOptimizer double around it and the real megatron-core ChainedOptimizer."""
 
 from __future__ import annotations
 
@@ -12,14 +13,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.doubles.distributed_staged import (
-    ChainedOptimizerDouble,
-    DistributedOptimizerDouble,
-    ddp_config,
-    megatron_config,
-    te_fp16_bug,
-    te_style,
-)
+from tests.doubles.distributed import DistributedOptimizerDouble, ddp_config, megatron_config
+from tests.doubles.te_fused_adam import te_fp16_bug, te_style
 from tests.gpu import gpu_staged
 from wrapped_optim.adapters.precision import supports_chunked_state
 from wrapped_optim.bench import staged as bench_staged
@@ -401,6 +396,11 @@ def test_te_style_fp16_load_does_not_scale_callers_tensor() -> None:
 # ----------------------------------------------------------------------------------------
 
 
+def chained_optimizer(parts: list[Any]) -> Any:
+    """megatron-core's real ChainedOptimizer around ``parts``."""
+    return pytest.importorskip("megatron.core.optimizer").ChainedOptimizer(parts)
+
+
 def distributed(opt: Any, **config: Any) -> DistributedOptimizerDouble:
     fsdp = config.pop("megatron_fsdp", False)
     return DistributedOptimizerDouble(
@@ -436,9 +436,7 @@ def test_save_gates_on_the_holder_itself() -> None:
     fp32_holder, _ = make_holder([(4,)], exp_avg=FP32, exp_avg_sq=FP32)
     adamw = torch.optim.AdamW(make_params([(4,)], 0), lr=0.1)
     te, _ = make_holder([(4,)], cls=te_style(Holder))
-    chained = ChainedOptimizerDouble(
-        [distributed(fp32_holder), distributed(adamw), distributed(te)]
-    )
+    chained = chained_optimizer([distributed(fp32_holder), distributed(adamw), distributed(te)])
     reasons = [(d.eligible, d.reason, d.chunked) for d in staging_decisions(chained)]
     assert reasons == [
         (False, "every state is FP32", False),
@@ -449,7 +447,7 @@ def test_save_gates_on_the_holder_itself() -> None:
 
 def test_same_holder_reached_twice_is_staged_once() -> None:
     holder, _ = make_holder([(4,)])
-    chained = ChainedOptimizerDouble([distributed(holder), distributed(holder)])
+    chained = chained_optimizer([distributed(holder), distributed(holder)])
     decisions = staging_decisions(chained)
     assert [d.reason for d in decisions] == ["eligible", "already staged"]
     with staged_save(chained) as stats:
@@ -489,7 +487,7 @@ def test_missing_accessor_is_a_runtime_error() -> None:
 
     holder, _ = make_holder([(4,)], cls=base)
     holder.__class__ = NoAccessor
-    chained = ChainedOptimizerDouble([distributed(holder)])
+    chained = chained_optimizer([distributed(holder)])
     with pytest.raises(RuntimeError, match=r"NoAccessor .* no callable get_unscaled_state"):
         StagedCheckpointOptimizer(chained).state_dict()
     with pytest.raises(RuntimeError, match="no callable set_scaled_state"), staged_load(chained):
@@ -527,7 +525,7 @@ def test_fault_at_every_accessor_call_leaves_no_patch(te: bool) -> None:
 
     def fresh() -> tuple[Any, Any]:
         holder, _ = make_holder([(40,), (3, 5)], cls=cls, master=True)
-        chained = ChainedOptimizerDouble([distributed(holder)])
+        chained = chained_optimizer([distributed(holder)])
         return holder, StagedCheckpointOptimizer(chained, chunk_bytes=32)
 
     def run(stack: Any, checkpoint: Any) -> None:
@@ -562,25 +560,19 @@ def test_invalid_options() -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# Megatron containers (structural doubles and the real ChainedOptimizer)
+# Megatron containers (the DistributedOptimizer double, the real ChainedOptimizer)
 # ----------------------------------------------------------------------------------------
 
 
-def megatron_stack(
-    chained_cls: Any = ChainedOptimizerDouble, seed: int = 0
-) -> tuple[Any, Any, Any]:
+def megatron_stack(seed: int = 0) -> tuple[Any, Any, Any]:
     chunky, _ = make_holder([(50,), (4, 6)], seed=seed, master=True)
     te, _ = make_holder([(30,)], seed=seed + 1, cls=te_style(Holder), master=True)
-    chained = chained_cls([distributed(chunky), distributed(te)])
+    chained = chained_optimizer([distributed(chunky), distributed(te)])
     return chained, chunky, te
 
 
-@pytest.mark.parametrize("real_chain", [False, True])
-def test_megatron_sharded_state_dict_staged_equals_unstaged(real_chain: bool) -> None:
-    chained_cls: Any = ChainedOptimizerDouble
-    if real_chain:
-        chained_cls = pytest.importorskip("megatron.core.optimizer").ChainedOptimizer
-    chained, chunky, te = megatron_stack(chained_cls)
+def test_megatron_sharded_state_dict_staged_equals_unstaged() -> None:
+    chained, chunky, te = megatron_stack()
     bare = chained.sharded_state_dict({}, False)
     stack = StagedCheckpointOptimizer(chained, chunk_bytes=64)
     with DeviceMemoryProbe() as probe:
@@ -597,18 +589,14 @@ def test_megatron_sharded_state_dict_staged_equals_unstaged(real_chain: bool) ->
     assert_unpatched(chunky, te)
 
 
-@pytest.mark.parametrize("real_chain", [False, True])
-def test_megatron_load_paths_are_staged_and_exact(real_chain: bool) -> None:
-    chained_cls: Any = ChainedOptimizerDouble
-    if real_chain:
-        chained_cls = pytest.importorskip("megatron.core.optimizer").ChainedOptimizer
-    source, src_chunky, _ = megatron_stack(chained_cls, seed=3)
+def test_megatron_load_paths_are_staged_and_exact() -> None:
+    source, src_chunky, _ = megatron_stack(seed=3)
     checkpoint = StagedCheckpointOptimizer(source, chunk_bytes=64).sharded_state_dict({})
     pristine = clone_sd(checkpoint)
 
-    bare, bare_chunky, bare_te = megatron_stack(chained_cls, seed=5)
+    bare, bare_chunky, bare_te = megatron_stack(seed=5)
     bare.load_state_dict(clone_sd(checkpoint))
-    chained, chunky, te = megatron_stack(chained_cls, seed=5)
+    chained, chunky, te = megatron_stack(seed=5)
     stack = StagedCheckpointOptimizer(chained, chunk_bytes=64)
     with DeviceMemoryProbe() as probe:
         stack.load_state_dict(checkpoint)

@@ -267,7 +267,8 @@ class StackConfig:
 
         * ``use_precision_aware_optimizer`` -> staged save and chunked load;
         * distributed FP32 Adam (``use_distributed_optimizer``, ``optimizer="adam"``, FP32
-          moments, not precision-aware) -> no-copy load;
+          moments, not precision-aware) -> no-copy load (and the layer's repair of the step
+          tensor Megatron's loader shares between params with torch's AdamW inside);
         * ``optimizer_cpu_offload`` -> hybrid sync (and no staging: Bridge skips it there);
         * ``ddp_config.use_megatron_fsdp`` -> FSDP-aware (precision-aware when the optimizer
           is) and no staging.

@@ -19,6 +19,7 @@ import torch
 
 from wrapped_optim.adapters.megatron_fsdp import (
     fsdp_parameter_group_of,
+    grad_dtype_attr,
     grad_dtype_of,
     iter_params,
     local_tensor,
@@ -113,7 +114,7 @@ def _cast_grads(
         buffer = buffers.for_grad(param, grad)
         with torch.no_grad():
             local_tensor(buffer).copy_(local_tensor(grad))
-        swapped.append((param, grad, getattr(param, "grad_dtype", None)))
+        swapped.append((param, grad, grad_dtype_attr(param)))
         swap_grad(param, buffer, param.dtype)
 
 
@@ -355,13 +356,13 @@ def _init_leaf(leaf: torch.optim.Optimizer, precision_aware: bool) -> None:
         param for group in leaf.param_groups for param in group["params"] if param.requires_grad
     ]
     locals_before = [local_tensor(param).detach().clone() for param in params]
-    saved_grads = [(param, param.grad, getattr(param, "grad_dtype", None)) for param in params]
+    saved_grads = [(param, param.grad, grad_dtype_attr(param)) for param in params]
     options = GroupOptions.take(leaf.param_groups)
     succeeded = False
     try:
         for param in params:
             zero = torch.zeros_like(param, dtype=grad_dtype_of(param))
-            swap_grad(param, zero, getattr(param, "grad_dtype", None))
+            swap_grad(param, zero, grad_dtype_attr(param))
         for group in leaf.param_groups:
             _zero_hyperparameters(group)
         if precision_aware:

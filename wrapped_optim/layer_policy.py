@@ -30,6 +30,7 @@ __all__ = [
     "no_copy_blocker",
     "staged_switches",
     "staging_blocker",
+    "step_repair_wanted",
 ]
 
 
@@ -213,6 +214,29 @@ def staged_switches(settings: MegatronSettings) -> dict[str, bool] | None:
     if no_copy_blocker(settings) is None:
         return {"stage_save": False, "no_copy_load": True, "chunked_load": False}
     return None
+
+
+def step_repair_wanted(settings: MegatronSettings) -> bool:
+    """Whether a leaf needs the staged layer for its step repair alone.
+
+    megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` without TE/Apex (torch's
+    Adam/AdamW inside) writes *one* ``step`` tensor into every parameter's state, which torch
+    then increments once per parameter per step: a resumed run diverges. The staged layer gives
+    each parameter its own step after every load
+    (:func:`wrapped_optim.adapters.megatron.unshare_steps`), so :func:`wrapped_optim.wrap`
+    adds it for a torch Adam inside a distributed optimizer even where the no-copy load itself
+    declines the leaf -- the same settings for which :func:`staged_switches` gives the layer
+    from Megatron's configs. Not under precision-aware state (that needs TE, whose FusedAdam
+    keeps the step per group), CPU offload (the hybrid sync layer's resume gives every
+    parameter its own step) or Megatron-FSDP (its own optimizer loader).
+
+    Example:
+        >>> step_repair_wanted(MegatronSettings(precision_aware=False, distributed=True))
+        True
+        >>> step_repair_wanted(MegatronSettings(distributed=True, cpu_offload=True))
+        False
+    """
+    return no_copy_blocker(settings) is None
 
 
 def hybrid_layer_wanted(settings: MegatronSettings) -> bool:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import torch
 
 from wrapped_optim import layer_policy
 from wrapped_optim.adapters.hybrid import find_hybrid_offload
@@ -45,7 +46,7 @@ from wrapped_optim.config import (
 from wrapped_optim.fsdp import FSDPAwareOptimizer
 from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.staged import StagedCheckpointOptimizer
-from wrapped_optim.staging import no_copy_decisions, staging_decisions
+from wrapped_optim.staging import leaf_settings, no_copy_decisions, staging_decisions
 from wrapped_optim.wrapper import OptimizerWrapper, find_layer, layers, unwrap
 
 __all__ = [
@@ -84,7 +85,15 @@ def _derive_staged(base: Any) -> StagedConfig | bool:
         return StagedConfig()
     if any(decision.eligible for decision in no_copy_decisions(base)):
         return StagedConfig()  # a Megatron distributed FP32 Adam: no-copy load
+    if any(_shares_steps_on_load(leaf) for leaf in walk_leaves(base)):
+        return StagedConfig()  # torch's Adam in a DistributedOptimizer: the step repair
     return False
+
+
+def _shares_steps_on_load(leaf: Any) -> bool:
+    """A torch Adam/AdamW whose distributed optimizer's loader shares one step tensor."""
+    adam = isinstance(leaf.optimizer, torch.optim.Adam | torch.optim.AdamW)
+    return adam and not leaf.is_stub and layer_policy.step_repair_wanted(leaf_settings(leaf))
 
 
 # ----------------------------------------------------------------------------------------
@@ -228,9 +237,10 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
     (and removes one already there), ``None`` keeps an existing layer or derives the decision
     from the optimizer itself -- a leaf the staging engine would stage (``staging_decisions``:
     a precision-aware holder with compressed state, also as a hybrid offload optimizer's
-    sub-optimizer) or a no-copy-eligible Megatron distributed optimizer -> staging; a hybrid
-    offload optimizer -> hybrid sync; params whose ``grad_dtype`` differs from their dtype ->
-    FSDP-aware. Megatron's settings gate these as :mod:`wrapped_optim.layer_policy` says.
+    sub-optimizer), a no-copy-eligible Megatron distributed optimizer or torch's Adam/AdamW
+    inside one (whose loader shares one ``step`` tensor, which the layer repairs) -> staging;
+    a hybrid offload optimizer -> hybrid sync; params whose ``grad_dtype`` differs from their
+    dtype -> FSDP-aware. Megatron's settings gate these as :mod:`wrapped_optim.layer_policy` says.
 
     Re-wrapping never doubles a layer: canonical layers already on top are kept (also when an
     explicit section repeats their options), and when nothing changes the same object is

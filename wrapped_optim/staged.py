@@ -131,7 +131,10 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
         stats = self._new_stats()
         scope = self._loading(stats) if is_loading else self._saving(stats)
         with scope:
-            return inner_method(model_sharded_state_dict, is_loading, **kwargs)
+            result = inner_method(model_sharded_state_dict, is_loading, **kwargs)
+        if is_loading:
+            unshare_steps(self.inner)  # Megatron loaded its scaffold: same repair as a load
+        return result
 
     def _extra_repr(self) -> str:
         return (

@@ -48,6 +48,7 @@ __all__ = [
     "PinnedPool",
     "StagingStats",
     "fp32_no_copy_load",
+    "leaf_settings",
     "no_copy_decisions",
     "staged_load",
     "staged_save",
@@ -448,12 +449,25 @@ def staged_load(
 # --------------------------------------------------------------------------------------
 # FP32 no-copy load
 # --------------------------------------------------------------------------------------
+def leaf_settings(leaf: LeafContext) -> MegatronSettings:
+    """The Megatron settings of ``leaf``'s container; ``distributed`` when it is a distributed
+    optimizer (it has ``shard_fp32_from_float16_groups``).
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.adapters.walk import walk_leaves
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> leaf_settings(next(walk_leaves(sgd))).distributed
+        False
+    """
+    distributed = hasattr(leaf.container, "shard_fp32_from_float16_groups")
+    return MegatronSettings.of(leaf.config, leaf.ddp_config, distributed=distributed)
+
+
 def _no_copy_gate(leaf: LeafContext) -> str | None:
     if leaf.is_stub:
         return "stub optimizer (no parameters on this rank)"
-    distributed = hasattr(leaf.container, "shard_fp32_from_float16_groups")
-    settings = MegatronSettings.of(leaf.config, leaf.ddp_config, distributed=distributed)
-    blocker = no_copy_blocker(settings)
+    blocker = no_copy_blocker(leaf_settings(leaf))
     if blocker is not None:
         return blocker
     inner = leaf.optimizer

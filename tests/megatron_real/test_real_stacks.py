@@ -125,6 +125,8 @@ def test_staged_and_compat_saves_equal_the_bare_save_bitwise(compared: Any) -> N
 def test_wrap_derives_hybrid_sync_for_offload_only(compared: Any) -> None:
     name, result = compared
     assert ("HybridSyncOptimizer" in result["derived"]) == (name in OFFLOAD)
+    # torch's AdamW in a DistributedOptimizer: the staged layer, for its step repair
+    assert ("StagedCheckpointOptimizer" in result["derived"]) == (name == "distributed")
 
 
 # --------------------------------------------------------------------------------------
@@ -139,11 +141,17 @@ def _masters(optimizer: Any) -> list[torch.Tensor]:
     return [entry.master.detach().clone() for entry in hybrid_master_copies(optimizer)]
 
 
-def _first_run(rank: int, world: int, name: str, root: str, wrapped: bool) -> dict[str, Any]:
+def _wrapped(optimizer: Any, wrapped: Any) -> Any:
+    """True: every layer; "derived": ``wrap(optimizer)`` as a user calls it; else bare."""
+    if wrapped is True:
+        return wrap(optimizer, ALL_LAYERS)
+    return wrap(optimizer) if wrapped == "derived" else optimizer
+
+
+def _first_run(rank: int, world: int, name: str, root: str, wrapped: Any) -> dict[str, Any]:
     with megatron_session():
         model, optimizer = build(name)
-        if wrapped:
-            optimizer = wrap(optimizer, ALL_LAYERS)
+        optimizer = _wrapped(optimizer, wrapped)
         train(model, optimizer, range(RESUME_AT), rank)
         checkpoint = {"model": model.state_dict(), "optimizer": full_state(optimizer)}
         torch.save(checkpoint, Path(root, f"checkpoint_{rank}.pt"))
@@ -153,14 +161,14 @@ def _first_run(rank: int, world: int, name: str, root: str, wrapped: bool) -> di
 
 
 def _resumed_run(rank: int, world: int, name: str, root: str, wrapped: Any) -> dict[str, Any]:
-    """``wrapped``: True (all layers), False (bare) or "compat" (bare, loaded inside
-    ``compat.hybrid_optimizer_state_loading``)."""
+    """``wrapped``: True (all layers), "derived" (``wrap(optimizer)``), False (bare) or
+    "compat" (bare, loaded inside ``compat.hybrid_optimizer_state_loading``)."""
     # Megatron's HybridDeviceOptimizer keeps its sub-optimizer classes in its param groups.
     checkpoint = torch.load(Path(root, f"checkpoint_{rank}.pt"), weights_only=False)
     with megatron_session():
         model, optimizer = build(name, seed=1)
-        if wrapped is True:
-            optimizer = wrap(optimizer, ALL_LAYERS)
+        optimizer = _wrapped(optimizer, wrapped)
+        layers = [type(layer).__name__ for layer in _layers(optimizer)]
         model.load_state_dict(checkpoint["model"])
         try:
             with compat.hybrid_optimizer_state_loading(optimizer if wrapped == "compat" else None):
@@ -169,7 +177,7 @@ def _resumed_run(rank: int, world: int, name: str, root: str, wrapped: Any) -> d
             return {"error": f"{type(error).__name__}: {error}"}
         masters = _masters(optimizer)
         train(model, optimizer, range(RESUME_AT, RESUME_AT + STEPS), rank)
-        return {"weights": weights(model), "masters": masters}
+        return {"weights": weights(model), "masters": masters, "layers": layers}
 
 
 # Found on the real stacks, megatron-core 0.16.1 with torch's AdamW (no TE/Apex); the staged
@@ -185,7 +193,7 @@ def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     name = request.param
     root = tmp_path_factory.mktemp(f"resume_{name}")
     runs = {}
-    for wrapped in (False, True):
+    for wrapped in (False, True, "derived"):
         stores = [root / f"{phase}{wrapped}" for phase in "ab"]
         for store in stores:
             store.mkdir()
@@ -220,6 +228,19 @@ def test_wrapped_resume_continues_bitwise(resumed: Any) -> None:
     uninterrupted, continued = runs[True]
     assert "error" not in continued, continued.get("error")
     assert mismatches(uninterrupted["weights"], continued["weights"]) == []
+
+
+def test_derived_wrap_resumes_bitwise(resumed: Any) -> None:
+    # wrap(optimizer) as a user calls it: the layer policy adds the staged layer for torch's
+    # AdamW inside the DistributedOptimizer (its step repair), hybrid sync under offload.
+    name, runs = resumed
+    uninterrupted, continued = runs["derived"]
+    assert "error" not in continued, continued.get("error")
+    assert mismatches(uninterrupted["weights"], continued["weights"]) == []
+    expected = {"distributed": ["StagedCheckpointOptimizer"]}.get(name, [])
+    if name in OFFLOAD:
+        expected = ["HybridSyncOptimizer"]
+    assert continued["layers"] == [*expected, "ChainedOptimizer"]
 
 
 def test_bare_resume_matches_wrapped_where_megatron_can_load(
@@ -360,3 +381,29 @@ def test_fp32_no_copy_load_declines_torch_adamw_and_matches_megatron(tmp_path: P
     assert result["reasons"] == ["AdamW is not a FusedAdam-like holder"]
     assert mismatches(result["megatron"], result["compat"]) == []
     assert mismatches(result["megatron"], result["staged"]) == []
+
+
+# --------------------------------------------------------------------------------------
+# compat.init_optimizer_state on the real DistributedOptimizer (what a dist_checkpointing
+# load of a not yet stepped torch-AdamW DistributedOptimizer needs first)
+# --------------------------------------------------------------------------------------
+def _init_state_worker(rank: int, world: int) -> dict[str, Any]:
+    with megatron_session():
+        model, optimizer = build("distributed")
+        before = weights(model)
+        created = compat.init_optimizer_state(optimizer)
+        inner = leaf(optimizer).optimizer
+        keys = [sorted(state) for state in inner.state.values()]
+        # Megatron's sharded_state_dict(is_loading=True) asserts one step across the states
+        optimizer.sharded_state_dict(
+            {}, is_loading=True, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+        )
+        return {"created": created, "keys": keys, "before": before, "after": weights(model)}
+
+
+def test_init_optimizer_state_on_the_real_distributed_optimizer(tmp_path: Path) -> None:
+    # It stepped non-leaf FP32 shard views, whose grad_dtype torch refuses to read.
+    result = run_in_this_process(_init_state_worker, tmp_path)
+    assert result["created"] is True
+    assert result["keys"] == [["exp_avg", "exp_avg_sq", "step"]] * 4
+    assert mismatches(result["before"], result["after"]) == []

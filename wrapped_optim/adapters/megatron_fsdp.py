@@ -26,6 +26,7 @@ from wrapped_optim.adapters.walk import walk_leaves
 
 __all__ = [
     "fsdp_parameter_group_of",
+    "grad_dtype_attr",
     "grad_dtype_of",
     "iter_params",
     "local_tensor",
@@ -54,7 +55,7 @@ def grad_dtype_of(param: torch.Tensor) -> torch.dtype:
     """
     # torch raises on ``grad_dtype`` of a non-leaf tensor; Megatron's DistributedOptimizer
     # steps such tensors (views of FP32 params), whose grads are set by hand.
-    dtype = getattr(param, "grad_dtype", None) if param.is_leaf else None
+    dtype = grad_dtype_attr(param)
     if isinstance(dtype, torch.dtype):
         return dtype
     grad = param.grad
@@ -135,6 +136,21 @@ def swap_grad(param: torch.Tensor, grad: torch.Tensor | None, grad_dtype: Any) -
         (torch.float32, torch.float32)
     """
     param.grad = None
-    if hasattr(param, "grad_dtype"):
+    if param.is_leaf and hasattr(param, "grad_dtype"):  # torch raises on a non-leaf's
         param.grad_dtype = grad_dtype
     param.grad = grad
+
+
+def grad_dtype_attr(param: torch.Tensor) -> Any:
+    """``param.grad_dtype`` as set (``None``: unset, a non-leaf, or a torch without it).
+
+    torch raises (not ``AttributeError``) on a non-leaf's ``grad_dtype``, and Megatron's
+    DistributedOptimizer steps non-leaf views of FP32 params.
+
+    Example:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.zeros(4))
+        >>> grad_dtype_attr(p.view(2, 2)) is None
+        True
+    """
+    return getattr(param, "grad_dtype", None) if param.is_leaf else None
