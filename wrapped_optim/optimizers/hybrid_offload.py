@@ -30,6 +30,9 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Megatron HybridDeviceOptimizer options that only tune CUDA transfers: accepted so that
 # constructor calls can be switched unchanged, never passed to the sub-optimizers.
 _TRANSFER_OPTIONS = ("pin_cpu_grads", "pin_cpu_params", "overlap_cpu_optimizer_d2h_h2d")
+# Host optimizers whose step never writes a grad (without a grad scale), so an offloaded copy
+# may step with its param's grad itself when the formats match.
+_GRAD_READING_HOST_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam)
 
 
 class HybridOffloadOptimizer(torch.optim.Optimizer):
@@ -96,6 +99,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     # Class-level defaults, for instances pickled before these existed.
     atomic_step: bool = False
     _copy_back_pending: bool = False
+    _shared_grads: set[torch.Tensor]
 
     def __init__(
         self,
@@ -118,6 +122,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         self.param_update_in_fp32 = bool(param_update_in_fp32)
         self.atomic_step = bool(atomic_step)
         self._copy_back_pending = False
+        self._shared_grads = set()  # host copies whose .grad is their param's own grad
         self._built = False
         super().__init__(params, defaults)
         self._build()
@@ -276,6 +281,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _copy_grads_to_copies(self) -> None:
         pairs = []
+        shared: set[torch.Tensor] = self.__dict__.setdefault("_shared_grads", set())
         for param, inner in self.param_to_inner_param.items():
             if inner is param:
                 continue
@@ -284,7 +290,15 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                 grad = param.grad
             if grad is None:
                 inner.grad = None
+                shared.discard(inner)
                 continue
+            if self._can_share_grad(inner, grad):
+                inner.grad = grad  # the host step only reads it: no copy needed
+                shared.add(inner)
+                continue
+            if inner in shared:  # its grad is a param's: never copy into that one
+                inner.grad = None
+                shared.discard(inner)
             if inner.grad is None or inner.grad.shape != inner.shape:
                 pin = inner.device.type == "cpu" and param.is_cuda and self.pin_cpu_grads
                 inner.grad = torch.empty(
@@ -292,6 +306,21 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                 )
             pairs.append((inner.grad, grad))
         copy_all(pairs)
+
+    def _can_share_grad(self, inner: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Whether the host copy may step with the param's own grad instead of a copy of it:
+        the same dtype, device and layout (a CPU-only run with FP32 params), and a host
+        optimizer known to only read grads (torch's Adam and AdamW write a grad only when
+        given a grad scale, which this optimizer never passes)."""
+        return (
+            inner in self.cpu_copys_map_gpu_param
+            and all(type(sub) in _GRAD_READING_HOST_OPTIMIZERS for sub in self.cpu_optimizers)
+            and grad.dtype == inner.dtype
+            and grad.device == inner.device
+            and grad.shape == inner.shape
+            and grad.stride() == inner.stride()
+            and not grad.is_sparse
+        )
 
     def _holders(self) -> list[torch.optim.Optimizer]:
         return [sub for sub in self.sub_optimizers if is_precision_aware_holder(sub)]
