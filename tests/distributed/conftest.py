@@ -9,7 +9,6 @@ in every spawned worker (a spawned process starts from a fresh interpreter).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import traceback
@@ -23,48 +22,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.cuda_stand_ins import NoOpStream, current_stream, no_op, null_context
+
 WORKER_TIMEOUT_S = 120
 
 
-class _NoOpStream:
-    """Stands in for torch.cuda.Stream: ordering is trivially satisfied on a CPU."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.device = torch.device("cpu")
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> Any:
-        # Megatron-FSDP asserts that an event exists after recording one.
-        return event if event is not None else object()
-
-    def synchronize(self) -> None:
-        pass
-
-
-def _current_stream(device: Any = None) -> _NoOpStream:
-    return _NoOpStream()
-
-
-def _null_context(*args: Any, **kwargs: Any) -> contextlib.nullcontext[None]:
-    return contextlib.nullcontext()
-
-
-def _no_op(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 _SHIM = {
-    (torch.cuda, "device"): _null_context,
-    (torch.cuda, "stream"): _null_context,
-    (torch.cuda, "current_stream"): _current_stream,
-    (torch.cuda, "Stream"): _NoOpStream,
-    (torch.cuda.nvtx, "range_push"): _no_op,
-    (torch.cuda.nvtx, "range_pop"): _no_op,
+    (torch.cuda, "device"): null_context,
+    (torch.cuda, "stream"): null_context,
+    (torch.cuda, "current_stream"): current_stream,
+    (torch.cuda, "Stream"): NoOpStream,
+    (torch.cuda.nvtx, "range_push"): no_op,
+    (torch.cuda.nvtx, "range_pop"): no_op,
 }
 
 

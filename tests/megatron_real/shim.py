@@ -45,6 +45,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from tests.cuda_stand_ins import NoOpStream, current_stream, no_op, null_context
+
 _HOST = "_wrapped_optim_host"
 _IS_CUDA = torch._C.TensorBase.is_cuda.__get__  # type: ignore[attr-defined]
 
@@ -126,56 +128,14 @@ class _CudaOnCpu(TorchFunctionMode):
         return result
 
 
-class _Stream:
-    """torch.cuda.Stream on one CPU: every wait is already satisfied."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.device = torch.device("cpu")
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> _Event:
-        return event if event is not None else _Event()
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _Event:
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-
-def _stream(*args: Any, **kwargs: Any) -> _Stream:
-    return _Stream()
-
-
-def _stream_context(*args: Any, **kwargs: Any) -> contextlib.nullcontext[None]:
-    return contextlib.nullcontext()
-
-
-def _nothing(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 _FUNCTIONS = {
     (torch.cuda, "current_device"): lambda: 0,
-    (torch.cuda, "Stream"): _Stream,
-    (torch.cuda, "current_stream"): _stream,
-    (torch.cuda, "default_stream"): _stream,
-    (torch.cuda, "stream"): _stream_context,
-    (torch.cuda, "synchronize"): _nothing,
-    (torch.cuda, "empty_cache"): _nothing,
+    (torch.cuda, "Stream"): NoOpStream,
+    (torch.cuda, "current_stream"): current_stream,
+    (torch.cuda, "default_stream"): current_stream,
+    (torch.cuda, "stream"): null_context,
+    (torch.cuda, "synchronize"): no_op,
+    (torch.cuda, "empty_cache"): no_op,
 }
 
 
