@@ -21,7 +21,17 @@ _FP32 = torch.float32
 
 
 class DeviceScratch:
-    """The device buffer a chunked read decodes into: one chunk at most, one at a time."""
+    """The device buffer a chunked read decodes into: one chunk at most, one at a time.
+
+    Every byte it holds is recorded in :data:`~wrapped_optim.ledger.device_ledger`.
+
+    Example:
+        >>> import torch
+        >>> scratch = DeviceScratch(chunk_bytes=16)  # four FP32 elements
+        >>> scratch.get(torch.device("cpu"), torch.float32, 100).numel()
+        4
+        >>> scratch.close()  # released (and un-recorded) until the next get
+    """
 
     def __init__(self, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
@@ -94,7 +104,13 @@ _PINNED = PinnedPool()
 def copy_chunks_through_pinned(
     holder: Any, param: torch.Tensor, name: str, buffer: torch.Tensor, flat: torch.Tensor
 ) -> None:
-    """The CUDA path of a chunked read: decode -> pinned (async) -> pageable host tensor."""
+    """The CUDA path of a chunked read: decode -> pinned (async) -> pageable host tensor.
+
+    ``holder`` decodes ``param``'s state ``name`` chunk by chunk into the device ``buffer``;
+    each chunk goes through the process's :class:`PinnedPool` into ``flat`` (host), the two
+    pinned buffers alternating so a copy overlaps the next decode. Needs CUDA; the staging
+    engine calls it for CUDA sources only (see ``tests/gpu/gpu_staged.py``).
+    """
     step = buffer.numel()
     bounce = _PINNED.get(step)
     pending: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []

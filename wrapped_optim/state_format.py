@@ -152,7 +152,15 @@ def check_groups(
 
 
 def check_index(index: Any, id_map: Mapping[Any, Any]) -> None:
-    """A state entry must belong to a param some group lists."""
+    """A state entry must belong to a param some group lists.
+
+    Example:
+        >>> try:
+        ...     check_index(7, {0: "param 0"})
+        ... except OptimizerCheckpointError as error:
+        ...     print(error)
+        param 7: the checkpoint has state for a param that no param group lists
+    """
     if index not in id_map:
         raise _fault(
             f"param {index!r}", "the checkpoint has state for a param that no param group lists"
@@ -160,7 +168,15 @@ def check_index(index: Any, id_map: Mapping[Any, Any]) -> None:
 
 
 def check_entry(index: Any, entry: Any) -> Mapping[str, Any]:
-    """One param's state must be a dict."""
+    """One param's state must be a dict.
+
+    Example:
+        >>> try:
+        ...     check_entry(0, ["exp_avg"])
+        ... except OptimizerCheckpointError as error:
+        ...     print(error)
+        param 0: state must be a dict, got list
+    """
     if not isinstance(entry, Mapping):
         raise _fault(f"param {index!r}", f"state must be a dict, got {type(entry).__name__}")
     return entry
@@ -369,7 +385,15 @@ def check_names(
 
 
 def check_tensor(index: Any, name: str, value: Any) -> Saved:
-    """A state that must be a tensor (or, streaming, a tensor's metadata)."""
+    """A state that must be a tensor (or, streaming, a tensor's metadata).
+
+    Example:
+        >>> try:
+        ...     check_tensor(0, "exp_avg", [0.0, 1.0])
+        ... except OptimizerCheckpointError as error:
+        ...     print(error)
+        param 0: state 'exp_avg' must be a tensor, got list
+    """
     if not isinstance(value, torch.Tensor | TensorMeta):
         raise _state_fault(index, name, f"must be a tensor, got {type(value).__name__}")
     return value
@@ -378,7 +402,15 @@ def check_tensor(index: Any, name: str, value: Any) -> Saved:
 def check_shape(
     index: Any, name: str, value: Saved, want: Sequence[int], whose: str = "the param has"
 ) -> None:
-    """A state has the shape ``want`` (its param's, unless ``whose`` says otherwise)."""
+    """A state has the shape ``want`` (its param's, unless ``whose`` says otherwise).
+
+    Example:
+        >>> try:
+        ...     check_shape(0, "exp_avg", torch.zeros(3), (2,))
+        ... except OptimizerCheckpointError as error:
+        ...     print(error)
+        param 0: state 'exp_avg' has shape (3,), the param has (2,)
+    """
     got = _meta(value).shape
     if got != tuple(want):
         raise _state_fault(index, name, f"has shape {got}, {whose} {tuple(want)}")
@@ -420,6 +452,12 @@ class HolderRule:
 
     ``keeps``: the state names; ``required``: those that must be present; ``remainder``:
     ``master_param`` is an int16 remainder (a bf16 param with ``store_param_remainders``).
+    Built by :func:`holder_rule`.
+
+    Example:
+        >>> rule = HolderRule("AdamW", frozenset({"exp_avg"}), frozenset({"exp_avg"}), False)
+        >>> rule.owner, sorted(rule.required)
+        ('AdamW', ['exp_avg'])
     """
 
     owner: str
@@ -460,7 +498,16 @@ def holder_rule(holder: Any, param: torch.Tensor, *, master_copy: bool = False) 
 
 def check_holder_tensor(index: Any, name: str, value: Any, rule: HolderRule, shape: Any) -> Saved:
     """One state of a holder's param: a tensor of the param's shape, FP32-expandable (an
-    int16 remainder for a remainder master); with its data, finite and in range."""
+    int16 remainder for a remainder master); with its data, finite and in range.
+
+    Example:
+        >>> rule = HolderRule("AdamW", frozenset({"exp_avg_sq"}), frozenset(), False)
+        >>> try:
+        ...     check_holder_tensor(0, "exp_avg_sq", torch.tensor([-1.0]), rule, (1,))
+        ... except OptimizerCheckpointError as error:
+        ...     print(error)  # doctest: +ELLIPSIS
+        param 0: state 'exp_avg_sq' has negative values...
+    """
     saved = check_tensor(index, name, value)
     check_shape(index, name, saved, shape)
     dtype = _meta(saved).dtype
@@ -490,7 +537,13 @@ def check_holder_entry(
     index: Any, entry: Any, rule: HolderRule, shape: Any, *, extra: Iterable[str] = ()
 ) -> dict[str, Saved]:
     """One param's saved state for a holder: names, then every state; ``extra`` names (a
-    per-param ``step``) are left to the caller. Returns the states by name."""
+    per-param ``step``) are left to the caller. Returns the states by name.
+
+    Example:
+        >>> rule = HolderRule("AdamW", frozenset({"exp_avg"}), frozenset({"exp_avg"}), False)
+        >>> sorted(check_holder_entry(0, {"exp_avg": torch.zeros(2)}, rule, (2,)))
+        ['exp_avg']
+    """
     entry = check_entry(index, entry)
     extra = set(extra)
     names = [name for name in entry if name not in extra]

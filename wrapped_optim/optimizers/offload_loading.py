@@ -4,7 +4,8 @@ Split from :mod:`~wrapped_optim.optimizers.hybrid_offload` (layout and step): th
 ``state_dict`` / ``load_state_dict`` call :func:`holder_state_dict` and :func:`load`. Every
 check goes through :mod:`wrapped_optim.state_format` (per sub-optimizer kind, see
 :mod:`~wrapped_optim.optimizers.offload_state_rules`) and every undo through
-:mod:`wrapped_optim.rollback`.
+:mod:`wrapped_optim.rollback`. Internal to the optimizer (not public API): use its
+``state_dict`` / ``load_state_dict``.
 """
 
 from __future__ import annotations

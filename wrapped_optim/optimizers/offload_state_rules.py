@@ -5,6 +5,9 @@ format: :func:`wrapped_optim.state_format.check_holder_entry` checks it. A plain
 sub-optimizer declares no format: the state names and kinds it keeps are read from its live
 state, or from one step of a throwaway instance (:class:`References`). Every fault is raised
 through :mod:`wrapped_optim.state_format`, so its wording is that of every other loader.
+
+Internal to :class:`~wrapped_optim.optimizers.HybridOffloadOptimizer` (not public API; its
+``load_state_dict`` docstring shows the behaviour these rules give).
 """
 
 from __future__ import annotations
