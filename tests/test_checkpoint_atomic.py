@@ -255,6 +255,44 @@ def test_load_failing_at_every_read_leaves_the_optimizer_unchanged(
         assert_state_dict_equal(good, _snapshot(opt), names=("saved", f"retried {at}"))
 
 
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_non_atomic_load_loads_the_same_and_keeps_no_undo(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``atomic=False``: the same state as the atomic load, with no undo copy taken; a failure
+    mid-read is then not undone, and a retry from the good checkpoint recovers exactly."""
+    from wrapped_optim.checkpoint import load as load_module
+
+    good, build = _saved(name, tmp_path)
+    taken: list[Any] = []
+    original_take = load_module._Undo.take
+
+    def spying(*args: Any, **kwargs: Any) -> Any:
+        taken.append(args)
+        return original_take(*args, **kwargs)
+
+    opt, _ = _victim(build)
+    with monkeypatch.context() as patch:
+        patch.setattr(load_module._Undo, "take", spying)
+        load_optimizer(opt, tmp_path, chunk_bytes=CHUNK, atomic=False)
+    assert taken == []
+    assert_state_dict_equal(good, _snapshot(opt), names=("saved", "loaded, atomic=False"))
+
+    opt, before = _victim(build)
+    original = FileSystemReader._slice_file
+    reads = _reads(name, tmp_path, monkeypatch)
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            FileSystemReader,
+            "_slice_file",
+            _failing(original, reads, Planted(errno.EIO, "I/O error")),
+        )
+        with pytest.raises(BaseException):  # noqa: B017 - DCP's CheckpointException, or ours
+            load_optimizer(opt, tmp_path, chunk_bytes=CHUNK, atomic=False)
+    load_optimizer(opt, tmp_path, chunk_bytes=CHUNK, atomic=False)
+    assert_state_dict_equal(good, _snapshot(opt), names=("saved", "retried"))
+
+
 def _truncate_largest(path: Path) -> None:
     largest = max(path.glob("*.distcp"), key=lambda f: f.stat().st_size)
     with largest.open("r+b") as f:

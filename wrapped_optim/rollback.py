@@ -122,7 +122,7 @@ class OptimizerSnapshot:
         self,
         optimizer: torch.optim.Optimizer,
         params: list[torch.Tensor],
-        values: list[torch.Tensor],
+        values: list[torch.Tensor] | None,
         state: dict[int, Any],
         options: GroupOptions,
         tables: dict[str, dict[int, Any]],
@@ -144,14 +144,19 @@ class OptimizerSnapshot:
         params: Iterable[torch.Tensor] | None = None,
         *,
         clone_state: bool = True,
+        keep_values: bool = True,
     ) -> OptimizerSnapshot:
-        """Copies what ``optimizer`` keeps for ``params`` (default: all of its params)."""
+        """Copies what ``optimizer`` keeps for ``params`` (default: all of its params).
+
+        ``keep_values=False`` leaves the params' values out (a caller that never writes them,
+        such as a streaming load into a precision-aware holder, saves a copy of every param).
+        """
         whole = params is None
         if params is None:
             params = (p for group in optimizer.param_groups for p in group["params"])
         unique = list({id(p): p for p in params}.values())
         ids = {id(p) for p in unique}
-        values = [p.detach().clone() for p in unique]
+        values = [p.detach().clone() for p in unique] if keep_values else None
         state: dict[int, Any] = {}
         for param, entry in optimizer.state.items():
             if id(param) not in ids:
@@ -176,7 +181,7 @@ class OptimizerSnapshot:
     def restore(self) -> None:
         """Puts everything kept back (params, state, group options, param-keyed dicts)."""
         optimizer = self.optimizer
-        for param, value in zip(self.params, self.values, strict=True):
+        for param, value in zip(self.params, self.values or (), strict=self.values is not None):
             param.copy_(value)
         self.options.restore(optimizer.param_groups)
         covered = {id(p): p for p in self.params}

@@ -127,6 +127,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         )
         self.undo: _Undo | None = None  # what reading in place overwrites, to put it back
         self.wrapped = False  # a wrapper's state_loaded() runs after the load (writes weights)
+        self.atomic = True  # keep an undo copy of what reading overwrites
         self.saved_as: dict[str, tuple[Any, str]] = {}  # fqn -> (param index, state name)
         self.chunk_bytes = chunk_bytes
 
@@ -147,7 +148,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         """Validates the checkpoint against the optimizer and plans one read per saved chunk."""
         assert self.metadata is not None
         self._build_targets(self.metadata)
-        self.undo = _Undo.take(self.leaf, self.targets.values(), self.wrapped)
+        if self.atomic:
+            self.undo = _Undo.take(self.leaf, self.targets.values(), self.wrapped)
         items: list[ReadItem] = []
         for fqn, target in self.targets.items():
             md = self.metadata.state_dict_metadata[fqn]
@@ -407,6 +409,7 @@ def load_optimizer(
     storage_reader: StorageReader | None = None,
     process_group: Any = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    atomic: bool = True,
 ) -> None:
     """Loads a DCP optimizer checkpoint straight into ``optimizer``'s state storage.
 
@@ -416,7 +419,10 @@ def load_optimizer(
     raises :class:`OptimizerCheckpointError` and leaves the optimizer untouched. Any failure
     while reading (a missing or truncated file, an I/O error, ``KeyboardInterrupt``) puts the
     optimizer back exactly as it was; the extra memory for that is one copy of the leaf
-    optimizer's state as stored (and its params) for the duration of the load.
+    optimizer's state as stored (plus its params under a wrapper) for the duration of the load.
+    ``atomic=False`` keeps no such copy: the load then holds only the streaming bound (one
+    tensor being read plus one chunk), and the checks before the first read still apply, but a
+    failure while reading leaves the optimizer partly loaded (load again from a good checkpoint).
 
     Args:
         optimizer: the optimizer or wrapper stack to load into.
@@ -424,6 +430,8 @@ def load_optimizer(
         storage_reader: a DCP reader; default ``FileSystemReader(checkpoint_id)``.
         process_group: the group to coordinate over (default: the world, if initialised).
         chunk_bytes: how many bytes a precision-aware holder quantizes per device transfer.
+        atomic: undo everything if reading fails (default), at the cost of one copy of the
+            stored state; ``False`` for the smallest memory when a retry is acceptable.
 
     Example:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
@@ -462,6 +470,7 @@ def load_optimizer(
             _set_path(objects, _path_of(metadata, fqn), value)
         planner = StreamingLoadPlanner(leaf, objects, chunk_bytes=chunk_bytes)
         planner.wrapped = isinstance(optimizer, OptimizerWrapper)
+        planner.atomic = atomic
 
         def read() -> None:
             with _quiet_no_dist():
@@ -517,7 +526,9 @@ class _Undo:
         self.options = GroupOptions.take(leaf.param_groups)
         self.params: list[tuple[torch.Tensor, torch.Tensor]] = []
         if is_precision_aware_holder(leaf):
-            self.snapshot = OptimizerSnapshot.take(leaf)
+            # The holder's loader writes its storage and scales, never the params: those are
+            # kept only for a wrapper's state_loaded(), which may write weights.
+            self.snapshot = OptimizerSnapshot.take(leaf, keep_values=with_params)
             return
         live = {id(t): t for entry in leaf.state.values() for t in entry.values()}
         for target in targets:
