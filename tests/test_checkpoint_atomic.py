@@ -278,7 +278,7 @@ def test_non_atomic_load_loads_the_same_and_keeps_no_undo(
     assert taken == []
     assert_state_dict_equal(good, _snapshot(opt), names=("saved", "loaded, atomic=False"))
 
-    opt, before = _victim(build)
+    opt, _ = _victim(build)
     original = FileSystemReader._slice_file
     reads = _reads(name, tmp_path, monkeypatch)
     with monkeypatch.context() as patch:
