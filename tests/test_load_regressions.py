@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wrapped_optim import HybridSyncOptimizer
 from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer
@@ -171,6 +173,49 @@ def test_load_optimizer_rejects_a_nan_lr(tmp_path: Path) -> None:
     with pytest.raises(OptimizerCheckpointError, match="param group 0: lr must be a finite"):
         load_optimizer(opt, tmp_path)
     _unchanged(opt, before, params)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    lr=st.floats(0.0, 1.0, allow_subnormal=False),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    make=st.sampled_from([torch.optim.Adam, torch.optim.AdamW]),
+)
+def test_load_optimizer_reads_back_a_tensor_lr(lr: float, dtype: torch.dtype, make: Any) -> None:
+    """Found after issue 20: a tensor ``lr`` saved through DCP was never read back, and the
+    loaded group lost its ``lr`` key altogether (the next step raised KeyError)."""
+    import tempfile
+
+    opt = _stepped(make(_params(torch.float32), lr=torch.tensor(lr, dtype=dtype)))
+    expected = checkpoint_roundtrip(opt.state_dict())
+    with tempfile.TemporaryDirectory() as path:
+        _save(opt.state_dict(), Path(path))
+        opt.param_groups[0]["lr"] = torch.tensor(0.5, dtype=dtype)
+        load_optimizer(opt, path)
+    loaded = opt.param_groups[0]["lr"]
+    assert isinstance(loaded, torch.Tensor) and loaded.dtype == dtype
+    assert_state_dict_equal(expected, checkpoint_roundtrip(opt.state_dict()))
+    same = [torch.nn.Parameter(p.detach().clone()) for p in optimizer_params(opt)]
+    twin = make(same, lr=torch.tensor(0.5, dtype=dtype))
+    twin.load_state_dict(expected)
+    for o in (opt, twin):
+        _stepped(o, 1)
+    for a, b in zip(optimizer_params(opt), optimizer_params(twin), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_load_optimizer_rejects_a_nan_tensor_lr_read_from_the_checkpoint(tmp_path: Path) -> None:
+    opt = _stepped(torch.optim.AdamW(_params(torch.float32), lr=torch.tensor(0.01)))
+    bad = checkpoint_roundtrip(opt.state_dict())
+    bad["param_groups"][0]["lr"] = torch.tensor(math.nan)
+    _save(bad, tmp_path)
+    lr = opt.param_groups[0]["lr"]
+    before = checkpoint_roundtrip(opt.state_dict())
+    params = [p.detach().clone() for p in optimizer_params(opt)]
+    with pytest.raises(OptimizerCheckpointError, match="param group 0: lr must be a finite"):
+        load_optimizer(opt, tmp_path)
+    _unchanged(opt, before, params)
+    assert opt.param_groups[0]["lr"] is lr
 
 
 # ------------------------------------------------------------------------------------------

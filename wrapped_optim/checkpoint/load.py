@@ -129,6 +129,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self.wrapped = False  # a wrapper's state_loaded() runs after the load (writes weights)
         self.atomic = True  # keep an undo copy of what reading overwrites
         self.saved_as: dict[str, tuple[Any, str]] = {}  # fqn -> (param index, state name)
+        self.group_tensors: dict[str, tuple[int, str]] = {}  # fqn -> (group, hyper-parameter)
         self.chunk_bytes = chunk_bytes
 
     # -- planning ----------------------------------------------------------------------
@@ -178,7 +179,6 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 else g
                 for i, g in enumerate(saved_groups)
             ]
-        self.param_groups = list(saved_groups)
         saved: dict[Any, dict[str, Any]] = {}  # index -> name -> object or TensorMeta
         for key, entry in (self.objects.get("state") or {}).items():
             index = _int_key(key)
@@ -187,6 +187,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         state: dict[Any, dict[str, Any]] = {index: dict(entry) for index, entry in saved.items()}
         tensors: dict[str, tuple[Any, str, TensorStorageMetadata]] = {}
         group_tensors: list[dict[str, Any]] = [{} for _ in saved_groups]
+        group_fqns: dict[str, tuple[int, str, TensorStorageMetadata]] = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
                 continue
@@ -198,6 +199,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 and path[1] in range(len(group_tensors))
             ):
                 group_tensors[path[1]][str(path[2])] = meta  # a tensor hyper-parameter
+                group_fqns[fqn] = (path[1], str(path[2]), md)
             if path[0] != "state":
                 continue  # not optimizer state (e.g. a model saved alongside): not ours
             if len(path) != 3:
@@ -219,6 +221,16 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             state_format.check_hyper_parameters(i, {**group_tensors[i], **group}, mine)
 
         targets: dict[str, _Target] = {}
+        # A tensor hyper-parameter (torch's tensor ``lr``) is read into a new tensor that the
+        # group adopts at the end, as torch's own loader adopts the saved one.
+        self.param_groups = [dict(g) for g in saved_groups]
+        for fqn, (i, key, md) in group_fqns.items():
+            mine = leaf.param_groups[i].get(key)
+            device = mine.device if isinstance(mine, torch.Tensor) else torch.device("cpu")
+            value = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+            targets[fqn] = _Target(md.size, tensor=value, live=value)
+            self.param_groups[i][key] = value
+            self.group_tensors[fqn] = (i, key)
         self.saved_as = {fqn: (index, name) for fqn, (index, name, _) in tensors.items()}
         for fqn, (index, name, md) in tensors.items():
             param = id_map[index][0]
@@ -270,7 +282,14 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """Checks the values that arrived (state_format); quantizes a holder state into
         storage once all of its chunks have arrived."""
-        index, name = self.saved_as[read_item.dest_index.fqn]
+        fqn = read_item.dest_index.fqn
+        if fqn in self.group_tensors:
+            group_index, key = self.group_tensors[fqn]
+            problem = state_format.hyper_parameter_problem(key, tensor)
+            if problem is not None:
+                raise OptimizerCheckpointError(f"param group {group_index}: {problem}")
+            return
+        index, name = self.saved_as[fqn]
         if name == "step":
             state_format.check_step(f"param {index!r}", tensor)
         else:
