@@ -227,9 +227,9 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         for fqn, (i, key, md) in group_fqns.items():
             mine = leaf.param_groups[i].get(key)
             device = mine.device if isinstance(mine, torch.Tensor) else torch.device("cpu")
-            value = torch.empty(md.size, dtype=md.properties.dtype, device=device)
-            targets[fqn] = _Target(md.size, tensor=value, live=value)
-            self.param_groups[i][key] = value
+            hyper = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+            targets[fqn] = _Target(md.size, tensor=hyper, live=hyper)
+            self.param_groups[i][key] = hyper
             self.group_tensors[fqn] = (i, key)
         self.saved_as = {fqn: (index, name) for fqn, (index, name, _) in tensors.items()}
         for fqn, (index, name, md) in tensors.items():
