@@ -12,14 +12,14 @@ even when the parameter already lives on the host.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
 
 from wrapped_optim.adapters.hybrid import MasterCopies
 from wrapped_optim.adapters.precision import is_precision_aware_holder
-from wrapped_optim.optimizers import offload_loading
+from wrapped_optim.optimizers import cpu_kernel, fused_host_step, offload_loading
 from wrapped_optim.optimizers.transfers import copy_all
 from wrapped_optim.rollback import OptimizerSnapshot
 from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
@@ -99,6 +99,8 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     # Class-level defaults, for instances pickled before these existed.
     atomic_step: bool = False
     _copy_back_pending: bool = False
+    fused_host_step: bool | None = None
+    _fused_params: frozenset[torch.Tensor] = frozenset()  # written by this step's fused step
     _shared_grads: set[torch.Tensor]
 
     def __init__(
@@ -109,10 +111,17 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         gpu_optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
         param_update_in_fp32: bool = True,
         atomic_step: bool = False,
+        fused_host_step: bool | None = None,
         **defaults: Any,
     ) -> None:
         if not 0.0 <= float(offload_fraction) <= 1.0:
             raise ValueError(f"offload_fraction must be within [0, 1], got {offload_fraction}")
+        if fused_host_step and not cpu_kernel.available():
+            raise RuntimeError(
+                "fused_host_step=True, but the CPU AdamW kernel is unavailable: "
+                f"{cpu_kernel.status().reason}. Pass fused_host_step=None to use it only "
+                "where it can be built."
+            )
         self.pin_cpu_params = bool(defaults.pop("pin_cpu_params", True))
         self.pin_cpu_grads = bool(defaults.pop("pin_cpu_grads", True))
         defaults.pop("overlap_cpu_optimizer_d2h_h2d", None)
@@ -121,7 +130,9 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         self.gpu_optimizer_cls = gpu_optimizer_cls
         self.param_update_in_fp32 = bool(param_update_in_fp32)
         self.atomic_step = bool(atomic_step)
+        self.fused_host_step = fused_host_step
         self._copy_back_pending = False
+        self._fused_params = frozenset()
         self._shared_grads = set()  # host copies whose .grad is their param's own grad
         self._built = False
         super().__init__(params, defaults)
@@ -279,16 +290,16 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                         sub_group[key] = value
 
     @torch.no_grad()
-    def _copy_grads_to_copies(self) -> None:
+    def _copy_grads_to_copies(self, fused: Collection[torch.Tensor] = ()) -> None:
+        """Gives every copy its grad; a copy in ``fused`` (the fused host step reads its
+        param's grad itself) gets None, so its host optimizer's own step skips it."""
         pairs = []
         shared: set[torch.Tensor] = self.__dict__.setdefault("_shared_grads", set())
         for param, inner in self.param_to_inner_param.items():
             if inner is param:
                 continue
-            grad = getattr(param, "decoupled_grad", None)
-            if grad is None:
-                grad = param.grad
-            if grad is None:
+            grad = fused_host_step.grad_of(param)
+            if grad is None or inner in fused:
                 inner.grad = None
                 shared.discard(inner)
                 continue
@@ -376,22 +387,28 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_groups_to_sub_optimizers()
-        self._copy_grads_to_copies()
+        fused = fused_host_step.plan(self)
+        self._copy_grads_to_copies({entry.inner for entry in fused})
         subs = self.sub_optimizers  # the host one first: its snapshot lives in host memory
-        snapshot = (
-            OptimizerSnapshot.take(subs[0])
-            if self.atomic_step and len(subs) > 1 and subs[0] in self.cpu_optimizers
-            else None
-        )
+        atomic = self.atomic_step and len(subs) > 1 and subs[0] in self.cpu_optimizers
+        snapshot = OptimizerSnapshot.take(subs[0]) if atomic else None
+        # The fused host step writes its params before the step commits: kept too.
+        written = [(e.param, e.param.detach().clone()) for e in fused] if atomic else []
         try:
             for sub in subs:
                 sub.step()
+                if sub in self.cpu_optimizers:
+                    fused_host_step.run(fused)
         except BaseException:
             if snapshot is not None:
                 snapshot.restore()
+                with torch.no_grad():
+                    for param, value in written:
+                        param.copy_(value)
             self._expose_state()
             raise
-        del snapshot
+        del snapshot, written
+        self._fused_params = frozenset(entry.param for entry in fused)
         # Committed: the copies hold the new values; what follows only publishes them.
         self._copy_back_pending = True
         self._sync_steps_from_holders()
@@ -404,7 +421,15 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _copy_back(self) -> None:
-        copy_all([(p, inner) for p, inner in self.param_to_inner_param.items() if inner is not p])
+        """Copies each stepped copy into its param (the fused host step wrote its own)."""
+        done = self._fused_params
+        copy_all(
+            [
+                (p, inner)
+                for p, inner in self.param_to_inner_param.items()
+                if inner is not p and p not in done
+            ]
+        )
         self._copy_back_pending = False
 
     def _finish_copy_back(self) -> None:
