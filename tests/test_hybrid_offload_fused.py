@@ -297,3 +297,33 @@ def test_state_dict_round_trip_after_fused_steps_continues_bit_identically(
         opt.step()
         twin.step()
     assert_bitwise(params, opt, twin_params, twin)
+
+
+@needs_kernel
+@pytest.mark.parametrize("config", ["torch", "bf16 moments"])
+def test_fp32_grads_of_bf16_params_are_read_as_they_are(config):
+    """An FP32 grad of a bf16 param (Megatron's ``decoupled_grad``) is read by the kernel
+    directly; the unfused path copies it into the FP32 buffer unchanged: the same values."""
+    options = {} if config == "torch" else PRECISION[config]
+    a, b = make_params([BF16, BF16]), make_params([BF16, BF16])
+    fused = HybridOffloadOptimizer(
+        a, offload_fraction=1.0, lr=1e-2, fused_host_step=True, **options
+    )
+    plain_twin = HybridOffloadOptimizer(
+        b, offload_fraction=1.0, lr=1e-2, fused_host_step=False, **options
+    )
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        for x, y in zip(a, b, strict=True):
+            x.decoupled_grad = torch.randn(x.shape, generator=gen)
+            y.decoupled_grad = x.decoupled_grad.clone()
+        assert len(fused_host_step.plan(fused)) == (2 if step else 0)
+        fused.step()
+        plain_twin.step()
+    if config == "torch":
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(
+                fused.state[x]["master_param"], plain_twin.state[y]["master_param"]
+            )
+    else:
+        assert_bitwise(a, fused, b, plain_twin)
