@@ -9,20 +9,20 @@ the copy-out makes — 2 + 8 + 16 + 2 = 28 bytes per parameter with FP32 moments
 fused step's bytes (20 with bf16 moments).
 
 It applies to an offloaded parameter when its formats allow (a contiguous bf16 CPU param with
-an FP32 host copy; a bf16 or FP32 grad of the same numel on the CPU; host state already
-created: the first step takes the ordinary path, which creates it in the host optimizer's own
-format), the kernel can be built, and the host optimizer is one of:
+an FP32 host copy; a bf16 or FP32 grad of the same numel on the CPU), the kernel can be built,
+and the host optimizer is one of:
 
 - :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW`, for a copy it would itself update
   with the kernel (bf16/fp16/FP8 moments, or FP32 moments with ``fused=False``): the same
   kernel arithmetic on the same values, so masters, moments, scales and params are bitwise
-  those of the unfused path;
+  those of the unfused path (its state must exist: the first step, unfused, creates it);
 - torch's ``AdamW`` when HybridOffloadOptimizer picked its implementation (no ``fused`` or
   ``foreach`` from the caller) and no option the kernel lacks is on (``amsgrad``,
   ``maximize``, ``capturable``, ``differentiable``): torch's state, its per-param step count
-  and its checkpoint format, updated by the kernel's single-rounding form of the same
-  formula — equal to torch's ``AdamW(fused=True)`` up to FP32 rounding (a few ulps of the
-  master per step), not bitwise.
+  and its checkpoint format (created as torch's first step creates it, so every step of such
+  a param takes this path, whatever came before), updated by the kernel's single-rounding
+  form of the same formula — equal to torch's ``AdamW(fused=True)`` up to FP32 rounding (a
+  few ulps of the master per step), not bitwise.
 
 Everything else (CUDA params, FP32 or fp16 params, other host optimizers) keeps the
 unfused path. The host optimizer's own ``step`` runs first, for the other copies (a fused
@@ -143,11 +143,10 @@ def plan(hybrid: HybridOffloadOptimizer) -> list[FusedEntry]:
         >>> p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
         >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1)
         >>> p.grad = torch.ones(4, dtype=torch.bfloat16)
-        >>> plan(opt)  # no host state yet: the first step creates it
-        []
-        >>> opt.step()
         >>> len(plan(opt)) == (1 if cpu_kernel.available() else 0)
         True
+        >>> plan(HybridOffloadOptimizer([p], offload_fraction=1.0, fused_host_step=False))
+        []
     """
     if hybrid.fused_host_step is False or not hybrid.cpu_optimizers:
         return []
@@ -162,11 +161,13 @@ def plan(hybrid: HybridOffloadOptimizer) -> list[FusedEntry]:
             param = hybrid.cpu_copys_map_gpu_param[inner]
             grad = grad_of(param)
             state = sub.state.get(inner)
-            if grad is None or not state or not _formats_allow(param, inner, grad):
+            if grad is None or not _formats_allow(param, inner, grad):
                 continue
-            if kind == "torch" and not _torch_state_allows(state, inner):
+            if kind == "torch" and state and not _torch_state_allows(state, inner):
                 continue
-            if kind == "precision" and not _precision_kernel_would_update(sub, inner, sub_group):
+            if kind == "precision" and not (
+                state and _precision_kernel_would_update(sub, inner, sub_group)
+            ):
                 continue
             entries.append(FusedEntry(param, inner, grad, sub, sub_group))
     return entries
@@ -210,7 +211,8 @@ def run(entries: Sequence[FusedEntry]) -> None:
             fused = (entry.param.view(-1), grad, m, v, entry.inner.view(-1), m_scale, v_scale)
             precision.setdefault(id(entry.group), (sub, entry.group, []))[2].append(fused)
         else:
-            step = float(sub.state[entry.inner]["step"]) + 1
+            state = sub.state.get(entry.inner)
+            step = float(state["step"]) + 1 if state else 1.0
             plain.setdefault((id(entry.group), step), []).append(entry)
     for sub, group, calls in precision.values():
         kernel_step.kernel_update(sub, calls, group)  # its group step: advanced by sub.step
@@ -224,6 +226,9 @@ def _torch_adamw(entries: Sequence[FusedEntry], step: float) -> None:
     group = entries[0].group
     beta1, beta2 = group["betas"]
     states = [entry.optimizer.state[entry.inner] for entry in entries]
+    for state, entry in zip(states, entries, strict=True):
+        if not state:
+            _torch_initial_state(state, entry.inner, group)
     cpu_kernel.adamw_step_(
         [entry.param.view(-1) for entry in entries],
         [entry.grad.reshape(-1).contiguous() for entry in entries],
@@ -237,3 +242,15 @@ def _torch_adamw(entries: Sequence[FusedEntry], step: float) -> None:
         adam_w_mode=True,
     )  # fmt: skip
     torch._foreach_add_([state["step"] for state in states], 1)
+
+
+def _torch_initial_state(state: dict[str, Any], inner: Tensor, group: dict[str, Any]) -> None:
+    """The state torch's AdamW creates for a param on its first step (torch 2.13's
+    ``Adam._init_group``): a 0-d ``step`` (float32 for the fused implementation, else the
+    default scalar dtype) and zero moments shaped like the param, so that the checkpoint
+    format and every later step are the ones torch's own first step would give."""
+    fused = bool(group.get("fused"))
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    state["step"] = torch.zeros((), dtype=torch.float32 if fused else scalar, device="cpu")
+    state["exp_avg"] = torch.zeros_like(inner, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(inner, memory_format=torch.preserve_format)
