@@ -80,7 +80,9 @@ def test_device_copies_are_issued_together_then_waited_for_once(
 def test_offloaded_copies_still_round_trip_on_cpu() -> None:
     """On a CPU-only run the copies are plain copies: a step moves grads in and values out."""
     p = torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16))
-    opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.5, weight_decay=0.0)
+    opt = HybridOffloadOptimizer(
+        [p], offload_fraction=1.0, lr=0.5, weight_decay=0.0, fused_host_step=False
+    )  # the unfused path: the fused host step copies nothing
     p.grad = torch.ones(5, dtype=torch.bfloat16)
     opt.step()
     inner = opt.param_to_inner_param[p]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from wrapped_optim.hybrid import HybridSyncOptimizer
-from wrapped_optim.optimizers import HybridOffloadOptimizer
+from wrapped_optim.optimizers import HybridOffloadOptimizer, fused_host_step
 
 __all__ = ["run"]
 
@@ -47,13 +47,15 @@ def _timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-#: Bytes each phase moves per offloaded parameter (read + write), for bf16 params with FP32
-#: host copies and for FP32 params: the copies are memory-bound casts, the step reads param,
-#: grad and both moments and writes param and moments. FP32 params on the host need no grad
-#: copy: the host copy steps with the param's own grad.
+#: Bytes each phase moves per offloaded parameter (read + write): for bf16 params with FP32
+#: host copies, unfused (the grad cast in, the step over param, grad and both moments, the
+#: param cast out) and fused (the fused host step reads the bf16 grad and writes the bf16
+#: param itself: 2 + 8 + 16 + 2); for FP32 params (no grad copy: the host copy steps with the
+#: param's own grad; the result is copied out).
 _PHASE_BYTES = {
-    torch.bfloat16: {"copy_in": 2 + 4, "host": 16 + 12, "copy_out": 4 + 2},
-    torch.float32: {"copy_in": 0, "host": 16 + 12, "copy_out": 4 + 4},
+    "bf16": {"copy_in": 2 + 4, "host": 16 + 12, "copy_out": 4 + 2},
+    "bf16 fused": {"copy_in": 0, "host": 2 + 8 + 16 + 2, "copy_out": 0},
+    "fp32": {"copy_in": 0, "host": 16 + 12, "copy_out": 4 + 4},
 }
 _PHASES = ("copy_in", "host", "copy_out", "device")
 #: The issue's target: an offload_fraction=1.0 step within this factor of a bare fused step.
@@ -66,32 +68,49 @@ def _timed_once(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _phases_once(opt: HybridOffloadOptimizer) -> dict[str, float]:
-    """One step of ``opt`` split into its phases (the same calls ``step`` makes, in order)."""
+def _phases_once(opt: HybridOffloadOptimizer) -> tuple[dict[str, float], int]:
+    """One step of ``opt`` split into its phases (the same calls ``step`` makes, in order),
+    and how many params its fused host step updated (their grad copy-in and param copy-out
+    are part of the host step then)."""
     opt._sync_groups_to_sub_optimizers()
-    times = {"copy_in": _timed_once(opt._copy_grads_to_copies)}
-    times["host"] = sum(_timed_once(sub.step) for sub in opt.cpu_optimizers)
+    fused = fused_host_step.plan(opt)
+    times = {"copy_in": _timed_once(lambda: opt._copy_grads_to_copies({e.inner for e in fused}))}
+
+    def host() -> None:
+        for sub in opt.cpu_optimizers:
+            sub.step()
+        fused_host_step.run(fused)
+
+    times["host"] = _timed_once(host)
     gpu = opt.gpu_optimizer
     times["device"] = _timed_once(gpu.step) if gpu is not None else 0.0
+    opt._fused_params = frozenset(e.param for e in fused)
     times["copy_out"] = _timed_once(opt._copy_back)
-    return times
+    return times, len(fused)
+
+
+#: The variants of :func:`breakdown`: key -> (offload_fraction, fused_host_step).
+VARIANTS = {"1.0": (1.0, None), "1.0 unfused": (1.0, False), "0.5": (0.5, None)}
 
 
 def breakdown(
-    total: int,
-    dtype: torch.dtype = torch.bfloat16,
-    fractions: tuple[float, ...] = (1.0, 0.5),
-    rounds: int = 5,
+    total: int, dtype: torch.dtype = torch.bfloat16, rounds: int = 5
 ) -> dict[str, dict[str, float]]:
     """Best-of-``rounds`` seconds per phase and for a whole ``step`` of HybridOffloadOptimizer
-    at each offload fraction, plus ``"bare"``: torch ``AdamW(fused=True)`` over FP32 params
-    of the same numel. Rounds interleave every variant, so load from other processes hits
-    all alike; the minimum is the least disturbed sample.
+    in each of :data:`VARIANTS` (default options: the fused host step where it applies; and
+    ``fused_host_step=False``, the unfused path), with ``"fused"``: how many params the fused
+    host step updated; plus ``"bare"``: torch ``AdamW(fused=True)`` over FP32 params of the
+    same numel. Rounds interleave every variant, so load from other processes hits all
+    alike; the minimum is the least disturbed sample.
 
     Example:
         >>> result = breakdown(10_000, rounds=1)
-        >>> sorted(result), sorted(result["1.0"])
-        (['0.5', '1.0', 'bare'], ['copy_in', 'copy_out', 'device', 'host', 'step'])
+        >>> sorted(result)
+        ['0.5', '1.0', '1.0 unfused', 'bare']
+        >>> sorted(result["1.0"])
+        ['copy_in', 'copy_out', 'device', 'fused', 'host', 'step']
+        >>> result["1.0 unfused"]["fused"]
+        0.0
     """
     gen = torch.Generator().manual_seed(0)
     numel = max(1, total // _TENSORS)
@@ -107,7 +126,10 @@ def breakdown(
     bare_params = make(torch.float32)
     bare = torch.optim.AdamW(bare_params, lr=1e-6, fused=True)
     hybrids = {
-        str(f): HybridOffloadOptimizer(make(dtype), offload_fraction=f, lr=1e-6) for f in fractions
+        key: HybridOffloadOptimizer(
+            make(dtype), offload_fraction=fraction, fused_host_step=fused, lr=1e-6
+        )
+        for key, (fraction, fused) in VARIANTS.items()
     }
     bare.step()  # state created outside the timings
     for opt in hybrids.values():
@@ -118,8 +140,10 @@ def breakdown(
     for _ in range(rounds):
         best["bare"]["step"] = min(best["bare"]["step"], _timed_once(bare.step))
         for key, opt in hybrids.items():
-            for phase, seconds in _phases_once(opt).items():
+            times, fused = _phases_once(opt)
+            for phase, seconds in times.items():
                 best[key][phase] = min(best[key][phase], seconds)
+            best[key]["fused"] = float(fused)
             best[key]["step"] = min(best[key]["step"], _timed_once(opt.step))
     return best
 
@@ -135,12 +159,15 @@ def breakdown_section(sizes: list[int], rounds: int) -> list[str]:
     lines = [
         "## Hybrid offload step breakdown",
         "",
-        f"One `HybridOffloadOptimizer` step (default sub-optimizers: torch `AdamW(fused=True)` on "
-        f"the host, `AdamW` on the device; {_TENSORS} equal tensors; FP32 host copies) split "
-        "into its phases, beside a bare `AdamW(fused=True)` step over FP32 params of the same "
-        "numel (updated in place: no copies). Times are the best of "
-        f"{rounds} interleaved rounds, in milliseconds; the phases are timed one by one "
-        "(the same calls `step` makes), the step column is a whole `step()`. Target: the "
+        f"One `HybridOffloadOptimizer` step (default options: torch `AdamW` on the host, "
+        f"stepped by the fused host step where it applies, else `AdamW(fused=True)`; `AdamW` "
+        f"on the device; {_TENSORS} equal tensors; FP32 host copies) split into its phases, "
+        "beside a bare `AdamW(fused=True)` step over FP32 params of the same numel (updated in "
+        "place: no copies). 'fused' marks a host step that reads the grads and writes the "
+        "params itself (copy-in and copy-out are then part of it); the '1.0 unfused' rows "
+        "(`fused_host_step=False`) are the separate cast passes it replaces. Times are the "
+        f"best of {rounds} interleaved rounds, in milliseconds; the phases are timed one by "
+        "one (the same calls `step` makes), the step column is a whole `step()`. Target: the "
         f"offload_fraction=1.0 step within {TARGET_RATIO}x of the bare step. On a CPU the "
         "'device' is the host too, so the device step runs on the same cores.",
         "",
@@ -154,46 +181,46 @@ def breakdown_section(sizes: list[int], rounds: int) -> list[str]:
         result = breakdown(total, dtype, rounds=rounds)
         bare = result["bare"]["step"]
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
-        for key in ("1.0", "0.5"):
+        for key in VARIANTS:
             m = result[key]
             ratio = m["step"] / bare
             verdict = ("met" if ratio <= TARGET_RATIO else "missed") if key == "1.0" else "-"
-            cells = " | ".join(f"{m[p] * 1e3:.1f}" for p in _PHASES)
+            cells = [f"{m[p] * 1e3:.1f}" for p in _PHASES]
+            if m["fused"]:
+                cells[1] += " (fused)"
             lines.append(
-                f"| {total / 1e6:g}M | {name} | {key} | {cells} | {m['step'] * 1e3:.1f} "
-                f"| {bare * 1e3:.1f} | {ratio:.2f}x | {verdict} |"
+                f"| {total / 1e6:g}M | {name} | {key} | {' | '.join(cells)} "
+                f"| {m['step'] * 1e3:.1f} | {bare * 1e3:.1f} | {ratio:.2f}x | {verdict} |"
             )
-        full = result["1.0"]
-        rates = ", ".join(
-            f"{p.replace('_', '-')} {nbytes} B/param = {nbytes * total / full[p] / 1e9:.1f} GB/s"
-            for p, nbytes in _PHASE_BYTES[dtype].items()
-            if nbytes
-        )
+        for key in ("1.0", "1.0 unfused"):
+            m = result[key]
+            kind = f"{name} fused" if m["fused"] else name
+            rates = ", ".join(
+                f"{p.replace('_', '-')} {nbytes} B/param = {nbytes * total / m[p] / 1e9:.1f} GB/s"
+                for p, nbytes in _PHASE_BYTES[kind].items()
+                if nbytes
+            )
+            traffic.append(f"- {total / 1e6:g}M {name}, offload {key}: {rates}.")
         traffic.append(
-            f"- {total / 1e6:g}M {name}, offload 1.0: {rates}; bare step "
-            f"{_PHASE_BYTES[dtype]['host']} B/param = "
-            f"{_PHASE_BYTES[dtype]['host'] * total / bare / 1e9:.1f} GB/s."
+            f"- {total / 1e6:g}M bare step: 28 B/param = {28 * total / bare / 1e9:.1f} GB/s."
         )
-    bf16 = _PHASE_BYTES[torch.bfloat16]
-    fp32 = _PHASE_BYTES[torch.float32]
-    lower_bf16 = sum(bf16.values()) / bf16["host"]
-    lower_fp32 = sum(fp32.values()) / fp32["host"]
+    floors = {kind: sum(b.values()) / 28 for kind, b in _PHASE_BYTES.items()}
     lines += [
         "",
         "Bytes each phase moves (read + write) and the bandwidth it reached:",
         "",
         *traffic,
         "",
-        "Every phase is memory-bound, so the step moves "
-        f"{sum(bf16.values())} B/param with bf16 params (grad cast in, step, param cast out) "
-        f"and {sum(fp32.values())} B/param with FP32 params (the host copy steps with the "
-        f"param's own grad; only the result is copied out) where the bare step moves "
-        f"{bf16['host']}: floors of {lower_bf16:.2f}x and {lower_fp32:.2f}x the bare step at "
-        f"equal bandwidth against the {TARGET_RATIO}x target. Reaching it with bf16 params "
-        "needs a host step that reads the bf16 grads and writes the bf16 params itself (no "
-        "separate cast passes); torch's fused AdamW takes params and grads of one dtype, so "
-        "the default host optimizer cannot. On a CPU the distinct FP32 host copy of an FP32 "
-        "param (kept so that stale copies behave as on a GPU) costs the copy-out.",
+        "Every phase is memory-bound. With bf16 params the unfused step moves "
+        f"{sum(_PHASE_BYTES['bf16'].values())} B/param (grad cast in, step, param cast out: a "
+        f"floor of {floors['bf16']:.2f}x the bare step at equal bandwidth); the fused host "
+        "step reads the bf16 grad, updates the FP32 host copy and the moments and writes the "
+        f"bf16 param in one pass: {sum(_PHASE_BYTES['bf16 fused'].values())} B/param, the "
+        f"bare step's bytes ({floors['bf16 fused']:.2f}x). FP32 params on a CPU take the "
+        f"unfused path ({sum(_PHASE_BYTES['fp32'].values())} B/param, {floors['fp32']:.2f}x): "
+        "the host copy steps with the param's own grad and is copied out (the distinct copy "
+        "is what lets stale copies behave as on a GPU); the kernel has no entry point that "
+        "writes an FP32 param and its FP32 copy in one pass.",
         "",
     ]
     return lines

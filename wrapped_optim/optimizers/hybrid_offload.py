@@ -12,14 +12,14 @@ even when the parameter already lives on the host.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
 
 from wrapped_optim.adapters.hybrid import MasterCopies
 from wrapped_optim.adapters.precision import is_precision_aware_holder
-from wrapped_optim.optimizers import offload_loading
+from wrapped_optim.optimizers import cpu_kernel, fused_host_step, offload_grads, offload_loading
 from wrapped_optim.optimizers.transfers import copy_all
 from wrapped_optim.rollback import OptimizerSnapshot
 from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
@@ -30,9 +30,6 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Megatron HybridDeviceOptimizer options that only tune CUDA transfers: accepted so that
 # constructor calls can be switched unchanged, never passed to the sub-optimizers.
 _TRANSFER_OPTIONS = ("pin_cpu_grads", "pin_cpu_params", "overlap_cpu_optimizer_d2h_h2d")
-# Host optimizers whose step never writes a grad (without a grad scale), so an offloaded copy
-# may step with its param's grad itself when the formats match.
-_GRAD_READING_HOST_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam)
 
 
 class HybridOffloadOptimizer(torch.optim.Optimizer):
@@ -43,9 +40,15 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     and ``param_update_in_fp32``), stepped by one ``cpu_optimizer_cls`` instance; a 16-bit
     parameter left on its device gets an FP32 working copy there, and everything on the device
     is stepped by one ``gpu_optimizer_cls`` instance. The default host optimizer is torch's
-    ``AdamW`` with ``fused=True`` (its one-pass CPU kernel; pass ``fused=False`` or
-    ``foreach=...`` to get torch's other implementations, or any ``cpu_optimizer_cls``, e.g.
-    :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` for compressed host state).
+    ``AdamW`` (its state and checkpoint format), stepped by the *fused host step*
+    (:mod:`~wrapped_optim.optimizers.fused_host_step`) where it applies — a bf16 CPU param
+    with an FP32 host copy: one pass of the compiled CPU kernel reads the grad, updates copy
+    and moments and writes the param, within FP32 rounding of torch's arithmetic, not bitwise
+    — and by ``AdamW(fused=True)`` elsewhere. Pass ``fused=...`` or ``foreach=...`` to get
+    exactly torch's implementation, ``fused_host_step=False`` to never use the fused step
+    (``True``: raise if the kernel cannot be built), or any ``cpu_optimizer_cls``, e.g.
+    :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` for compressed host state (fused,
+    bitwise, where it would update the copy with the same kernel).
     ``step`` copies gradients to the copies,
     steps both sub-optimizers and copies the results back into the parameters; ``state`` shows
     the sub-optimizers' state under the original parameters, with the stepped copy as
@@ -99,6 +102,8 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     # Class-level defaults, for instances pickled before these existed.
     atomic_step: bool = False
     _copy_back_pending: bool = False
+    fused_host_step: bool | None = None
+    _fused_params: frozenset[torch.Tensor] = frozenset()  # written by this step's fused step
     _shared_grads: set[torch.Tensor]
 
     def __init__(
@@ -109,10 +114,17 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         gpu_optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
         param_update_in_fp32: bool = True,
         atomic_step: bool = False,
+        fused_host_step: bool | None = None,
         **defaults: Any,
     ) -> None:
         if not 0.0 <= float(offload_fraction) <= 1.0:
             raise ValueError(f"offload_fraction must be within [0, 1], got {offload_fraction}")
+        if fused_host_step and not cpu_kernel.available():
+            raise RuntimeError(
+                "fused_host_step=True, but the CPU AdamW kernel is unavailable: "
+                f"{cpu_kernel.status().reason}. Pass fused_host_step=None to use it only "
+                "where it can be built."
+            )
         self.pin_cpu_params = bool(defaults.pop("pin_cpu_params", True))
         self.pin_cpu_grads = bool(defaults.pop("pin_cpu_grads", True))
         defaults.pop("overlap_cpu_optimizer_d2h_h2d", None)
@@ -121,7 +133,9 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         self.gpu_optimizer_cls = gpu_optimizer_cls
         self.param_update_in_fp32 = bool(param_update_in_fp32)
         self.atomic_step = bool(atomic_step)
+        self.fused_host_step = fused_host_step
         self._copy_back_pending = False
+        self._fused_params = frozenset()
         self._shared_grads = set()  # host copies whose .grad is their param's own grad
         self._built = False
         super().__init__(params, defaults)
@@ -278,49 +292,10 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                     if key != "params":
                         sub_group[key] = value
 
-    @torch.no_grad()
-    def _copy_grads_to_copies(self) -> None:
-        pairs = []
-        shared: set[torch.Tensor] = self.__dict__.setdefault("_shared_grads", set())
-        for param, inner in self.param_to_inner_param.items():
-            if inner is param:
-                continue
-            grad = getattr(param, "decoupled_grad", None)
-            if grad is None:
-                grad = param.grad
-            if grad is None:
-                inner.grad = None
-                shared.discard(inner)
-                continue
-            if self._can_share_grad(inner, grad):
-                inner.grad = grad  # the host step only reads it: no copy needed
-                shared.add(inner)
-                continue
-            if inner in shared:  # its grad is a param's: never copy into that one
-                inner.grad = None
-                shared.discard(inner)
-            if inner.grad is None or inner.grad.shape != inner.shape:
-                pin = inner.device.type == "cpu" and param.is_cuda and self.pin_cpu_grads
-                inner.grad = torch.empty(
-                    inner.shape, dtype=inner.dtype, device=inner.device, pin_memory=pin
-                )
-            pairs.append((inner.grad, grad))
-        copy_all(pairs)
-
-    def _can_share_grad(self, inner: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Whether the host copy may step with the param's own grad instead of a copy of it:
-        the same dtype, device and layout (a CPU-only run with FP32 params), and a host
-        optimizer known to only read grads (torch's Adam and AdamW write a grad only when
-        given a grad scale, which this optimizer never passes)."""
-        return (
-            inner in self.cpu_copys_map_gpu_param
-            and all(type(sub) in _GRAD_READING_HOST_OPTIMIZERS for sub in self.cpu_optimizers)
-            and grad.dtype == inner.dtype
-            and grad.device == inner.device
-            and grad.shape == inner.shape
-            and grad.stride() == inner.stride()
-            and not grad.is_sparse
-        )
+    def _copy_grads_to_copies(self, fused: Collection[torch.Tensor] = ()) -> None:
+        """Gives every copy its grad (:func:`offload_grads.give_grads`); one in ``fused`` gets
+        None (the fused host step reads its param's grad itself)."""
+        offload_grads.give_grads(self, fused)
 
     def _holders(self) -> list[torch.optim.Optimizer]:
         return [sub for sub in self.sub_optimizers if is_precision_aware_holder(sub)]
@@ -376,22 +351,28 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_groups_to_sub_optimizers()
-        self._copy_grads_to_copies()
+        fused = fused_host_step.plan(self)
+        self._copy_grads_to_copies({entry.inner for entry in fused})
         subs = self.sub_optimizers  # the host one first: its snapshot lives in host memory
-        snapshot = (
-            OptimizerSnapshot.take(subs[0])
-            if self.atomic_step and len(subs) > 1 and subs[0] in self.cpu_optimizers
-            else None
-        )
+        atomic = self.atomic_step and len(subs) > 1 and subs[0] in self.cpu_optimizers
+        snapshot = OptimizerSnapshot.take(subs[0]) if atomic else None
+        # The fused host step writes its params before the step commits: kept too.
+        written = [(e.param, e.param.detach().clone()) for e in fused] if atomic else []
         try:
             for sub in subs:
                 sub.step()
+                if sub in self.cpu_optimizers:
+                    fused_host_step.run(fused)
         except BaseException:
             if snapshot is not None:
                 snapshot.restore()
+                with torch.no_grad():
+                    for param, value in written:
+                        param.copy_(value)
             self._expose_state()
             raise
-        del snapshot
+        del snapshot, written
+        self._fused_params = frozenset(entry.param for entry in fused)
         # Committed: the copies hold the new values; what follows only publishes them.
         self._copy_back_pending = True
         self._sync_steps_from_holders()
@@ -404,7 +385,15 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _copy_back(self) -> None:
-        copy_all([(p, inner) for p, inner in self.param_to_inner_param.items() if inner is not p])
+        """Copies each stepped copy into its param (the fused host step wrote its own)."""
+        done = self._fused_params
+        copy_all(
+            [
+                (p, inner)
+                for p, inner in self.param_to_inner_param.items()
+                if inner is not p and p not in done
+            ]
+        )
         self._copy_back_pending = False
 
     def _finish_copy_back(self) -> None:

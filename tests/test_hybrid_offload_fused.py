@@ -1,0 +1,358 @@
+"""HybridOffloadOptimizer's fused host step (optimizers/fused_host_step.py): where it applies,
+bitwise equal to the unfused path with PrecisionAwareAdamW host optimizers, within FP32
+rounding of it with torch's AdamW, the same state format, round-trips, and its fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wrapped_optim.optimizers import (
+    HybridOffloadOptimizer,
+    PrecisionAwareAdamW,
+    cpu_kernel,
+    fused_host_step,
+)
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernel.available(), reason=f"CPU kernel unavailable: {cpu_kernel.status().reason}"
+)
+
+PAAW = dict(cpu_optimizer_cls=PrecisionAwareAdamW, gpu_optimizer_cls=PrecisionAwareAdamW)
+#: Host optimizer configurations: keywords for HybridOffloadOptimizer, and whether the fused
+#: path is bitwise the unfused one.
+PRECISION = {
+    "bf16 moments": dict(**PAAW, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16),
+    "fp32 moments, TE formula": dict(**PAAW, fused=False),
+    "fp16/FP8 moments": dict(
+        **PAAW,
+        exp_avg_dtype=torch.float16,
+        exp_avg_sq_dtype=torch.uint8,
+    ),
+    "L2 mode": dict(**PAAW, exp_avg_dtype=BF16, adam_w_mode=False),
+}
+
+
+def make_params(dtypes: list[torch.dtype], seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(40,), (3, 7), (129,), (2, 2), (65,)]
+    return [
+        torch.nn.Parameter(torch.randn(shapes[i % len(shapes)], generator=gen).to(dtype))
+        for i, dtype in enumerate(dtypes)
+    ]
+
+
+def set_grads(params, step, skip=()):
+    gen = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        p.grad = None if i in skip else grad
+
+
+def twins(dtypes, fraction, **options):
+    """A default (fused where it applies) and an unfused optimizer over equal params."""
+    a, b = make_params(dtypes), make_params(dtypes)
+    fused = HybridOffloadOptimizer(a, offload_fraction=fraction, **options)
+    plain = HybridOffloadOptimizer(b, offload_fraction=fraction, fused_host_step=False, **options)
+    return a, fused, b, plain
+
+
+def run_steps(pairs, steps, skip_at=None):
+    """Steps every (params, optimizer) alike; returns how many params each fused step took."""
+    counts = []
+    for step in range(steps):
+        skip = skip_at.get(step, ()) if skip_at else ()
+        for params, _ in pairs:
+            set_grads(params, step, skip)
+        counts.append(len(fused_host_step.plan(pairs[0][1])))
+        for _, opt in pairs:
+            opt.step()
+    return counts
+
+
+def raw_state(opt, params):
+    out = []
+    for p in params:
+        entry = opt.state.get(p, {})
+        out.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()})
+    return out
+
+
+def assert_bitwise(a, opt_a, b, opt_b):
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    for sa, sb in zip(raw_state(opt_a, a), raw_state(opt_b, b), strict=True):
+        assert sa.keys() == sb.keys()
+        for name in sa:
+            assert torch.equal(torch.as_tensor(sa[name]), torch.as_tensor(sb[name])), name
+    for sub_a, sub_b in zip(opt_a.cpu_optimizers, opt_b.cpu_optimizers, strict=True):
+        if isinstance(sub_a, PrecisionAwareAdamW):
+            for inner_a, inner_b in zip(sub_a._scales, sub_b._scales, strict=True):
+                for name, scale in sub_a._scales[inner_a].items():
+                    assert torch.equal(scale, sub_b._scales[inner_b][name])
+    assert [g.get("step") for g in opt_a.param_groups] == [
+        g.get("step") for g in opt_b.param_groups
+    ]
+
+
+@needs_kernel
+@pytest.mark.parametrize("config", list(PRECISION))
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_precision_host_fused_equals_unfused_bitwise(config, fraction, weight_decay):
+    dtypes = [BF16, BF16, FP32, BF16, BF16]
+    a, fused, b, plain = twins(
+        dtypes, fraction, lr=1e-2, weight_decay=weight_decay, **PRECISION[config]
+    )
+    # step 1 creates the state (unfused); param 1 has no grad at step 2, param 3 none at 3
+    counts = run_steps([(a, fused), (b, plain)], 4, skip_at={2: (1,), 3: (3,)})
+    assert counts[0] == 0 and max(counts) > 0
+    offloaded_bf16 = [
+        i for i, p in enumerate(a) if p in fused.gpu_params_map_cpu_copy and p.dtype == BF16
+    ]
+    assert counts[1] == len(offloaded_bf16)  # every offloaded bf16 param, no FP32 one
+    assert counts[2] == len([i for i in offloaded_bf16 if i != 1])
+    assert_bitwise(a, fused, b, plain)
+
+
+@needs_kernel
+def test_precision_host_fp32_moments_with_torch_fused_formula_is_not_fused():
+    """PrecisionAwareAdamW's default FP32 path is torch's fused kernel (another rounding):
+    the fused host step must not replace it."""
+    a, fused, b, plain = twins([BF16, BF16], 1.0, **PAAW)
+    assert run_steps([(a, fused), (b, plain)], 3) == [0, 0, 0]
+    assert_bitwise(a, fused, b, plain)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_torch_adamw_default_is_fused_and_within_rounding_of_torch(fraction, weight_decay):
+    dtypes = [BF16, FP32, BF16, BF16]
+    a, fused, b, plain = twins(dtypes, fraction, lr=1e-2, weight_decay=weight_decay)
+    counts = run_steps([(a, fused), (b, plain)], 6, skip_at={3: (2,)})
+    # from the first step on (it creates torch's state itself), the skipped grad excepted
+    offloaded_bf16 = [p for p in a if p in fused.gpu_params_map_cpu_copy and p.dtype == BF16]
+    assert counts == [len(offloaded_bf16)] * 6 or counts[3] == len(offloaded_bf16) - 1
+    assert min(counts) > 0
+    for x, y in zip(a, b, strict=True):
+        sa, sb = fused.state[x], plain.state[y]
+        assert sa.keys() == sb.keys() == {"exp_avg", "exp_avg_sq", "step", "master_param"}
+        for name in sa:
+            assert sa[name].dtype == sb[name].dtype and sa[name].shape == sb[name].shape
+        assert torch.equal(sa["step"], sb["step"])  # skipped steps counted alike
+        # Not bitwise (a different FP32 rounding of the same formula): a few ulps.
+        torch.testing.assert_close(sa["master_param"], sb["master_param"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+        # the params are the masters rounded to bf16, as the copy-out rounds them
+        assert torch.equal(x, sa["master_param"].to(x.dtype)) or x.dtype == FP32
+
+
+@needs_kernel
+def test_torch_adamw_fused_step_is_the_kernel_on_the_copies():
+    """Bitwise: the fused torch-AdamW step is the kernel's update of the FP32 copies with
+    torch's per-param step count, then the round-to-nearest-even cast into the params."""
+    params = make_params([BF16, BF16, BF16])
+    opt = HybridOffloadOptimizer(params, offload_fraction=1.0, lr=3e-2, weight_decay=0.05)
+    set_grads(params, 0)
+    opt.step()
+    copies = [opt.state[p]["master_param"].clone() for p in params]
+    moments = [
+        (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone()) for p in params
+    ]
+    set_grads(params, 1)
+    grads = [p.grad.clone() for p in params]
+    opt.step()
+    cpu_kernel.adamw_step_(
+        copies, grads, [m for m, _ in moments], [v for _, v in moments],
+        lr=3e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05,
+        bias_correction1=1 - 0.9**2, bias_correction2=1 - 0.999**2,
+    )  # fmt: skip
+    for p, copy, (m, v) in zip(params, copies, moments, strict=True):
+        assert torch.equal(opt.state[p]["master_param"], copy)
+        assert torch.equal(opt.state[p]["exp_avg"], m) and torch.equal(
+            opt.state[p]["exp_avg_sq"], v
+        )
+        assert torch.equal(p, copy.to(BF16))
+        assert opt.state[p]["step"].item() == 2.0
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(fused=True),  # the caller chose torch's kernel
+        dict(foreach=False),
+        dict(amsgrad=True),
+        dict(maximize=True),
+        dict(cpu_optimizer_cls=torch.optim.Adam),
+        dict(**PAAW, exp_avg_dtype=BF16, cpu_kernel=False),
+        dict(param_update_in_fp32=False),
+    ],
+    ids=lambda o: ",".join(f"{k}={getattr(v, '__name__', v)}" for k, v in o.items()),
+)
+def test_options_the_fused_step_cannot_honour_keep_the_unfused_path(options):
+    a, fused, b, plain = twins([BF16, BF16], 1.0, lr=1e-2, **options)
+    assert run_steps([(a, fused), (b, plain)], 3) == [0, 0, 0]
+    assert_bitwise(a, fused, b, plain)
+
+
+@needs_kernel
+def test_a_caller_choosing_fused_in_one_group_keeps_torch_there():
+    a = make_params([BF16, BF16])
+    opt = HybridOffloadOptimizer(
+        [{"params": [a[0]]}, {"params": [a[1]], "fused": True}], offload_fraction=1.0
+    )
+    run_steps([(a, opt)], 1)
+    set_grads(a, 1)
+    assert [e.param for e in fused_host_step.plan(opt)] == [a[0]]
+
+
+def test_without_the_kernel_the_unfused_path_steps(monkeypatch):
+    monkeypatch.setenv("WRAPPED_OPTIM_CPU_KERNEL", "0")
+    cpu_kernel._reset_for_tests()
+    try:
+        a, fused, b, plain = twins([BF16, FP32, BF16], 0.5, lr=1e-2)
+        assert run_steps([(a, fused), (b, plain)], 3) == [0, 0, 0]
+        assert_bitwise(a, fused, b, plain)
+        with pytest.raises(RuntimeError, match=r"fused_host_step=True.*WRAPPED_OPTIM_CPU_KERNEL"):
+            HybridOffloadOptimizer(make_params([BF16]), fused_host_step=True)
+    finally:
+        cpu_kernel._reset_for_tests()
+
+
+@needs_kernel
+def test_fused_params_are_not_copied_out_and_their_grad_buffer_is_freed():
+    params = make_params([BF16, BF16])
+    opt = HybridOffloadOptimizer(params, offload_fraction=1.0, lr=1e-2)
+    run_steps([(params, opt)], 2)
+    assert opt._fused_params == frozenset(params)
+    assert all(opt.gpu_params_map_cpu_copy[p].grad is None for p in params)
+    with torch.no_grad():
+        params[0].fill_(5.0)  # a copy-back now would overwrite this
+    opt._copy_back()
+    assert torch.equal(params[0], torch.full_like(params[0], 5.0))
+
+
+@needs_kernel
+@pytest.mark.parametrize("config", ["torch", "bf16 moments"])
+def test_a_failed_device_step_undoes_the_fused_host_step(config):
+    options = {} if config == "torch" else PRECISION[config]
+    params = make_params([BF16, BF16, BF16, BF16])
+    opt = HybridOffloadOptimizer(params, offload_fraction=0.5, atomic_step=True, **options)
+    run_steps([(params, opt)], 1)
+    before = [p.detach().clone() for p in params]
+    masters = [opt.state[p]["master_param"].clone() for p in params]
+    set_grads(params, 1)
+    assert 0 < len(fused_host_step.plan(opt)) < len(params)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("device step failed")
+
+    opt.gpu_optimizer.step = boom
+    with pytest.raises(RuntimeError, match="device step failed"):
+        opt.step()
+    for p, value, master in zip(params, before, masters, strict=True):
+        assert torch.equal(p, value)
+        assert torch.equal(opt.state[p]["master_param"], master)
+
+
+@needs_kernel
+@settings(max_examples=12, deadline=None)
+@given(
+    config=st.sampled_from(["torch", "bf16 moments", "fp16/FP8 moments"]),
+    fraction=st.sampled_from([1.0, 0.5]),
+    before=st.integers(1, 3),
+    after=st.integers(1, 3),
+)
+def test_state_dict_round_trip_after_fused_steps_continues_bit_identically(
+    config, fraction, before, after
+):
+    options = {} if config == "torch" else PRECISION[config]
+    dtypes = [BF16, FP32, BF16]
+    params = make_params(dtypes)
+    opt = HybridOffloadOptimizer(params, offload_fraction=fraction, lr=1e-2, **options)
+    for step in range(before):
+        set_grads(params, step)
+        opt.step()
+    saved = opt.state_dict()
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = HybridOffloadOptimizer(twin_params, offload_fraction=fraction, lr=1e-2, **options)
+    twin.load_state_dict(saved)
+    # the unfused path's state dict has the same layout
+    _, _, b, plain = twins(dtypes, fraction, lr=1e-2, **options)
+    run_steps([(b, plain)], before)
+    reference = plain.state_dict()
+    assert saved["state"].keys() == reference["state"].keys()
+    for key, entry in saved["state"].items():
+        assert {n: (v.dtype, v.shape) for n, v in entry.items()} == {
+            n: (v.dtype, v.shape) for n, v in reference["state"][key].items()
+        }
+    for step in range(before, before + after):
+        set_grads(params, step)
+        set_grads(twin_params, step)
+        assert len(fused_host_step.plan(twin)) == len(fused_host_step.plan(opt)) > 0
+        opt.step()
+        twin.step()
+    assert_bitwise(params, opt, twin_params, twin)
+
+
+@needs_kernel
+@pytest.mark.parametrize("config", ["torch", "bf16 moments"])
+def test_fp32_grads_of_bf16_params_are_read_as_they_are(config):
+    """An FP32 grad of a bf16 param (Megatron's ``decoupled_grad``) is read by the kernel
+    directly; the unfused path copies it into the FP32 buffer unchanged: the same values."""
+    options = {} if config == "torch" else PRECISION[config]
+    a, b = make_params([BF16, BF16]), make_params([BF16, BF16])
+    fused = HybridOffloadOptimizer(
+        a, offload_fraction=1.0, lr=1e-2, fused_host_step=True, **options
+    )
+    plain_twin = HybridOffloadOptimizer(
+        b, offload_fraction=1.0, lr=1e-2, fused_host_step=False, **options
+    )
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        for x, y in zip(a, b, strict=True):
+            x.decoupled_grad = torch.randn(x.shape, generator=gen)
+            y.decoupled_grad = x.decoupled_grad.clone()
+        assert len(fused_host_step.plan(fused)) == (2 if step or config == "torch" else 0)
+        fused.step()
+        plain_twin.step()
+    if config == "torch":
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(
+                fused.state[x]["master_param"], plain_twin.state[y]["master_param"]
+            )
+    else:
+        assert_bitwise(a, fused, b, plain_twin)
+
+
+@needs_kernel
+def test_torch_adamw_takes_one_path_whatever_came_before():
+    """The default's first step is fused too (it creates torch's state), so a param's
+    arithmetic does not depend on whether its state was created by a zero step first."""
+    a, b = make_params([BF16, BF16]), make_params([BF16, BF16])
+    fresh = HybridOffloadOptimizer(a, offload_fraction=1.0, lr=1e-2, weight_decay=0.1)
+    primed = HybridOffloadOptimizer(b, offload_fraction=1.0, lr=1e-2, weight_decay=0.1)
+    primed.dummy_step()  # zero grads at lr 0: state created, nothing moved
+    for state in primed.cpu_optimizers[0].state.values():
+        state["step"].zero_()
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    run_steps([(a, fresh), (b, primed)], 3)
+    assert_bitwise(a, fresh, b, primed)
+    # the state it creates is the one torch's own first step creates
+    c, d = make_params([BF16]), make_params([BF16])
+    ours = HybridOffloadOptimizer(c, offload_fraction=1.0)
+    torchs = HybridOffloadOptimizer(d, offload_fraction=1.0, fused_host_step=False)
+    assert run_steps([(c, ours), (d, torchs)], 1) == [1]
+
+    def layout(opt, p):
+        return {k: (v.dtype, v.shape, v.device) for k, v in opt.state[p].items()}
+
+    assert layout(ours, c[0]) == layout(torchs, d[0])
+    assert ours.state[c[0]]["step"].item() == torchs.state[d[0]]["step"].item() == 1.0
