@@ -471,3 +471,30 @@ def test_every_combination_compiles_for_sm90(
     _check_sm90({"MASTER": master, "P_KIND": 1 if master == 2 else p_kind, "G_KIND": g_kind,
                  "M_KIND": m_kind, "V_KIND": v_kind, "ADAM_W": adam_w,
                  "LR_TENSOR": lr_tensor, "ALIGNED": aligned})  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- GPU check
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("interpreted")
+def test_gpu_check_configurations_are_fused_and_its_interpreted_child_run_works(
+    tmp_path: Any,
+) -> None:
+    """Every configuration tests/gpu/gpu_fused_step.py runs is the fused path's, and its
+    reference (the kernels interpreted in a child process) gives what an in-process
+    interpreted run gives."""
+    from tests.gpu import gpu_fused_step
+
+    for name in gpu_fused_step.CONFIGS:
+        opt, params, grads = gpu_fused_step._make(name, (5, 3, 2), "cpu", cpu_kernel=False)
+        group = opt.param_groups[0]
+        for p in params:
+            opt.initialize_state(p)
+        pairs = gpu_fused_step._pairs(params, grads, 0)
+        assert all(fused_gpu.applicable(opt, p, g, group) for p, g in pairs), name
+    name = list(gpu_fused_step.CONFIGS)[-1]  # mixed param and grad dtypes
+    gpu_fused_step.interpreted_run(name, str(tmp_path / "here.pt"))
+    here = torch.load(tmp_path / "here.pt")
+    assert gpu_fused_step._same(gpu_fused_step._interpreted(name), here)
+    assert not gpu_fused_step._same(here[:1], [here[0] + 1])
