@@ -218,9 +218,11 @@ def applicable(
         >>> applicable.__name__
         'applicable'
     """
-    if opt.fused is True or not opt.state.get(param) or not available():
+    if opt.fused is True or not opt.state.get(param):
         return False
-    return _operands(opt, param, grad) is not None
+    if local_tensor(param).device.type not in _DEVICE_TYPES:
+        return False  # first: the CPU step asks about every parameter it cannot fuse
+    return available() and _operands(opt, param, grad) is not None
 
 
 def launches_per_step(opt: PrecisionAwareAdamW, pairs: Sequence[tuple[Tensor, Tensor]]) -> int:
