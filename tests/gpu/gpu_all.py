@@ -14,7 +14,10 @@ it. Then each check runs in turn (each a module whose ``run()`` returns a
 * ``gpu_staged`` -- real ``torch.cuda`` peak memory and time of unstaged, whole-tensor and
   chunked saves and loads (the one-chunk bound is a row), and of the FP32 no-copy load;
 * ``gpu_precision_adam`` -- PrecisionAwareAdamW on CUDA: chunk API, resume bit-identity,
-  the fused step bitwise against the CPU reference, step times;
+  step times;
+* ``gpu_fused_step`` -- the fused Triton step: taken, launches per step (profiler), no host
+  sync (sync debug mode), bitwise against the same kernels interpreted on CPU and against
+  the CPU kernel;
 * ``gpu_hybrid`` -- megatron-core's real ``HybridDeviceOptimizer`` through
   ``HybridSyncOptimizer``;
 * ``gpu_hybrid_precision`` -- ``HybridOffloadOptimizer`` with ``PrecisionAwareAdamW``
@@ -48,6 +51,7 @@ __all__ = ["CHECKS", "REQUIREMENTS", "exit_code", "main", "run_checks", "setup"]
 
 CHECKS = (
     "gpu_precision_adam",
+    "gpu_fused_step",
     "gpu_hybrid_precision",
     "gpu_streaming",
     "gpu_hybrid",

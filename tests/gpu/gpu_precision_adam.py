@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from wrapped_optim import codecs
-from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel, fused_gpu
+from wrapped_optim.optimizers import PrecisionAwareAdamW
 
 from ._report import Section, main_of, require_cuda
 
@@ -123,57 +123,6 @@ def _checks(device: str = "cuda") -> list[tuple[str, bool]]:
     return results
 
 
-_FUSED_CONFIGS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
-    "fp32 params, bf16 moments": (torch.float32, {"exp_avg_dtype": BF16, "exp_avg_sq_dtype": BF16}),
-    "bf16 params, fp32 master, bf16 moments": (
-        BF16,
-        {"master_weights": True, "exp_avg_dtype": BF16, "exp_avg_sq_dtype": BF16},
-    ),
-    "bf16 params, remainders, fp32 moments": (
-        BF16,
-        {"master_weights": True, "store_param_remainders": True},
-    ),
-}
-
-
-def _fused_run(dtype: torch.dtype, cfg: dict[str, Any], device: str) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(5)
-    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype).to(device))
-              for n in (1_000_003, 4099, 7)]  # fmt: skip
-    kernel = {"cpu_kernel": True} if device == "cpu" else {}
-    opt = PrecisionAwareAdamW(params, lr=1e-2, weight_decay=0.1, **kernel, **cfg)
-    for i in range(3):
-        g = torch.Generator().manual_seed(300 + i)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g).to(dtype).to(device)
-        opt.step()
-    out = [p.detach().cpu() for p in params]
-    out += [t.cpu() for p in params for t in opt.state[p].values()]
-    return out
-
-
-def _fused_checks(device: str = "cuda") -> list[tuple[str, bool]]:
-    """The fused GPU step against the CPU kernel (the single-rounding reference), bitwise."""
-    if not fused_gpu.available():
-        return [("fused GPU step: triton importable", False)]
-    if not cpu_kernel.available():
-        return [(f"fused GPU step: CPU kernel to compare with ({cpu_kernel.status().reason})",
-                 False)]  # fmt: skip
-    results = []
-    for label, (dtype, cfg) in _FUSED_CONFIGS.items():
-        p = torch.nn.Parameter(torch.zeros(8, dtype=dtype, device=device))
-        probe = PrecisionAwareAdamW([p], **cfg)
-        probe.initialize_state(p)
-        taken = fused_gpu.applicable(probe, p, torch.zeros_like(p), probe.param_groups[0])
-        same = all(
-            _same(a, b)
-            for a, b in zip(_fused_run(dtype, cfg, device), _fused_run(dtype, cfg, "cpu"),
-                            strict=True)
-        )  # fmt: skip
-        results.append((f"fused GPU step, {label}: taken, bitwise = CPU kernel", taken and same))
-    return results
-
-
 def _time(
     make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
     dtype: torch.dtype,
@@ -207,7 +156,7 @@ def run() -> Section:
     require_cuda("gpu_precision_adam")
     lines = [f"## PrecisionAwareAdamW on CUDA ({torch.cuda.get_device_name()})", ""]
     lines += ["| check | result |", "|---|---|"]
-    results = _checks() + _fused_checks()
+    results = _checks()  # the fused step's own checks: gpu_fused_step
     for label, ok in results:
         lines.append(f"| {label} | {'pass' if ok else 'FAIL'} |")
     numel = 50_000_000

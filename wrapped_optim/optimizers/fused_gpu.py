@@ -1,21 +1,35 @@
-"""PrecisionAwareAdamW's fused GPU step: one Triton kernel launch per parameter.
+"""PrecisionAwareAdamW's fused GPU step: one Triton launch per parameter group and format
+combination (three where fp16/FP8 state needs a new scale), no host synchronisation.
 
 The sliced torch path expands each 64K slice of state to FP32, updates it and encodes it
-back, 5 to 41 kernel launches per slice: on a GPU the step is launch-bound. Where its formats
-allow, a parameter is instead updated by one launch of the kernel in
-:mod:`~wrapped_optim.optimizers._fused_gpu_kernel`, which reads every operand once in its
-stored format and writes it back once, with no host synchronisation (hyper-parameters are
-kernel arguments; a tensor ``lr`` on the device is read by the kernel).
+back, 5 to 41 kernel launches per slice: on a GPU the step is launch-bound. Here the
+parameters of one group are bucketed by device and format combination, and each bucket is
+updated by the kernels of :mod:`~wrapped_optim.optimizers._fused_gpu_kernel`, multi-tensor
+style: a device table holds each tensor's operand addresses, element count, first program and
+scale addresses, a block map names each program's tensor. Both are cached per optimizer,
+group and combination, and rebuilt only when an address or size changes (typically the
+gradients, when they are reallocated: then one small pinned, non-blocking host-to-device
+copy of the table). Per bucket and step:
 
-It applies to CUDA parameters (fp32, bf16 or fp16) with an fp32, bf16 or fp16 gradient,
-fp32 or bf16 moments, and no master, an FP32 master (bf16/fp16 parameter) or an int16
-remainder master (bf16 parameter); contiguous storage; ``fused`` not ``True`` (that asks for
-torch's kernel); triton importable. Scaled state (fp16 or FP8 moments, an fp16 master) keeps
-the sliced path, whose new scale needs the amax of the whole updated tensor first.
+* FP32/bf16 moments (no scaled state): one launch;
+* fp16 or FP8 moments, or an fp16 master: three launches -- pass 1 computes the update and
+  only the new amax of each scaled tensor (atomic max on the device), a small kernel turns
+  the amaxes into the codecs' new scales and multipliers (written on the device), pass 2
+  redoes the same arithmetic and writes everything.
+
+Nothing is read back on the host: hyper-parameters are kernel arguments, a device ``lr``
+tensor is read by the kernel, scales never leave the device.
+
+It applies to parameters on a CUDA device (fp32, bf16 or fp16) with an fp32, bf16 or fp16
+gradient, fp32, bf16, fp16 or FP8 moments, and no master, an FP32 or fp16 master, or an int16
+remainder master (bf16 parameter); an FP32 parameter's master (FP32 or fp16) is written as
+a copy of it, as the torch path does; contiguous storage; ``fused`` not ``True`` (that asks
+for torch's kernel); triton importable.
 
 Its arithmetic is the CPU kernel's (:mod:`~wrapped_optim.optimizers.cpu_kernel`), bit for bit:
-TE's formula in float32 with single roundings. The test suite runs this very kernel on CPU
-through Triton's interpreter (``TRITON_INTERPRET=1``) against the single-rounding reference.
+TE's formula in float32 with single roundings, the codecs' amax, scales, multipliers and
+roundings. The test suite runs these very kernels on CPU through Triton's interpreter
+(``TRITON_INTERPRET=1``) against the single-rounding reference, and compiles them for sm_90.
 
 Example:
     >>> import torch
@@ -33,6 +47,9 @@ import importlib
 import importlib.util
 import struct
 import sys
+import weakref
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -40,17 +57,24 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
+from wrapped_optim import codecs
 from wrapped_optim.adapters.dtensor import local_tensor
 
 if TYPE_CHECKING:
     from wrapped_optim.optimizers.precision_adam import PrecisionAwareAdamW
 
-__all__ = ["BLOCK", "applicable", "available", "update"]
+__all__ = ["BLOCK", "applicable", "available", "launches_per_step", "update", "update_group"]
 
 #: Elements per Triton program.
-BLOCK = 1024
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_MASTER_NONE, _MASTER_FP32, _MASTER_REMAINDER = 0, 1, 2
+BLOCK = 4096
+#: Warps per program on a GPU (16 elements per thread).
+NUM_WARPS = 8
+#: Tensors per program of the finalize kernel.
+FINALIZE_BLOCK = 128
+_VALUE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, codecs.FP8_E4M3: 3}
+_PARAM_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_MASTER_NONE, _MASTER_FP32, _MASTER_REMAINDER, _MASTER_FP16 = 0, 1, 2, 3
+_COLUMNS, _SLOTS = 10, 3
 _KERNEL_MODULE = "wrapped_optim.optimizers._fused_gpu_kernel"
 # Devices the kernel is launched on. Tests add "cpu" (with TRITON_INTERPRET=1, Triton's
 # interpreter runs the same kernel on host tensors).
@@ -75,8 +99,10 @@ def _kernel_module() -> ModuleType:
 
 
 def _reset_for_tests() -> None:
-    """Forget the imported kernel, so a changed ``TRITON_INTERPRET`` takes effect."""
+    """Forget the imported kernel and every cached table, so a changed ``TRITON_INTERPRET``
+    takes effect."""
     sys.modules.pop(_KERNEL_MODULE, None)
+    _CACHES.clear()
 
 
 def _f32(x: float) -> float:
@@ -85,106 +111,321 @@ def _f32(x: float) -> float:
     return rounded
 
 
-def _operands(
-    opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor
-) -> tuple[tuple[Tensor, ...], tuple[int, ...]] | None:
-    """``((param, master, grad, m, v), (master kind, p, g, m, v kinds))`` flat, or None."""
+class _Operands:
+    """One parameter's flat operands, their kinds and the scales of its scaled slots."""
+
+    __slots__ = ("grad", "kinds", "master", "moments", "param", "scales")
+
+    def __init__(
+        self,
+        param: Tensor,
+        master: Tensor | None,
+        grad: Tensor,
+        moments: tuple[Tensor, Tensor],
+        scales: tuple[Tensor | None, Tensor | None, Tensor | None],
+        kinds: tuple[int, int, int, int, int],
+    ) -> None:
+        self.param, self.master, self.grad, self.moments = param, master, grad, moments
+        self.scales, self.kinds = scales, kinds
+
+    def addresses(self) -> tuple[int, ...]:
+        """Every operand's address (0 for an absent one), in table order."""
+        m, v = self.moments
+        return (
+            self.param.data_ptr(),
+            0 if self.master is None else self.master.data_ptr(),
+            self.grad.data_ptr(),
+            m.data_ptr(),
+            v.data_ptr(),
+            *(0 if s is None else s.data_ptr() for s in self.scales),
+        )
+
+
+def _scale_of(opt: PrecisionAwareAdamW, param: Tensor, name: str, device: torch.device) -> Tensor:
+    scale = opt._scales.get(param, {}).get(name)
+    if scale is None or scale.dtype != torch.float32 or scale.numel() != 1:
+        raise LookupError(name)
+    if scale.device != device:
+        raise LookupError(name)
+    return scale
+
+
+def _operands(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor) -> _Operands | None:
+    """The flat operands of ``param`` for the kernels, or None where they do not apply."""
     p, g = local_tensor(param), local_tensor(grad)
-    if p.device.type not in _DEVICE_TYPES or g.device != p.device or g.numel() != p.numel():
+    device = p.device
+    if device.type not in _DEVICE_TYPES or g.device != device or g.numel() != p.numel():
         return None
-    if p.dtype not in _KINDS or g.dtype not in _KINDS or not p.is_contiguous():
+    if p.dtype not in _PARAM_KINDS or g.dtype not in _PARAM_KINDS or not p.is_contiguous():
         return None
     state = opt.state[param]
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
     if m is None or v is None:
         return None
-    if any(t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous() for t in (m, v)):
-        return None
     stored: Tensor | None = state.get("master_param")
+    operands = [t for t in (m, v, stored) if t is not None]
+    if any(t.device != device or not t.is_contiguous() or t.numel() != p.numel() for t in operands):
+        return None
+    if m.dtype not in _VALUE_KINDS or v.dtype not in _VALUE_KINDS:
+        return None
+    try:
+        m_scale = _scale_of(opt, param, "exp_avg", device) if m.dtype in _SCALED else None
+        v_scale = _scale_of(opt, param, "exp_avg_sq", device) if v.dtype in _SCALED else None
+        master_kind, master_scale = _master_kind(opt, param, p, stored, device)
+    except LookupError:
+        return None
+    kinds = (master_kind, _PARAM_KINDS[p.dtype], _PARAM_KINDS[g.dtype], _VALUE_KINDS[m.dtype],
+             _VALUE_KINDS[v.dtype])  # fmt: skip
+    return _Operands(
+        p.view(-1),
+        None if stored is None else stored.view(-1),
+        g.reshape(-1).contiguous(),
+        (m.view(-1), v.view(-1)),
+        (m_scale, v_scale, master_scale),
+        kinds,
+    )
+
+
+_SCALED = (torch.float16, codecs.FP8_E4M3)
+
+
+def _master_kind(
+    opt: PrecisionAwareAdamW,
+    param: Tensor,
+    p: Tensor,
+    stored: Tensor | None,
+    device: torch.device,
+) -> tuple[int, Tensor | None]:
     if stored is None:
-        master, master_kind = p, _MASTER_NONE
-    elif p.dtype == torch.float32 or not stored.is_contiguous():
-        return None  # an fp32 parameter's master is synced after the update: the torch path
-    elif opt._uses_remainder(param):
-        master, master_kind = stored, _MASTER_REMAINDER
-    elif stored.dtype == torch.float32:
-        master, master_kind = stored, _MASTER_FP32
-    else:
-        return None  # an fp16 master is scaled
-    kinds = (master_kind, _KINDS[p.dtype], _KINDS[g.dtype], _KINDS[m.dtype], _KINDS[v.dtype])
-    return (p, master, g.reshape(-1).contiguous(), m, v), kinds
+        return _MASTER_NONE, None
+    if opt._uses_remainder(param):
+        if stored.dtype != torch.int16 or p.dtype != torch.bfloat16:
+            raise LookupError("master_param")
+        return _MASTER_REMAINDER, None
+    if stored.dtype == torch.float32:
+        return _MASTER_FP32, None
+    if stored.dtype == torch.float16:
+        return _MASTER_FP16, _scale_of(opt, param, "master_param", device)
+    raise LookupError("master_param")
 
 
 def applicable(
     opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[str, Any]
 ) -> bool:
-    """Whether :func:`update` updates ``param`` (see the module docstring for when).
+    """Whether :func:`update_group` updates ``param`` (see the module docstring for when).
 
     Example:
         >>> applicable.__name__
         'applicable'
     """
-    if opt.fused is True or not opt.state.get(param) or not available():
+    if opt.fused is True or not opt.state.get(param):
         return False
-    return _operands(opt, param, grad) is not None
+    if local_tensor(param).device.type not in _DEVICE_TYPES:
+        return False  # first: the CPU step asks about every parameter it cannot fuse
+    return available() and _operands(opt, param, grad) is not None
 
 
-def _bits_view(t: Tensor) -> Tensor:
-    """bf16 tensors go to the kernel as their int16 bits; others as they are."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+def launches_per_step(opt: PrecisionAwareAdamW, pairs: Sequence[tuple[Tensor, Tensor]]) -> int:
+    """Kernel launches :func:`update_group` makes for ``pairs`` (one group's), once its
+    tables are cached: one per device and format combination, three where one is scaled
+    (only the scale kernel when all its tensors are empty; none for an empty unscaled one).
+
+    Example:
+        >>> launches_per_step.__name__
+        'launches_per_step'
+    """
+    combos: dict[tuple[Any, ...], int] = {}
+    for param, grad in pairs:
+        found = _operands(opt, param, grad)
+        if found is None:
+            raise ValueError("the fused GPU step does not apply to this parameter's formats")
+        key = (found.param.device, found.kinds)
+        combos[key] = combos.get(key, 0) + found.param.numel()
+    return sum(
+        (1 + 2 * bool(numel)) if _is_scaled(kinds) else int(bool(numel))
+        for (_, kinds), numel in combos.items()
+    )
+
+
+def _is_scaled(kinds: tuple[int, ...]) -> bool:
+    master, _, _, m_kind, v_kind = kinds
+    return master == _MASTER_FP16 or m_kind >= 2 or v_kind >= 2
+
+
+class _Entry:
+    """The device tables of one bucket, valid while its operands' addresses and sizes are."""
+
+    __slots__ = ("addresses", "aligned", "amax", "block_map", "blocks", "mults", "numels",
+                 "table")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.addresses: tuple[int, ...] = ()
+        self.numels: tuple[int, ...] = ()
+        self.blocks = 0
+        self.aligned = False
+        self.table = self.block_map = self.mults = self.amax = torch.empty(0)
+
+
+# optimizer -> {(group index, device, kinds, block): tables}; copies of an optimizer start empty.
+_CACHES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], _Entry]] = weakref.WeakKeyDictionary()
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on ``device`` without waiting: through pinned memory on CUDA (a
+    pageable copy would synchronise the stream first)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _entry(
+    opt: PrecisionAwareAdamW, key: tuple[Any, ...], items: list[_Operands], device: torch.device
+) -> _Entry:
+    cache = _CACHES.setdefault(opt, {})
+    entry = cache.get(key)
+    if entry is None:
+        entry = cache[key] = _Entry()
+    numels = tuple(item.param.numel() for item in items)
+    addresses = tuple(a for item in items for a in item.addresses())
+    if numels != entry.numels:
+        blocks = [-(-n // BLOCK) for n in numels]
+        tensors = torch.arange(len(items), dtype=torch.int32)
+        counts = torch.tensor(blocks, dtype=torch.int64)
+        entry.block_map = _to_device(torch.repeat_interleave(tensors, counts), device)
+        entry.blocks = sum(blocks)
+        entry.mults = torch.empty(2 * _SLOTS * len(items), dtype=torch.float32, device=device)
+        entry.amax = torch.zeros(_SLOTS * len(items), dtype=torch.int32, device=device)
+        entry.numels = numels
+        entry.addresses = ()
+    if addresses != entry.addresses:
+        rows = []
+        first = 0
+        for item, n in zip(items, numels, strict=True):
+            a = item.addresses()
+            rows.append([*a[:5], n, first, *a[5:]])
+            first += -(-n // BLOCK)
+        entry.table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
+        entry.aligned = all(x % 16 == 0 for row in rows for x in row[:5])
+        entry.addresses = addresses
+    return entry
+
+
+def _launch(kernel: Any, grid: tuple[int], *args: Any, **constexprs: Any) -> None:
+    """Every launch goes through here (tests count them)."""
+    kernel[grid](*args, **constexprs)
+
+
+def update_group(
+    opt: PrecisionAwareAdamW, pairs: Sequence[tuple[Tensor, Tensor]], group: dict[str, Any]
+) -> None:
+    """One fused AdamW step of every ``(param, grad)`` of ``group`` in place: a launch per
+    device and format combination (three where scaled), no host wait.
+
+    Example:
+        >>> update_group.__name__
+        'update_group'
+    """
+    buckets: dict[tuple[Any, ...], list[_Operands]] = {}
+    for param, grad in pairs:
+        found = _operands(opt, param, grad)
+        if found is None:
+            raise ValueError("the fused GPU step does not apply to this parameter's formats")
+        buckets.setdefault((found.param.device, found.kinds), []).append(found)
+    if not buckets:
+        return
+    index = next((i for i, g in enumerate(opt.param_groups) if g is group), -1)
+    hyper = _hyper(opt, group)
+    for (device, kinds), items in buckets.items():
+        key = (index, device, kinds, BLOCK)
+        try:
+            _run_bucket(opt, key, items, device, kinds, group, hyper)
+        except BaseException:
+            _CACHES.get(opt, {}).pop(key, None)  # an amax may be left uncleared
+            raise
+    written: list[Tensor] = []
+    for param, _ in pairs:
+        written.append(local_tensor(param))
+        written.extend(opt.state[param].values())
+        written.extend(opt._scales.get(param, {}).values())
+    increment_version(written)  # written by kernels: tell autograd, as in-place ops would
 
 
 def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
-    """One fused AdamW step of ``param`` in place: one kernel launch, no host wait.
+    """:func:`update_group` for one parameter.
 
     Example:
         >>> update.__name__
         'update'
     """
-    found = _operands(opt, param, grad)
-    if found is None:
-        raise ValueError("the fused GPU step does not apply to this parameter's formats")
-    (p, master, g, m, v), (master_kind, p_kind, g_kind, m_kind, v_kind) = found
-    n = p.numel()
-    if n == 0:
-        return
+    update_group(opt, [(param, grad)], group)
+
+
+def _hyper(opt: PrecisionAwareAdamW, group: dict[str, Any]) -> list[float]:
     beta1, beta2 = (float(b) for b in group["betas"])
     step = group["step"]
     correct = group["bias_correction"]
     bc1 = 1.0 - beta1**step if correct else 1.0
     bc2 = 1.0 - beta2**step if correct else 1.0
-    lr = group["lr"]
-    # A tensor lr beside the parameter is read by the kernel (no host wait); elsewhere (a
-    # CPU tensor for CUDA parameters) it is read on the host, which waits for nothing.
-    lr_tensor = isinstance(lr, Tensor) and lr.device == p.device
-    lr_ptr = lr.to(torch.float32).reshape(-1) if lr_tensor else p
-    kernel = _kernel_module().adamw_kernel
-    options: dict[str, Any] = {"BLOCK": BLOCK}
-    if p.device.type == "cuda":
-        options["enable_fp_fusion"] = False  # no contraction into FMA: the CPU kernel's bits
-    grid = ((n + BLOCK - 1) // BLOCK,)
-    with torch.cuda.device(p.device) if p.device.type == "cuda" else _nothing():
-        kernel[grid](
-            _bits_view(p), _bits_view(master), _bits_view(g), _bits_view(m), _bits_view(v),
-            lr_ptr, n, 0.0 if lr_tensor else _f32(float(lr)),
-            _f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2),
-            _f32(float(group["eps"])), _f32(float(group["weight_decay"])),
-            _f32(1.0 / bc1), _f32(1.0 / bc2),
-            ADAM_W=bool(opt.adam_w_mode), MASTER=master_kind, P_KIND=p_kind, G_KIND=g_kind,
-            M_KIND=m_kind, V_KIND=v_kind, LR_TENSOR=lr_tensor, **options,
-        )  # fmt: skip
-    _bump_versions(param, opt.state[param])
+    return [
+        _f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2),
+        _f32(float(group["eps"])), _f32(float(group["weight_decay"])),
+        _f32(1.0 / bc1), _f32(1.0 / bc2),
+    ]  # fmt: skip
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
+def _lr_operand(lr: float | Tensor, device: torch.device) -> tuple[Tensor | None, float]:
+    """(device tensor the kernel reads, or None; the number otherwise). A CPU tensor beside
+    device parameters is read on the host (no device involved); any other tensor is moved to
+    the parameters' device without waiting."""
+    if not isinstance(lr, Tensor):
+        return None, _f32(float(lr))
+    if lr.device.type == "cpu" and device.type != "cpu":
+        return None, _f32(float(lr))
+    return lr.to(device=device, dtype=torch.float32, non_blocking=True).reshape(-1), 0.0
 
-    def __exit__(self, *_: object) -> None:
-        return None
+
+def _device_context(device: torch.device) -> AbstractContextManager[Any]:
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
-def _bump_versions(param: Tensor, state: dict[str, Tensor]) -> None:
-    """Autograd's version counters must see writes made by a kernel, as torch's in-place
-    ops do."""
-    increment_version([local_tensor(param), *state.values()])
+def _run_bucket(
+    opt: PrecisionAwareAdamW,
+    key: tuple[Any, ...],
+    items: list[_Operands],
+    device: torch.device,
+    kinds: tuple[int, int, int, int, int],
+    group: dict[str, Any],
+    hyper: list[float],
+) -> None:
+    entry = _entry(opt, key, items, device)
+    master, p_kind, g_kind, m_kind, v_kind = kinds
+    scaled = _is_scaled(kinds)
+    if entry.blocks == 0 and not scaled:
+        return
+    kernels = _kernel_module()
+    lr_tensor, lr_value = _lr_operand(group["lr"], device)
+    options: dict[str, Any] = {}
+    if device.type == "cuda":
+        # No contraction into FMA and no flush-to-zero: the CPU kernel's bits.
+        options = {"num_warps": NUM_WARPS, "enable_fp_fusion": False, "enable_reflect_ftz": False}
+    constexprs = {
+        "ADAM_W": bool(opt.adam_w_mode), "MASTER": master, "P_KIND": p_kind, "G_KIND": g_kind,
+        "M_KIND": m_kind, "V_KIND": v_kind, "LR_TENSOR": lr_tensor is not None,
+        "ALIGNED": entry.aligned, "BLOCK": BLOCK, **options,
+    }  # fmt: skip
+    args = (entry.table, entry.block_map, entry.mults, entry.amax,
+            entry.table if lr_tensor is None else lr_tensor, lr_value, *hyper)  # fmt: skip
+    grid = (entry.blocks,)
+    with _device_context(device):
+        if scaled:
+            if entry.blocks:
+                _launch(kernels.adamw_group_kernel, grid, *args, PASS=1, **constexprs)
+            finalize_options = {"num_warps": 4} if device.type == "cuda" else {}
+            _launch(
+                kernels.finalize_kernel, (-(-len(items) // FINALIZE_BLOCK),),
+                entry.table, entry.mults, entry.amax, len(items),
+                M_KIND=m_kind, V_KIND=v_kind, MASTER=master, BLOCK=FINALIZE_BLOCK,
+                **finalize_options,
+            )  # fmt: skip
+        if entry.blocks:
+            _launch(kernels.adamw_group_kernel, grid, *args, PASS=0, **constexprs)

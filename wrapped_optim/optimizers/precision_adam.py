@@ -21,6 +21,7 @@ from torch import Tensor
 from wrapped_optim import codecs, state_format
 from wrapped_optim.adapters.dtensor import like_param, local_tensor
 from wrapped_optim.optimizers import cpu_kernel as _cpu_kernel
+from wrapped_optim.optimizers import fused_gpu as _fused_gpu
 from wrapped_optim.optimizers import torch_step as _torch_step
 from wrapped_optim.optimizers.kernel_step import KernelOperands, kernel_operands, kernel_update
 from wrapped_optim.rollback import OptimizerSnapshot
@@ -493,6 +494,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             batches: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, ...]]] = {}
             small: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
             kernel: list[KernelOperands] = []  # one call for all of them: threads share it
+            fused_gpu: list[tuple[Tensor, Tensor]] = []  # one launch per format combination
             for p in group["params"]:
                 grad = self._grad_of(p)
                 if grad is None:
@@ -512,6 +514,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     batches.setdefault((views[0].device, views[0].dtype), []).append(views)
                 elif operands is not None:
                     kernel.append(operands)
+                elif _fused_gpu.applicable(self, p, grad, group):
+                    fused_gpu.append((p, grad))
                 elif self._packable(p, grad, group):
                     small.setdefault(local_tensor(p).device, []).append((p, grad))
                 else:
@@ -524,6 +528,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 self._update_packed(pairs, group, device)
             if kernel:
                 kernel_update(self, kernel, group)
+            if fused_gpu:
+                _fused_gpu.update_group(self, fused_gpu, group)
 
     def _packable(self, param: Tensor, grad: Tensor, group: dict[str, Any]) -> bool:
         return _torch_step.packable(self, param, grad, group)

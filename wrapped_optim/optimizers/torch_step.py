@@ -167,7 +167,7 @@ def _scratch_for(opt: PrecisionAwareAdamW, device: torch.device, numel: int) -> 
 def packable(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[str, Any]) -> bool:
     """Small parameters whose state needs only per-element conversion (bf16/fp32 moments,
     an fp32 or remainder master) are updated many at a time (one fused call per pack),
-    unless the fused GPU kernel updates them (one launch each, no conversion passes).
+    unless the fused GPU kernels update them (with their whole group, no conversion passes).
 
     Example:
         >>> import torch
