@@ -74,14 +74,14 @@ static inline __attribute__((always_inline)) void store(void *base, int64_t i, i
  * so the loops vectorize. */
 static inline __attribute__((always_inline)) uint16_t f32_to_f16(float x) {
     uint32_t f = f2u(x);
-    uint32_t sign = f & 0x80000000u;
-    f ^= sign;
-    uint32_t big = f > 0x7F800000u ? 0x7E00u : 0x7C00u;
+    uint32_t a = f & 0x7FFFFFFFu;
     /* below 2^-14: the FP32 adder rounds into the subnormal (a magic-number add) */
-    uint32_t small = f2u(u2f(f) + u2f(126u << 23)) - (126u << 23);
-    uint32_t normal = (f + ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((f >> 13) & 1u)) >> 13;
-    uint32_t o = f >= (143u << 23) ? big : (f < (113u << 23) ? small : normal);
-    return (uint16_t)(o | (sign >> 16));
+    uint32_t small = f2u(u2f(a) + u2f(126u << 23)) - (126u << 23);
+    uint32_t normal = (a - (112u << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+    uint32_t o = u2f(a) < u2f(113u << 23) ? small : normal;
+    o = o < 0x7C00u ? o : 0x7C00u; /* past the range (and inf): inf */
+    o = x != x ? 0x7E00u : o;
+    return (uint16_t)(o | ((f >> 16) & 0x8000u));
 }
 
 static inline __attribute__((always_inline)) float f16_to_f32(uint16_t h) {
@@ -109,10 +109,12 @@ static inline __attribute__((always_inline)) uint8_t f32_to_e4m3(float x) {
 }
 
 static inline __attribute__((always_inline)) float e4m3_to_f32(uint8_t b) {
-    uint32_t e = ((uint32_t)b >> 3) & 0xFu, m = (uint32_t)b & 7u;
-    float sub = (float)m * u2f((127u - 9u) << 23); /* m * 2^-9, exact */
-    float normal = u2f(((e + 120u) << 23) | (m << 20));
-    float mag = (b & 0x7Fu) == 0x7Fu ? u2f(0x7FC00000u) : (e == 0 ? sub : normal);
+    uint32_t c = (uint32_t)b & 0x7Fu;
+    uint32_t normal = (c << 20) + (120u << 23);
+    /* exponent 0: (1 + m/8) * 2^-6 - 2^-6 = m * 2^-9, exact */
+    float sub = u2f(normal + (1u << 23)) - u2f(121u << 23);
+    float mag = c < 8u ? sub : u2f(normal);
+    mag = c == 0x7Fu ? u2f(0x7FC00000u) : mag;
     return u2f(f2u(mag) | (((uint32_t)b & 0x80u) << 24));
 }
 
