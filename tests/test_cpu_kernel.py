@@ -300,14 +300,21 @@ def test_threads_after_fork_and_from_several_python_threads(
                 assert (a is None and b is None) or torch.equal(a, b)
 
 
-@needs_kernel
-def test_baseline_build_gives_the_bits_of_the_vectorized_clones(tmp_path: Path) -> None:
-    """The library picks an AVX-512, AVX2 or baseline clone at load time; the baseline alone
-    (built with -DWO_NO_CLONES) must give the same bits as the clone this machine runs."""
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The kernel built with -DWO_NO_CLONES: the baseline code alone, no vector clones."""
     compiler = cpu_kernel._find_compiler()
     assert compiler is not None
-    baseline = tmp_path / "baseline.so"
-    cpu_kernel._compile(compiler, tmp_path, baseline, ["-DWO_NO_CLONES"])
+    directory = tmp_path_factory.mktemp("baseline")
+    library = directory / "baseline.so"
+    cpu_kernel._compile(compiler, directory, library, ["-DWO_NO_CLONES"])
+    return library
+
+
+@needs_kernel
+def test_baseline_build_gives_the_bits_of_the_vectorized_clones(baseline: Path) -> None:
+    """The library picks an AVX-512, AVX2 or baseline clone at load time; the baseline alone
+    (built with -DWO_NO_CLONES) must give the same bits as the clone this machine runs."""
     kinds = [(m, g, a, v) for m in ("none", "fp32", "remainder") for g in (FP32, BF16)
              for a in (FP32, BF16) for v in (FP32, BF16)]  # fmt: skip
     sizes = [1000 + 37 * i for i in range(len(kinds))]
@@ -325,6 +332,57 @@ def test_baseline_build_gives_the_bits_of_the_vectorized_clones(tmp_path: Path) 
     for clone, base in zip(*results, strict=True):
         for a, b in zip(clone, base, strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
+
+
+@needs_kernel
+def test_baseline_build_gives_the_bits_of_the_clones_for_scaled_and_mixed_moments(
+    baseline: Path,
+) -> None:
+    """The split loop (fp16/FP8 moments, mixed moment formats, L2 mode): every combination of
+    master, gradient and moment formats, both modes, gradients from subnormal to huge, one NaN
+    or inf in some tensors; the baseline build gives the bits (and the new scales) of the
+    clone this machine runs."""
+    kinds = [(m, g, a, v) for m in ("none", "fp32", "remainder") for g in (FP32, BF16)
+             for a in MOMENT_DTYPES for v in MOMENT_DTYPES]  # fmt: skip
+    hyper: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+                             "bias_correction1": 0.19, "bias_correction2": 0.0975}  # fmt: skip
+
+    def operands() -> tuple[list[list[Any]], list[Any], list[Any]]:
+        gen = torch.Generator().manual_seed(11)
+        columns: list[list[Any]] = [[], [], [], [], []]
+        scales: tuple[list[Any], list[Any]] = ([], [])
+        for i, (master, g_dtype, m_dtype, v_dtype) in enumerate(kinds):
+            n = 700 + 37 * i
+            magnitude = (1e-30, 1e-6, 1.0, 1e4)[i % 4]
+            param, master_t, _ = param_and_master(torch.randn(n, generator=gen), master)
+            g = torch.randn(n, generator=gen) * magnitude
+            if i % 7 == 3:
+                g[i % n] = (float("nan"), float("inf"))[i % 2]
+            m, m_scale = stored_moment(torch.randn(n, generator=gen) * 0.1 * magnitude, m_dtype)
+            v, v_scale = stored_moment(torch.rand(n, generator=gen) * magnitude**2, v_dtype)
+            for column, value in zip(columns, (param, g.to(g_dtype), m, v, master_t), strict=True):
+                column.append(value)
+            scales[0].append(m_scale)
+            scales[1].append(v_scale)
+        return columns, *scales
+
+    results = []
+    for lib in (None, cpu_kernel._open(baseline)):
+        columns, m_scales, v_scales = operands()
+        with pytest.MonkeyPatch.context() as mp:
+            if lib is not None:
+                mp.setattr(cpu_kernel, "_loaded", (cpu_kernel.status(), lib))
+            for mode in (True, False):
+                cpu_kernel.adamw_step_(
+                    *columns, **hyper, adam_w_mode=mode, num_threads=1,
+                    exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales,
+                )  # fmt: skip
+        results.append([*columns, m_scales, v_scales])
+    before = operands()[0]
+    for clone, base in zip(*results, strict=True):
+        for a, b in zip(clone, base, strict=True):
+            assert (a is None and b is None) or same_bits(a, b)
+    assert not any(same_bits(a, b) for a, b in zip(results[0][2], before[2], strict=True))
 
 
 @needs_kernel

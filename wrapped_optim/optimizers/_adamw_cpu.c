@@ -16,8 +16,11 @@
  * per-tensor scale (wrapped_optim.codecs: decode = stored value times a multiplier, encode =
  * value times a multiplier, rounded to nearest even, FP8 saturated to +-448). A scaled moment's
  * new scale needs the amax of the whole updated tensor, so those tensors take two passes: pass 1
- * computes the new moments and only their amax (nothing is written), Python derives the scales
- * with the codecs' own functions, pass 0 redoes the same arithmetic and writes everything.
+ * computes only the new scaled moments and their amax (reading the gradient and those moments,
+ * nothing is written), Python derives the scales with the codecs' own functions, pass 0 redoes
+ * the same arithmetic and writes everything. Each pass is one fused loop per combination of
+ * moment formats (split_range); the conversions are integer bit arithmetic and selects on
+ * 32-bit lanes, so those loops vectorize.
  */
 #include <stdatomic.h>
 #include <stdint.h>
@@ -71,14 +74,14 @@ static inline __attribute__((always_inline)) void store(void *base, int64_t i, i
  * so the loops vectorize. */
 static inline __attribute__((always_inline)) uint16_t f32_to_f16(float x) {
     uint32_t f = f2u(x);
-    uint32_t sign = f & 0x80000000u;
-    f ^= sign;
-    uint32_t big = f > 0x7F800000u ? 0x7E00u : 0x7C00u;
+    uint32_t a = f & 0x7FFFFFFFu;
     /* below 2^-14: the FP32 adder rounds into the subnormal (a magic-number add) */
-    uint32_t small = f2u(u2f(f) + u2f(126u << 23)) - (126u << 23);
-    uint32_t normal = (f + ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((f >> 13) & 1u)) >> 13;
-    uint32_t o = f >= (143u << 23) ? big : (f < (113u << 23) ? small : normal);
-    return (uint16_t)(o | (sign >> 16));
+    uint32_t small = f2u(u2f(a) + u2f(126u << 23)) - (126u << 23);
+    uint32_t normal = (a - (112u << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+    uint32_t o = u2f(a) < u2f(113u << 23) ? small : normal;
+    o = o < 0x7C00u ? o : 0x7C00u; /* past the range (and inf): inf */
+    o = x != x ? 0x7E00u : o;
+    return (uint16_t)(o | ((f >> 16) & 0x8000u));
 }
 
 static inline __attribute__((always_inline)) float f16_to_f32(uint16_t h) {
@@ -92,24 +95,26 @@ static inline __attribute__((always_inline)) float f16_to_f32(uint16_t h) {
 }
 
 /* FP8 E4M3 (no inf; 0x7F/0xFF are NaN), as c10's fp8e4m3fn_from_fp32_value of a value already
- * clamped to +-448 (codecs saturates before the cast). */
+ * clamped to +-448 (codecs saturates before the cast, so only NaN lies beyond the range).
+ * Every step is in 32-bit lanes (the byte is taken at the store), so the loop vectorizes. */
 static inline __attribute__((always_inline)) uint8_t f32_to_e4m3(float x) {
     uint32_t f = f2u(x);
-    uint32_t sign = f & 0x80000000u;
-    f ^= sign;
-    uint32_t small = f2u(u2f(f) + u2f(141u << 23)) - (141u << 23);
-    uint32_t normal = (f + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((f >> 20) & 1u)) >> 20;
-    normal = (normal & 0xFFu) == 0x7Fu ? 0x7Eu : normal;
-    uint32_t o = f >= (1087u << 20) ? (f > 0x7F800000u ? 0x7Fu : 0x7Eu)
-                                    : (f < (121u << 23) ? small : normal);
-    return (uint8_t)((o & 0xFFu) | (sign >> 24));
+    uint32_t a = f & 0x7FFFFFFFu;
+    /* below 2^-6 (subnormal): the FP32 adder rounds to a multiple of 2^-9 */
+    uint32_t small = f2u(u2f(a) + u2f(141u << 23)) - (141u << 23);
+    uint32_t normal = (a - (120u << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+    uint32_t o = u2f(a) < u2f(121u << 23) ? small : normal;
+    o = x != x ? 0x7Fu : o;
+    return (uint8_t)(o | ((f >> 24) & 0x80u));
 }
 
 static inline __attribute__((always_inline)) float e4m3_to_f32(uint8_t b) {
-    uint32_t e = ((uint32_t)b >> 3) & 0xFu, m = (uint32_t)b & 7u;
-    float sub = (float)m * u2f((127u - 9u) << 23); /* m * 2^-9, exact */
-    float normal = u2f(((e + 120u) << 23) | (m << 20));
-    float mag = (b & 0x7Fu) == 0x7Fu ? u2f(0x7FC00000u) : (e == 0 ? sub : normal);
+    uint32_t c = (uint32_t)b & 0x7Fu;
+    uint32_t normal = (c << 20) + (120u << 23);
+    /* exponent 0: (1 + m/8) * 2^-6 - 2^-6 = m * 2^-9, exact */
+    float sub = u2f(normal + (1u << 23)) - u2f(121u << 23);
+    float mag = c < 8u ? sub : u2f(normal);
+    mag = c == 0x7Fu ? u2f(0x7FC00000u) : mag;
     return u2f(f2u(mag) | (((uint32_t)b & 0x80u) << 24));
 }
 
@@ -139,63 +144,151 @@ static inline __attribute__((always_inline)) int is_scaled(int kind) {
     return kind == KIND_FP16 || kind == KIND_FP8;
 }
 
-/* The tile loop: WO_TILE elements at a time, each operand is decoded into an FP32 array on the
- * stack, updated there and encoded back, so one loop per format (not one per combination of
- * formats) is compiled; memory traffic is still one read and one write of each stored element
- * per pass. Scaled moments always take it (pass 1 measures their amax). */
-#define WO_TILE 512
+/* A moment the amax pass does not read (it is not scaled: pass 0 updates it). */
+#define KIND_SKIP 4
 
-static inline __attribute__((always_inline)) void decode_tile(const void *base, int64_t s,
-                                                             int64_t k, int kind, float mult,
-                                                             float *restrict out) {
+/* One moment value in FP32: stored value times the decode multiplier (scaled formats). */
+static inline __attribute__((always_inline)) float decode_moment(const void *base, int64_t i,
+                                                                int kind, float mult) {
     switch (kind) {
         case KIND_FP32:
-            for (int64_t i = 0; i < k; ++i) out[i] = ((const float *)base)[s + i];
-            break;
+            return ((const float *)base)[i];
         case KIND_BF16:
-            for (int64_t i = 0; i < k; ++i) out[i] = bf16_to_f32(((const uint16_t *)base)[s + i]);
-            break;
+            return bf16_to_f32(((const uint16_t *)base)[i]);
         case KIND_FP16:
-            for (int64_t i = 0; i < k; ++i)
-                out[i] = f16_to_f32(((const uint16_t *)base)[s + i]) * mult;
-            break;
+            return f16_to_f32(((const uint16_t *)base)[i]) * mult;
         default:
-            for (int64_t i = 0; i < k; ++i)
-                out[i] = e4m3_to_f32(((const uint8_t *)base)[s + i]) * mult;
-            break;
+            return e4m3_to_f32(((const uint8_t *)base)[i]) * mult;
     }
 }
 
-static inline __attribute__((always_inline)) void encode_tile(void *base, int64_t s, int64_t k,
-                                                             int kind, float mult,
-                                                             float *restrict in) {
+/* One new moment value stored: scaled formats are multiplied by the encode multiplier first,
+ * FP8 then saturated to +-448 (NaN stays NaN), as codecs.encode_into. */
+static inline __attribute__((always_inline)) void encode_moment(void *base, int64_t i, int kind,
+                                                               float mult, float x) {
     switch (kind) {
         case KIND_FP32:
-            for (int64_t i = 0; i < k; ++i) ((float *)base)[s + i] = in[i];
+            ((float *)base)[i] = x;
             break;
         case KIND_BF16:
-            for (int64_t i = 0; i < k; ++i) ((uint16_t *)base)[s + i] = f32_to_bf16(in[i]);
+            ((uint16_t *)base)[i] = f32_to_bf16(x);
             break;
         case KIND_FP16:
-            for (int64_t i = 0; i < k; ++i) ((uint16_t *)base)[s + i] = f32_to_f16(in[i] * mult);
+            ((uint16_t *)base)[i] = f32_to_f16(x * mult);
             break;
-        default: /* the tile is scaled and saturated in place first (NaN stays NaN) */
-            for (int64_t i = 0; i < k; ++i) {
-                float x = in[i] * mult;
-                in[i] = x > 448.0f ? 448.0f : (x < -448.0f ? -448.0f : x);
-            }
-            for (int64_t i = 0; i < k; ++i) ((uint8_t *)base)[s + i] = f32_to_e4m3(in[i]);
+        default: {
+            float y = x * mult;
+            y = y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y);
+            ((uint8_t *)base)[i] = f32_to_e4m3(y);
             break;
+        }
     }
 }
 
-static inline __attribute__((always_inline)) uint32_t amax_bits(const float *restrict x,
-                                                               int64_t k, uint32_t acc) {
+static inline __attribute__((always_inline)) const void *offset(const void *base, int64_t i,
+                                                               int kind) {
+    static const int width[] = {4, 2, 2, 1, 0};
+    return (const char *)base + i * width[kind];
+}
+
+/*
+ * Pass 0 of the split loop over k elements: the parameter p and gradient g in FP32 (in place
+ * in the tensor, or in a tile the caller decoded), the moments in their stored formats (kinds
+ * known at compile time, so each combination is one fused, vectorized loop). The same
+ * operations in the same order as adamw_range.
+ */
+static inline __attribute__((always_inline)) void moments_write(
+    int64_t k, float *restrict p, const float *restrict g, void *restrict m, void *restrict v,
+    const wo_tensor *t, const wo_hyper *h, const int adam_w_mode, const int mk, const int vk) {
+    const float lr = h->lr, b1 = h->beta1, omb1 = h->one_minus_beta1, b2 = h->beta2;
+    const float omb2 = h->one_minus_beta2, eps = h->eps, wd = h->weight_decay;
+    const float inv_bc1 = h->inv_bias_correction1, inv_bc2 = h->inv_bias_correction2;
+    const float m_dec = t->m_decode, v_dec = t->v_decode;
+    const float m_enc = t->m_encode, v_enc = t->v_encode;
     for (int64_t i = 0; i < k; ++i) {
-        uint32_t b = f2u(x[i]) & 0x7FFFFFFFu;
-        acc = b > acc ? b : acc;
+        float pi = p[i];
+        float gi = g[i];
+        if (!adam_w_mode) gi = gi + wd * pi;
+        float mi = b1 * decode_moment(m, i, mk, m_dec) + omb1 * gi;
+        float vi = b2 * decode_moment(v, i, vk, v_dec) + omb2 * gi * gi;
+        float denom = __builtin_sqrtf(vi * inv_bc2) + eps;
+        float update = (mi * inv_bc1) / denom;
+        if (adam_w_mode) update = update + wd * pi;
+        p[i] = pi - lr * update;
+        encode_moment(m, i, mk, m_enc, mi);
+        encode_moment(v, i, vk, v_enc, vi);
     }
-    return acc;
+}
+
+/* Pass 1 of the split loop: only the new scaled moments (a KIND_SKIP one is not read), folded
+ * into the largest magnitude's bits. p is read in L2 mode only (the gradient needs it). */
+static inline __attribute__((always_inline)) void moments_amax(
+    int64_t k, const float *restrict p, const float *restrict g, const void *restrict m,
+    const void *restrict v, const wo_tensor *t, const wo_hyper *h, const int adam_w_mode,
+    const int mk, const int vk, uint32_t *m_amax, uint32_t *v_amax) {
+    const float b1 = h->beta1, omb1 = h->one_minus_beta1, b2 = h->beta2;
+    const float omb2 = h->one_minus_beta2, wd = h->weight_decay;
+    const float m_dec = t->m_decode, v_dec = t->v_decode;
+    uint32_t ma = *m_amax, va = *v_amax;
+    for (int64_t i = 0; i < k; ++i) {
+        float gi = g[i];
+        if (!adam_w_mode) gi = gi + wd * p[i];
+        if (mk != KIND_SKIP) {
+            uint32_t b = f2u(b1 * decode_moment(m, i, mk, m_dec) + omb1 * gi) & 0x7FFFFFFFu;
+            ma = b > ma ? b : ma;
+        }
+        if (vk != KIND_SKIP) {
+            uint32_t b = f2u(b2 * decode_moment(v, i, vk, v_dec) + omb2 * gi * gi) & 0x7FFFFFFFu;
+            va = b > va ? b : va;
+        }
+    }
+    *m_amax = ma;
+    *v_amax = va;
+}
+
+#define WO_WRITE_CASE(mk, vk)                                              \
+    case (mk)*4 + (vk):                                                    \
+        if (adam_w_mode)                                                   \
+            moments_write(k, p, g, m, v, t, h, 1, mk, vk);                 \
+        else                                                               \
+            moments_write(k, p, g, m, v, t, h, 0, mk, vk);                 \
+        break;
+#define WO_WRITE_CASES(mk) \
+    WO_WRITE_CASE(mk, 0) WO_WRITE_CASE(mk, 1) WO_WRITE_CASE(mk, 2) WO_WRITE_CASE(mk, 3)
+
+#define WO_AMAX_CASE(mk, vk)                                                       \
+    case (mk)*5 + (vk):                                                            \
+        if (adam_w_mode)                                                           \
+            moments_amax(k, p, g, m, v, t, h, 1, mk, vk, m_amax, v_amax);          \
+        else                                                                       \
+            moments_amax(k, p, g, m, v, t, h, 0, mk, vk, m_amax, v_amax);          \
+        break;
+
+static inline __attribute__((always_inline)) void split_moments(
+    int64_t k, float *p, const float *g, void *m, void *v, const wo_tensor *t, const wo_hyper *h,
+    int pass, uint32_t *m_amax, uint32_t *v_amax) {
+    const int adam_w_mode = h->adam_w_mode;
+    if (pass == PASS_WRITE) {
+        switch (t->m_kind * 4 + t->v_kind) {
+            WO_WRITE_CASES(KIND_FP32)
+            WO_WRITE_CASES(KIND_BF16)
+            WO_WRITE_CASES(KIND_FP16)
+            WO_WRITE_CASES(KIND_FP8)
+        }
+        return;
+    }
+    int mk = is_scaled(t->m_kind) ? t->m_kind : KIND_SKIP;
+    int vk = is_scaled(t->v_kind) ? t->v_kind : KIND_SKIP;
+    switch (mk * 5 + vk) {
+        WO_AMAX_CASE(KIND_FP16, KIND_FP16)
+        WO_AMAX_CASE(KIND_FP16, KIND_FP8)
+        WO_AMAX_CASE(KIND_FP16, KIND_SKIP)
+        WO_AMAX_CASE(KIND_FP8, KIND_FP16)
+        WO_AMAX_CASE(KIND_FP8, KIND_FP8)
+        WO_AMAX_CASE(KIND_FP8, KIND_SKIP)
+        WO_AMAX_CASE(KIND_SKIP, KIND_FP16)
+        WO_AMAX_CASE(KIND_SKIP, KIND_FP8)
+    }
 }
 
 static inline __attribute__((always_inline)) void atomic_max_u32(uint32_t *slot, uint32_t value) {
@@ -205,73 +298,54 @@ static inline __attribute__((always_inline)) void atomic_max_u32(uint32_t *slot,
     }
 }
 
-/* The update of one tile in FP32 (the same operations, in the same order, as adamw_range). */
-static inline __attribute__((always_inline)) void update_tile(
-    int64_t k, float *restrict p, float *restrict g, float *restrict m, float *restrict v,
-    const wo_hyper *h, const int adam_w_mode, const int pass) {
-    const float lr = h->lr, b1 = h->beta1, omb1 = h->one_minus_beta1, b2 = h->beta2;
-    const float omb2 = h->one_minus_beta2, eps = h->eps, wd = h->weight_decay;
-    const float inv_bc1 = h->inv_bias_correction1, inv_bc2 = h->inv_bias_correction2;
-    for (int64_t i = 0; i < k; ++i) {
-        float gi = g[i];
-        if (!adam_w_mode) gi = gi + wd * p[i];
-        float mi = b1 * m[i] + omb1 * gi;
-        float vi = b2 * v[i] + omb2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        if (pass == PASS_WRITE) {
-            float denom = __builtin_sqrtf(vi * inv_bc2) + eps;
-            float update = (mi * inv_bc1) / denom;
-            if (adam_w_mode) update = update + wd * p[i];
-            p[i] = p[i] - lr * update;
-        }
-    }
-}
+/*
+ * The split loop, for scaled moments, mixed moment formats and L2 mode: WO_TILE elements at a
+ * time, the parameter and gradient are FP32 pointers into the tensors where they are stored in
+ * FP32 (updated in place), else decoded into FP32 tiles on the stack (a bf16 gradient, a bf16
+ * parameter with its remainder) and written back from there; the moments are read and written
+ * in their formats inside one fused loop per combination of moment formats. Memory traffic is
+ * one read and one write of each stored element in pass 0, and in pass 1 one read of what the
+ * new scaled moments need (gradient, those moments, the parameter in L2 mode only).
+ */
+#define WO_TILE 512
 
-static inline __attribute__((always_inline)) void tile_range(wo_tensor *t, int64_t begin,
-                                                              int64_t end, const wo_hyper *h,
-                                                              int pass) {
-    float P[WO_TILE], G[WO_TILE], M[WO_TILE], V[WO_TILE];
+static inline __attribute__((always_inline)) void split_range(wo_tensor *t, int64_t begin,
+                                                               int64_t end, const wo_hyper *h,
+                                                               int pass) {
+    float P[WO_TILE], G[WO_TILE];
     uint32_t m_amax = 0, v_amax = 0;
     const int mk = t->master_kind;
+    const int need_p = pass == PASS_WRITE || !h->adam_w_mode;
     for (int64_t s = begin; s < end; s += WO_TILE) {
         int64_t k = end - s < WO_TILE ? end - s : WO_TILE;
-        if (pass == PASS_WRITE || !h->adam_w_mode) {
+        const float *g = (const float *)t->grad + s;
+        if (t->grad_kind == KIND_BF16) {
+            const uint16_t *src = (const uint16_t *)t->grad + s;
+            for (int64_t i = 0; i < k; ++i) G[i] = bf16_to_f32(src[i]);
+            g = G;
+        }
+        float *p = NULL;
+        if (need_p) {
             if (mk == MASTER_NONE) {
-                decode_tile(t->param, s, k, KIND_FP32, 1.0f, P);
+                p = (float *)t->param + s;
             } else if (mk == MASTER_FP32) {
-                decode_tile(t->master, s, k, KIND_FP32, 1.0f, P);
+                p = (float *)t->master + s;
             } else {
                 const uint16_t *hi = (const uint16_t *)t->param + s;
                 const int16_t *lo = (const int16_t *)t->master + s;
                 for (int64_t i = 0; i < k; ++i)
                     P[i] = u2f(((uint32_t)hi[i] << 16) + (uint32_t)(int32_t)lo[i]);
+                p = P;
             }
         }
-        decode_tile(t->grad, s, k, t->grad_kind, 1.0f, G);
-        decode_tile(t->exp_avg, s, k, t->m_kind, t->m_decode, M);
-        decode_tile(t->exp_avg_sq, s, k, t->v_kind, t->v_decode, V);
-        if (pass == PASS_AMAX) {
-            if (h->adam_w_mode)
-                update_tile(k, P, G, M, V, h, 1, PASS_AMAX);
-            else
-                update_tile(k, P, G, M, V, h, 0, PASS_AMAX);
-            if (is_scaled(t->m_kind)) m_amax = amax_bits(M, k, m_amax);
-            if (is_scaled(t->v_kind)) v_amax = amax_bits(V, k, v_amax);
-            continue;
-        }
-        if (h->adam_w_mode)
-            update_tile(k, P, G, M, V, h, 1, PASS_WRITE);
-        else
-            update_tile(k, P, G, M, V, h, 0, PASS_WRITE);
-        encode_tile(t->exp_avg, s, k, t->m_kind, t->m_encode, M);
-        encode_tile(t->exp_avg_sq, s, k, t->v_kind, t->v_encode, V);
-        if (mk == MASTER_NONE) {
-            encode_tile(t->param, s, k, KIND_FP32, 1.0f, P);
-        } else if (mk == MASTER_FP32) {
-            encode_tile(t->master, s, k, KIND_FP32, 1.0f, P);
-            encode_tile(t->param, s, k, KIND_BF16, 1.0f, P);
-        } else {
+        void *m = (void *)offset(t->exp_avg, s, t->m_kind);
+        void *v = (void *)offset(t->exp_avg_sq, s, t->v_kind);
+        split_moments(k, p, g, m, v, t, h, pass, &m_amax, &v_amax);
+        if (pass == PASS_AMAX) continue;
+        if (mk == MASTER_FP32) {
+            uint16_t *out = (uint16_t *)t->param + s;
+            for (int64_t i = 0; i < k; ++i) out[i] = f32_to_bf16(p[i]);
+        } else if (mk == MASTER_REMAINDER) {
             uint16_t *hi = (uint16_t *)t->param + s;
             int16_t *lo = (int16_t *)t->master + s;
             for (int64_t i = 0; i < k; ++i) {
@@ -373,7 +447,7 @@ static inline __attribute__((always_inline)) int adamw_tensor(wo_tensor *t, int6
     int scaled = is_scaled(t->m_kind) || is_scaled(t->v_kind);
     if (pass == PASS_AMAX && !scaled) return 0; /* nothing to measure: pass 0 updates it */
     if (scaled || !h->adam_w_mode || t->m_kind != t->v_kind) {
-        tile_range(t, begin, end, h, pass);
+        split_range(t, begin, end, h, pass);
         return 0;
     }
     switch ((t->master_kind * 2 + t->grad_kind) * 2 + t->m_kind) {

@@ -9,9 +9,10 @@ stored format, applies Transformer Engine's FusedAdam update in FP32 and writes 
 The C file is compiled at first use with the system C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``) into a cache directory (``$WRAPPED_OPTIM_KERNEL_CACHE``, else
 ``$XDG_CACHE_HOME/wrapped_optim`` or ``~/.cache/wrapped_optim``) and loaded with
-:mod:`ctypes`: no torch headers, about a second to build, one build per source, compiler and
-flags. ``WRAPPED_OPTIM_CPU_KERNEL=0`` turns it off. When it cannot be built, :func:`status`
-says why and :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` keeps its pure-torch path.
+:mod:`ctypes`: no torch headers, about half a minute of CPU to build, one build per source,
+compiler and flags. ``WRAPPED_OPTIM_CPU_KERNEL=0`` turns it off. When it cannot be built,
+:func:`status` says why and :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` keeps its
+pure-torch path.
 
 It is built with ``-fopenmp`` when the compiler supports it (else without, one thread):
 the library then names ``libgomp.so.1``, which the loader resolves to the OpenMP runtime
