@@ -425,8 +425,8 @@ def _round_trips(
 
 #: Device bytes per element a scaled chunked encode holds at once: the values moved to the
 #: device (4), a copy of them that is encoded in place and decoded back (4), the trial
-#: encoding (up to 2).
-ENCODE_BYTES_PER_ELEMENT = 10
+#: encoding (up to 2), and the bool mask CUDA's ``torch.equal`` makes to compare them (1).
+ENCODE_BYTES_PER_ELEMENT = 11
 
 
 def encode_chunked(source: Tensor, out: Tensor, dtype: torch.dtype, chunk_numel: int) -> Tensor:
