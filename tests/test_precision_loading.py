@@ -226,3 +226,29 @@ def test_the_value_check_without_masks_finds_every_bad_value(
     sd["state"][0]["exp_avg"][3] = -2.0  # a negative first moment is fine
     sd["state"][0]["exp_avg_sq"][3] = 0.5
     opt.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_streaming_load_reads_unscaled_states_straight_into_storage(
+    tmp_path: Any, atomic: bool
+) -> None:
+    """``load_optimizer`` reads bf16 (and FP32, remainder) states straight into the live
+    storage, with no FP32 accumulator of the tensor (there used to be one: 4 bytes per
+    element); fp16/FP8 states still gather one (their scale needs the whole tensor's amax).
+    The atomic load adds one copy of the state as stored."""
+    from wrapped_optim.checkpoint import load_optimizer, save_optimizer
+
+    n, chunk = 4_000_000, 1 << 20
+    _, source = _trained("bf16-moments", FP32, [(n,)], 1)
+    save_optimizer(source, tmp_path, chunk_bytes=chunk)
+    params, opt = _trained("bf16-moments", FP32, [(n,)], 2, seed=4)
+    storage = _storage(opt)
+    stored = sum(t.numel() * t.element_size() for t in storage.values())
+    peak = peak_cpu_bytes(lambda: load_optimizer(opt, tmp_path, chunk_bytes=chunk, atomic=atomic))
+    assert peak <= (stored if atomic else 0) + 3 * chunk, peak  # DCP's read item, ours: none
+    assert all(opt.state[params[0]][name] is t for (_, name), t in storage.items())
+    expected = PrecisionAwareAdamW(
+        clone_params(params), lr=1e-2, weight_decay=0.1, **CONFIGS["bf16-moments"]
+    )
+    expected.load_state_dict(clone_sd(source.state_dict()))
+    assert_same_optimizer(opt, expected, scales=False)
