@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from cpu_peak import SLACK, peak_cpu_bytes
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -301,23 +302,6 @@ def test_encode_leaves_input_untouched_and_checks_arguments() -> None:
 
 
 # ----------------------------------------------------------------------------- bounds
-
-
-def peak_cpu_bytes(fn: object) -> int:
-    """Peak bytes the CPU allocator held at once during ``fn()`` (torch's profiler events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()  # type: ignore[operator]
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
-SLACK = 2048  # the per-tensor amax, scale and multiplier scalars
 
 
 @given(

@@ -59,10 +59,14 @@ logger = logging.getLogger(__name__)
 
 _FP32 = torch.float32
 # A host-resident source is decoded straight into the host buffer, at most this many elements
-# per chunk call (4 MiB of FP32): the decode's temporaries stay bounded, and each call carries
-# enough work that the per-call cost does not show (64K-element calls measured 1.3-1.7x the
-# bare decode, 1M-element calls 0.9x, in bench.staged at 10M and 50M parameters).
-_HOST_SCRATCH_NUMEL = 1 << 20
+# per chunk call (64 MiB of FP32), whatever chunk_bytes is: no device memory is involved (the
+# engine allocates nothing but the host buffer, and PrecisionAwareAdamW's chunk read allocates
+# nothing of the call's size), and every call costs a fixed overhead plus, with several torch
+# threads, a parallel region whose join waits for the slowest thread. 64K-element calls
+# measured 1.3-1.7x the bare decode; 1M-element calls 1.4x its CPU time at 100M parameters on
+# a loaded two-core machine with two threads (1.05x with one); 16M-element calls as many
+# regions as the bare decode.
+_HOST_SCRATCH_NUMEL = 1 << 24
 _ADAM_MOMENTS = frozenset({"exp_avg", "exp_avg_sq"})
 
 
@@ -221,9 +225,9 @@ def _read_chunked(
     flat = host.view(-1)
     step = scratch.chunk_numel(_FP32)
     if device.type == "cpu":
-        # The state already lives on the host: decode straight into the host buffer, chunk by
-        # chunk (the decode's own temporaries stay chunk-sized), with no scratch to copy from.
-        step = min(step, _HOST_SCRATCH_NUMEL)
+        # The state already lives on the host: decode straight into the host buffer, in
+        # calls of up to _HOST_SCRATCH_NUMEL elements, with no scratch to copy from.
+        step = _HOST_SCRATCH_NUMEL
         for start in range(0, numel, step):
             holder.read_unscaled_state_chunk(param, name, start, flat[start : start + step])
         return host

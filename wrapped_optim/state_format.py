@@ -435,12 +435,27 @@ def check_values(index: Any, name: str, value: torch.Tensor) -> None:
     local = value.to_local() if hasattr(value, "to_local") else value
     if not (local.is_floating_point() or local.is_complex()):
         return
-    if not bool(torch.isfinite(local).all()):
-        raise _state_fault(index, name, "has non-finite values")
-    if name in SECOND_MOMENTS and local.is_floating_point() and bool((local < 0).any()):
+    if local.dtype in _MIN_MAX_DTYPES:
+        # One reduction, no temporary of the tensor's size (isfinite + all and a comparison
+        # held masks and copies of up to 7 bytes per element): min and max are NaN if any
+        # value is, and +-inf if any value is infinite.
+        if local.numel() == 0:
+            return
+        lo, hi = torch.stack(torch.aminmax(local)).tolist()
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise _state_fault(index, name, "has non-finite values")
+        negative = lo < 0
+    else:
+        if not bool(torch.isfinite(local).all()):
+            raise _state_fault(index, name, "has non-finite values")
+        negative = local.is_floating_point() and bool((local < 0).any())
+    if name in SECOND_MOMENTS and negative:
         raise _state_fault(
             index, name, "has negative values (a second moment is a mean of squares)"
         )
+
+
+_MIN_MAX_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ the time of:
 
 Every staged state dict is checked against the unstaged one for the smallest model, and the
 documented bounds are rows that fail: a chunked save needs at most ``chunk_bytes`` on the
-device; a chunked load at most ``chunk_bytes`` beyond the new compressed storage (the old
-storage is kept until the load has succeeded), plus, for a checkpoint on the device, the
-bool mask of the largest tensor that the loader's finiteness check makes.
+device; a chunked load too (it writes into the existing storage, and the validator's value
+check is a reduction without masks), plus ``LOAD_SLACK_BYTES`` for the per-tensor scalars
+(amax, scale, multiplier) and reduction buffers, each its own caching-allocator block.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _no_copy_row(total: int, device: torch.device) -> dict[str, Any]:
 
 
 def _storage_bytes(opt: Any) -> int:
-    """Bytes of the optimizer's stored state (what a load allocates anew)."""
+    """Bytes of the optimizer's stored state (for the report)."""
     return sum(
         value.numel() * value.element_size()
         for entry in opt.state.values()
@@ -147,14 +147,18 @@ def _storage_bytes(opt: Any) -> int:
     )
 
 
+#: What a chunked load may hold beyond ``chunk_bytes``: small per-tensor scalars and buffers.
+LOAD_SLACK_BYTES = 1 << 20
+
+
 def bound_failures(rows: Sequence[dict[str, Any]], chunk_bytes: int) -> list[str]:
     """The documented bounds each measured row breaks (empty: all hold).
 
     Example:
         >>> row = {"params": 10**8, "largest": 10, "storage": 600, "save_chunked_peak": 64,
-        ...        "load_host_chunked_peak": 700, "load_dev_chunked_peak": 674}
+        ...        "load_host_chunked_peak": 2**20 + 65, "load_dev_chunked_peak": 674}
         >>> bound_failures([row], 64)
-        ['100M: chunked load (host ckpt) peak 700 B > 664 B']
+        ['100M: chunked load (host ckpt) peak 1048641 B > 1048640 B']
     """
     failures = []
     for r in rows:
@@ -164,9 +168,7 @@ def bound_failures(rows: Sequence[dict[str, Any]], chunk_bytes: int) -> list[str
                 f"{size}: chunked save peak {r['save_chunked_peak']} B > {chunk_bytes} B"
             )
         for where in ("host", "dev"):
-            peak, bound = r[f"load_{where}_chunked_peak"], r["storage"] + chunk_bytes
-            if where == "dev":
-                bound += r["largest"]  # the finiteness check's bool mask of one tensor
+            peak, bound = r[f"load_{where}_chunked_peak"], chunk_bytes + LOAD_SLACK_BYTES
             if peak > bound:
                 label = "host ckpt" if where == "host" else "device ckpt"
                 failures.append(f"{size}: chunked load ({label}) peak {peak} B > {bound} B")

@@ -256,11 +256,12 @@ def run(quick: bool = False) -> str:
         "keeps one copy of the state as stored (here the bf16 moments, half the expanded "
         "size), so that any failure while reading puts the optimizer back; `atomic=False` "
         "drops that copy. Otherwise the streaming save holds one expanded chunk at a time; the "
-        "streaming load holds one FP32 accumulator (the compressed tensor being loaded) plus "
-        "the chunk DCP's reader has just read (a whole tensor when the checkpoint was written "
-        "by plain `dcp.save`). The plain save holds the whole expanded state dict; the plain "
-        "load holds the expanded scaffold plus the new storage `load_state_dict` builds beside "
-        "the old one. Times are dominated by the disk of the machine that ran it.",
+        "streaming load reads bf16 states straight into the live storage and holds only the "
+        "chunk DCP's reader has just read (a whole tensor when the checkpoint was written by "
+        "plain `dcp.save`); fp16/FP8 states would add one FP32 accumulator of the tensor "
+        "being loaded. The plain save holds the whole expanded state dict; the plain load "
+        "holds the expanded scaffold (`load_state_dict` writes into the existing storage). "
+        "Times are dominated by the disk of the machine that ran it.",
         "",
         "Reproduce: `python -m wrapped_optim.bench.streaming` (or `--quick`). It writes two "
         "checkpoints to a temporary directory under the system temp dir and deletes them.",

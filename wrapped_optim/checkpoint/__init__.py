@@ -8,9 +8,10 @@ again before ``load_state_dict`` quantizes it. Here DCP drives the copy instead:
 * save: the state dict handed to DCP holds *placeholders* for compressed states; the save
   planner expands one tensor chunk when the storage writer asks for it (``resolve_data``) and
   releases it once written. FP32 state is read where it lives.
-* load: the load planner hands the reader either the live state tensor itself (FP32 state is
-  read straight into place) or a host accumulator for a compressed state, which is quantized
-  into the holder's storage as soon as its last chunk arrives (``commit_tensor``).
+* load: the load planner hands the reader either the live state tensor itself (FP32, bf16
+  and remainder states are read straight into place) or a host accumulator for a scaled
+  (fp16, FP8) state, which is quantized into the holder's storage as soon as its last chunk
+  arrives (``commit_tensor``).
 
 The files are ordinary DCP checkpoints with the optimizer's own ``state_dict`` layout
 (``state.<param index>.<name>`` tensors, ``param_groups`` as DCP objects): plain ``dcp.load``

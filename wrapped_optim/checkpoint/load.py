@@ -88,8 +88,9 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     it checks every state tensor of the checkpoint against the optimizer (parameter, shape,
     dtype) and raises :class:`OptimizerCheckpointError` before anything is read. While reading,
     FP32 state is copied into the live tensor (or a new one where the optimizer has no state
-    yet) and a compressed state of a precision-aware holder is gathered in a host FP32
-    accumulator and quantized into the holder's storage as soon as its last chunk arrives.
+    yet), as are a precision-aware holder's bf16 states and remainders (the cast is
+    elementwise); a scaled (fp16, FP8) holder state is gathered in a host FP32 accumulator and
+    quantized into the holder's storage as soon as its last chunk arrives.
 
     Example:
         >>> import tempfile, torch
@@ -338,13 +339,26 @@ def _holder_target(
     md: TensorStorageMetadata,
     live: Mapping[str, Any],
 ) -> _Target:
-    """Where a precision-aware holder's state goes: its live FP32 tensor, or its storage
-    (checked beforehand by state_format.check_holder_entry)."""
+    """Where a precision-aware holder's state goes: its live storage, or an accumulator that
+    is quantized into it (checked beforehand by state_format.check_holder_entry)."""
     remainder = _uses_remainder(leaf, param, name)
     current = live.get(name)
     local_shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
-    fp32_storage = leaf.name_to_dtype_map[name] == torch.float32
-    if fp32_storage and isinstance(current, torch.Tensor) and current.shape == local_shape:
+    stored = torch.int16 if remainder else leaf.name_to_dtype_map[name]
+    # Storage without a scale takes the values one element at a time: FP32 and remainders
+    # as they are, bf16 by the round-to-nearest-even cast that set_scaled_state applies (from
+    # FP32 values only; others would be rounded twice on the holder's path). Those are read
+    # straight into the live storage; fp16 and FP8 need the whole tensor's amax first.
+    elementwise = stored in (torch.float32, torch.int16) or (
+        stored == torch.bfloat16 and md.properties.dtype == torch.float32
+    )
+    if (
+        elementwise
+        and isinstance(current, torch.Tensor)
+        and current.dtype == stored
+        and current.shape == local_shape
+        and current.is_contiguous()
+    ):
         # The live tensor is the state: read in place (through a DTensor view for a shard).
         tensor = like_param(param, current) if isinstance(param, DTensor) else current
         return _Target(md.size, tensor=tensor, live=current)

@@ -11,7 +11,6 @@ wrappers of this package are tested against. All format arithmetic lives in
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,6 +21,7 @@ from wrapped_optim import codecs, state_format
 from wrapped_optim.adapters.dtensor import like_param, local_tensor
 from wrapped_optim.optimizers import cpu_kernel as _cpu_kernel
 from wrapped_optim.optimizers import fused_gpu as _fused_gpu
+from wrapped_optim.optimizers import precision_loading as _loading
 from wrapped_optim.optimizers import torch_step as _torch_step
 from wrapped_optim.optimizers.kernel_step import KernelOperands, kernel_operands, kernel_update
 from wrapped_optim.rollback import OptimizerSnapshot
@@ -302,8 +302,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         return local
 
     def _encode_from(self, param: Tensor, state_name: str, flat: Tensor, chunk_numel: int) -> None:
-        """Quantize the flat FP32 (or int16) source into storage, chunk by chunk."""
-        if state_name not in self.state[param]:
+        """Quantize the flat FP32 (or int16) source into storage, chunk by chunk: into the
+        existing storage, unless it is missing or no longer fits (then the old is freed first)."""
+        if not self._storage_fits(param, state_name):
+            entry = self.state[param]
+            if state_name in entry:  # free the old first; the state keeps its place
+                entry[state_name] = torch.empty(0)
+            self._scales.get(param, {}).pop(state_name, None)
             self._initialize_state(param, state_name, zero_buffer=False)
         storage = self.state[param][state_name]
         out = storage.view(-1)
@@ -315,6 +320,28 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             return
         for s, e in codecs.chunk_bounds(flat.numel(), chunk_numel):
             out[s:e].copy_(flat[s:e])
+
+    def _storage_fits(self, param: Tensor, state_name: str) -> bool:
+        """Whether ``param``'s storage of the state exists with the format and shape it needs."""
+        storage = self.state[param].get(state_name)
+        local = local_tensor(param)
+        if self._uses_remainder(param, state_name):
+            dtype = torch.int16
+        else:
+            dtype = self.name_to_dtype_map[state_name]
+        if not (
+            isinstance(storage, Tensor)
+            and storage.dtype == dtype
+            and storage.shape == local.shape
+            and storage.device == local.device
+            and storage.is_contiguous()
+        ):
+            return False
+        return (
+            dtype == torch.int16
+            or not codecs.is_scaled(dtype)
+            or (state_name in self._scales.get(param, {}))
+        )
 
     def set_scaled_state(self, param: Tensor, state_name: str, unscaled_state: Tensor) -> None:
         """Quantize FP32 values (int16 for a remainder master) into one state of ``param``.
@@ -568,29 +595,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             >>> sd["state"][0]["exp_avg"].dtype, sd["param_groups"][0]["step"]
             (torch.float32, 1)
         """
-        return state_dict_with_hooks(self, self._portable_state_dict)
-
-    def _portable_state_dict(self) -> dict[str, Any]:
-        groups = []
-        param_index: dict[int, int] = {}
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            indices = []
-            for p in group["params"]:
-                param_index.setdefault(id(p), len(param_index))
-                indices.append(param_index[id(p)])
-            packed["params"] = indices
-            groups.append(packed)
-        state: dict[int, dict[str, Tensor]] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                entry = self.state.get(p)
-                if not entry:
-                    continue
-                state[param_index[id(p)]] = {
-                    name: self.get_unscaled_state(p, name) for name in list(entry)
-                }
-        return {"state": state, "param_groups": groups}
+        return state_dict_with_hooks(self, lambda: _loading.portable_state_dict(self))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load FusedAdam's portable format, validating everything before the first write.
@@ -598,7 +603,10 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         Every problem (group or parameter count, shapes, remainder vs FP32 master, a missing
         master, unknown state names, non-finite values) raises ``ValueError`` naming the
         parameter index and state, and leaves this optimizer exactly as it was. States are
-        written through ``self.set_scaled_state``; the caller's tensors are never modified.
+        then written through ``self.set_scaled_state`` into the existing storage, in slices
+        (see :mod:`~wrapped_optim.optimizers.precision_loading`: the extra memory is one
+        slice; a load interrupted half-way is completed before the exception propagates);
+        the caller's tensors are never modified.
 
         Example:
             >>> import torch
@@ -611,39 +619,4 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             >>> opt.state[p]["exp_avg"].dtype, opt.param_groups[0]["step"]
             (torch.bfloat16, 3)
         """
-        load_state_dict_with_hooks(self, state_dict, self._load_portable)
-
-    def _load_portable(self, state_dict: dict[str, Any]) -> None:
-        resolved, saved_groups = state_format.check_holder_state_dict(self, state_dict)
-        new_groups = []
-        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
-            merged = {k: v for k, v in group.items() if k != "params"}
-            merged.update(
-                {k: _copy_value(v) for k, v in saved.items() if k not in ("params", "param_names")}
-            )
-            if "step" in saved:  # FusedAdam's group step is an int
-                merged["step"] = state_format.check_step(f"param group {i}", saved["step"])
-            merged["params"] = group["params"]
-            if "param_names" in group:
-                merged["param_names"] = group["param_names"]
-            new_groups.append(merged)
-        old = (self.state, self._scales, self.param_groups)
-        try:
-            self.state = defaultdict(dict)
-            self._scales = {}
-            self.param_groups = new_groups
-            for key, param in resolved.items():
-                for name, value in state_dict["state"][key].items():
-                    if not self._uses_remainder(param, name) and value.dtype != torch.float32:
-                        value = value.float()
-                    self.set_scaled_state(param, name, value)
-        except BaseException:
-            self.state, self._scales, self.param_groups = old
-            raise
-
-
-def _copy_value(value: Any) -> Any:
-    """Group hyper-parameters are copied, so the loaded optimizer never aliases the caller's."""
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    return value
+        load_state_dict_with_hooks(self, state_dict, lambda sd: _loading.load_portable(self, sd))
