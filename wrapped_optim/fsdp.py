@@ -331,7 +331,7 @@ def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _zero_counter(mapping: dict[Any, Any], key: str) -> None:
+def _zero_counter(mapping: MutableMapping[Any, Any], key: str) -> None:
     value = mapping.get(key)
     if isinstance(value, torch.Tensor):
         with torch.no_grad():
