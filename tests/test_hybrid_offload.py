@@ -116,7 +116,7 @@ def test_state_exposed_under_original_params():
     opt.step()
     host = opt.gpu_params_map_cpu_copy[p0]
     assert opt.state[p0]["master_param"] is host
-    assert opt.cpu_optimizers[0].state[host] is opt.state[p0]
+    assert opt.cpu_optimizers[0].state[host] is opt.state[p0].entries  # a view of the live dict
     assert opt.state[p1]["master_param"] is p1  # FP32, not offloaded: the param itself
     assert set(opt.state) == {p0, p1}
 

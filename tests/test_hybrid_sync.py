@@ -468,10 +468,16 @@ def test_unwrapped_megatron_resume_fails_or_diverges():
     resumed.load_state_dict(model_sd)
     dist.load_state_dict(copy.deepcopy(first_dist.state_dict()))
     # dummy_step wrote the stale copies into the weights and the copies were rebuilt from
-    # them: the restored masters (now in the state) never reach the copies that step, nor
-    # the weights. The guard sees it.
+    # them: the restored masters never reach the weights. A device-side param's master
+    # replaced its state entry and never reaches the copy that steps either; the host-side
+    # param's state takes writes in place, so its host copy holds the restored master.
+    # The guard sees all four.
     stale = HybridSyncOptimizer(dist).stale_masters()
-    assert len(stale) == 4 and all(entry.copies for entry in stale)
+    host_copies = list(dist.optimizer.gpu_params_map_cpu_copy.values())
+    assert len(stale) == 4 and len(host_copies) == 1
+    for entry in stale:
+        on_host = any(entry.master is copy for copy in host_copies)
+        assert bool(entry.copies) != on_host, entry.name
     assert not torch.equal(resumed[0].weight, first[0].weight)
 
 

@@ -11,7 +11,7 @@ step; :func:`init_optimizer_state` creates the state a checkpoint load needs.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -331,7 +331,7 @@ def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _zero_counter(mapping: dict[Any, Any], key: str) -> None:
+def _zero_counter(mapping: MutableMapping[Any, Any], key: str) -> None:
     value = mapping.get(key)
     if isinstance(value, torch.Tensor):
         with torch.no_grad():
@@ -342,7 +342,7 @@ def _zero_counter(mapping: dict[Any, Any], key: str) -> None:
 
 def _reset_step_counters(leaf: torch.optim.Optimizer) -> None:
     for state in leaf.state.values():
-        if isinstance(state, dict) and "step" in state:
+        if isinstance(state, MutableMapping) and "step" in state:
             _zero_counter(state, "step")
 
 
@@ -407,7 +407,7 @@ def _hide_placeholders_from_first_step(leaf: torch.optim.Optimizer) -> None:
     marks: list[tuple[torch.Tensor, str, weakref.ref[torch.Tensor], tuple[int, int]]] = []
     for param, state in leaf.state.items():
         for key in keys:
-            value = state.get(key) if isinstance(state, dict) else None
+            value = state.get(key) if isinstance(state, MutableMapping) else None
             if isinstance(value, torch.Tensor):
                 marks.append((param, key, weakref.ref(value), _write_count(value)))
     if not marks:
@@ -419,7 +419,11 @@ def _hide_placeholders_from_first_step(leaf: torch.optim.Optimizer) -> None:
         for param, key, placeholder, count in marks:
             state = optimizer.state.get(param)
             value = placeholder()
-            if value is None or not isinstance(state, dict) or state.get(key) is not value:
+            if (
+                value is None
+                or not isinstance(state, MutableMapping)
+                or state.get(key) is not value
+            ):
                 continue  # replaced, e.g. by load_state_dict
             if _write_count(state[key]) != count:
                 continue  # loaded into in place, e.g. by a DCP load

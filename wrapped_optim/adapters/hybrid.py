@@ -328,8 +328,11 @@ def push_state_to_sub_optimizers(stack: Any) -> None:
                             and value.device != copy.device
                         ):
                             state[key] = value.to(copy.device)
-                    if sub.state.get(copy) is not state:
-                        sub.state[copy] = state
+                    # An in-place view (our HybridOffloadOptimizer's host entries) wraps the
+                    # sub-optimizer's own dict: that dict is what the sub-optimizer steps.
+                    live = getattr(state, "entries", state)
+                    if sub.state.get(copy) is not live:
+                        sub.state[copy] = live
 
 
 def keeps_per_param_step(stack: Any) -> bool:

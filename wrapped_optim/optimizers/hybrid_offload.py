@@ -11,7 +11,6 @@ even when the parameter already lives on the host.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
@@ -19,7 +18,13 @@ import torch
 
 from wrapped_optim.adapters.hybrid import MasterCopies
 from wrapped_optim.adapters.precision import is_precision_aware_holder
-from wrapped_optim.optimizers import cpu_kernel, fused_host_step, offload_grads, offload_loading
+from wrapped_optim.optimizers import (
+    cpu_kernel,
+    fused_host_step,
+    offload_grads,
+    offload_loading,
+    offload_state,
+)
 from wrapped_optim.optimizers.transfers import copy_all
 from wrapped_optim.rollback import OptimizerSnapshot
 from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
@@ -310,20 +315,14 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                     self.param_groups[group_index]["step"] = sub_group["step"]
 
     def _expose_state(self) -> None:
-        state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-        for sub in self.sub_optimizers:
-            holder = is_precision_aware_holder(sub)
-            for inner, inner_state in sub.state.items():
-                param = self.inner_param_to_orig_param[inner]
-                if holder:
-                    if not inner_state:
-                        continue
-                    # A view: a holder's own dict must keep only the states it stores.
-                    inner_state = dict(inner_state)
-                if self.param_update_in_fp32:
-                    inner_state["master_param"] = inner
-                state[param] = inner_state
-        self.state = state
+        """Publishes :attr:`state` (:func:`offload_state.exposed_state`: host entries take
+        writes in place)."""
+        self.state = offload_state.exposed_state(
+            self.cpu_optimizers,
+            self.gpu_optimizer,
+            self.inner_param_to_orig_param,
+            self.param_update_in_fp32,
+        )
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Copies grads to the copies, steps both sub-optimizers, copies the results back.
@@ -506,7 +505,9 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict; precision-aware sub-optimizers' params in FusedAdam's format.
 
-        With plain sub-optimizers this is torch's ``Optimizer.state_dict`` of :attr:`state`.
+        With plain sub-optimizers this is what torch's ``Optimizer.state_dict`` makes of
+        :attr:`state`, each param's entry the sub-optimizer's own dict, as torch's (a plain
+        dict, never the in-place view ``state`` holds for a host param).
         A param stepped by a precision-aware holder gets each of its states read through the
         holder's ``get_unscaled_state`` (the instance attribute, so instance-level patches
         such as staging's take effect): FP32 expansions instead of the raw storage, plus
@@ -530,8 +531,6 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         """
         self._finish_copy_back()
         holder_of = self._holder_of()
-        if not holder_of:
-            return super().state_dict()
         portable = offload_loading.holder_state_dict
         return state_dict_with_hooks(self, lambda: portable(self, holder_of))
 

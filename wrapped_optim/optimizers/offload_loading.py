@@ -17,6 +17,7 @@ import torch
 
 from wrapped_optim import state_format
 from wrapped_optim.adapters.precision import is_precision_aware_holder, supports_chunked_state
+from wrapped_optim.optimizers.offload_state import exposed_state, plain_dict
 from wrapped_optim.optimizers.offload_state_rules import (
     References,
     agree_on_step,
@@ -36,7 +37,9 @@ __all__ = ["holder_state_dict", "load", "prepare_load"]
 def holder_state_dict(
     opt: HybridOffloadOptimizer, holder_of: dict[int, torch.optim.Optimizer]
 ) -> dict[str, Any]:
-    """torch's layout; a precision-aware holder's params in FusedAdam's portable format."""
+    """torch's layout, each param's state the sub-optimizer's own dict (never the in-place
+    view :attr:`state` shows); a precision-aware holder's params in FusedAdam's portable
+    format."""
     index_of: dict[int, int] = {}
     groups = []
     for group in opt.param_groups:
@@ -49,8 +52,8 @@ def holder_state_dict(
             inner = opt.param_to_inner_param[param]
             sub = holder_of.get(id(inner))
             if sub is None:
-                if param in opt.state:
-                    state[index_of[id(param)]] = opt.state[param]
+                if param in opt.state:  # the live dict, as torch's (loaders write into it)
+                    state[index_of[id(param)]] = plain_dict(opt.state[param])
                 continue
             stored = sub.state.get(inner)
             if not stored:
@@ -89,7 +92,6 @@ def _load_plain(
     if layout["gpu_optimizer"] is not None:
         subs.append(layout["gpu_optimizer"])
     orig_of = layout["inner_param_to_orig_param"]
-    new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
     # A param that is its own stepped copy takes its master last, undone on a fault.
     own_masters: list[tuple[torch.Tensor, torch.Tensor]] = []
     for sub in subs:
@@ -107,7 +109,9 @@ def _load_plain(
                 if opt.param_update_in_fp32:
                     entry["master_param"] = inner
             sub.state[inner] = entry
-            new_state[param] = entry
+    new_state = exposed_state(
+        layout["cpu_optimizers"], layout["gpu_optimizer"], orig_of, opt.param_update_in_fp32
+    )
     copy_all(own_masters)
     # Commit: plain assignments only.
     opt.param_groups[:] = groups
