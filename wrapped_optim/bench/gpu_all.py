@@ -42,7 +42,7 @@ def find_checkout(roots: Sequence[Path] | None = None) -> Path | None:
     return None
 
 
-def load_main(root: Path) -> Callable[[Sequence[str] | None], int]:
+def _load_main(root: Path) -> Callable[[Sequence[str] | None], int]:
     """Import ``tests.gpu.gpu_all`` from the checkout at ``root`` and return its ``main``."""
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None, roots: Sequence[Path] | None = None)
             file=sys.stderr,
         )
         return NOT_RUN
-    return load_main(root)(argv)
+    return _load_main(root)(argv)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,17 @@ _IMPLEMENTATION_KEYS = ("fused", "foreach")
 class FusedEntry:
     """One offloaded parameter the fused host step updates: the param (written), its host
     copy (the FP32 master), the grad read, and the host sub-optimizer and its group holding
-    the copy."""
+    the copy.
+
+    Example:
+        >>> import torch
+        >>> param = torch.zeros(2, dtype=torch.bfloat16)
+        >>> inner = param.float()
+        >>> host = torch.optim.AdamW([inner])
+        >>> entry = FusedEntry(param, inner, torch.ones(2), host, host.param_groups[0])
+        >>> entry.inner.dtype, entry.param.dtype
+        (torch.float32, torch.bfloat16)
+    """
 
     param: Tensor
     inner: Tensor
