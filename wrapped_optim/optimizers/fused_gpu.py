@@ -79,6 +79,11 @@ _KERNEL_MODULE = "wrapped_optim.optimizers._fused_gpu_kernel"
 # Devices the kernel is launched on. Tests add "cpu" (with TRITON_INTERPRET=1, Triton's
 # interpreter runs the same kernel on host tensors).
 _DEVICE_TYPES = {"cuda"}
+_NOT_APPLICABLE = (
+    "the fused GPU step does not apply to this parameter (CUDA, contiguous storage and the "
+    "formats listed in this module's docstring only): send only pairs for which "
+    "fused_gpu.applicable(opt, param, grad, group) is True"
+)
 
 
 def available() -> bool:
@@ -215,8 +220,12 @@ def applicable(
     """Whether :func:`update_group` updates ``param`` (see the module docstring for when).
 
     Example:
-        >>> applicable.__name__
-        'applicable'
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> p = torch.nn.Parameter(torch.zeros(4))
+        >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
+        >>> applicable(opt, p, torch.ones(4), opt.param_groups[0])  # no state yet
+        False
     """
     if opt.fused is True or not opt.state.get(param):
         return False
@@ -231,14 +240,22 @@ def launches_per_step(opt: PrecisionAwareAdamW, pairs: Sequence[tuple[Tensor, Te
     (only the scale kernel when all its tensors are empty; none for an empty unscaled one).
 
     Example:
-        >>> launches_per_step.__name__
-        'launches_per_step'
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> p = torch.nn.Parameter(torch.zeros(4))
+        >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
+        >>> opt.initialize_state(p)
+        >>> launches_per_step(opt, [])
+        0
+        >>> launches_per_step(opt, [(p, torch.ones(4))])  # a CPU parameter
+        Traceback (most recent call last):
+        ValueError: the fused GPU step does not apply to this parameter (CUDA, ...
     """
     combos: dict[tuple[Any, ...], int] = {}
     for param, grad in pairs:
         found = _operands(opt, param, grad)
         if found is None:
-            raise ValueError("the fused GPU step does not apply to this parameter's formats")
+            raise ValueError(_NOT_APPLICABLE)
         key = (found.param.device, found.kinds)
         combos[key] = combos.get(key, 0) + found.param.numel()
     return sum(
@@ -322,14 +339,20 @@ def update_group(
     device and format combination (three where scaled), no host wait.
 
     Example:
-        >>> update_group.__name__
-        'update_group'
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> p = torch.nn.Parameter(torch.zeros(4))
+        >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
+        >>> opt.initialize_state(p)
+        >>> update_group(opt, [(p, torch.ones(4))], opt.param_groups[0])  # a CPU parameter
+        Traceback (most recent call last):
+        ValueError: the fused GPU step does not apply to this parameter (CUDA, ...
     """
     buckets: dict[tuple[Any, ...], list[_Operands]] = {}
     for param, grad in pairs:
         found = _operands(opt, param, grad)
         if found is None:
-            raise ValueError("the fused GPU step does not apply to this parameter's formats")
+            raise ValueError(_NOT_APPLICABLE)
         buckets.setdefault((found.param.device, found.kinds), []).append(found)
     if not buckets:
         return
@@ -354,8 +377,14 @@ def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[st
     """:func:`update_group` for one parameter.
 
     Example:
-        >>> update.__name__
-        'update'
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> p = torch.nn.Parameter(torch.zeros(4))
+        >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
+        >>> opt.initialize_state(p)
+        >>> update(opt, p, torch.ones(4), opt.param_groups[0])  # a CPU parameter
+        Traceback (most recent call last):
+        ValueError: the fused GPU step does not apply to this parameter (CUDA, ...
     """
     update_group(opt, [(param, grad)], group)
 
