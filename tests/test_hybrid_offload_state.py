@@ -132,11 +132,16 @@ def test_writes_through_state_land_in_the_host_storage_and_state_dict_stays_plai
     host, device = params[0], params[-1]
     copy = opt.gpu_params_map_cpu_copy[host]
     moment = opt.cpu_optimizers[0].state[copy]["exp_avg"]
-    opt.state[host]["exp_avg"] = torch.full(host.shape, 2.0, dtype=torch.float64)
+    opt.state[host]["exp_avg"] = torch.full(host.shape, 2.0)
     opt.state[host]["master_param"] = torch.ones(host.shape)
     assert opt.cpu_optimizers[0].state[copy]["exp_avg"] is moment
     assert moment.dtype == torch.float32 and bool((moment == 2).all())
     assert bool((copy == 1).all())
+    # Another dtype is not a moved copy: a dict write, as torch's (never a silent cast).
+    opt.state[host]["exp_avg"] = torch.full(host.shape, 3.0, dtype=torch.float64)
+    assert opt.cpu_optimizers[0].state[copy]["exp_avg"].dtype == torch.float64
+    assert bool((moment == 2).all())
+    opt.state[host]["exp_avg"] = moment
     # Another shape is no in-place write: a dict write, as before.
     opt.state[host]["extra"] = torch.zeros(1)
     opt.state[host]["extra"] = torch.zeros(2)
@@ -158,3 +163,22 @@ def test_writes_through_state_land_in_the_host_storage_and_state_dict_stays_plai
     twin_copy = twin.gpu_params_map_cpu_copy[twin_host]
     assert twin.cpu_optimizers[0].state[twin_copy] is twin.state[twin_host].entries
     assert torch.equal(twin.state[twin_host]["exp_avg"], moment)
+
+
+def test_a_compressed_holder_state_is_never_overwritten_by_a_cast():
+    """Review finding: writing the FP32 expansion over an FP8 holder state used to cast it
+    into the raw storage (ignoring the scale) and zero it."""
+    params = make_params(torch.bfloat16)
+    opt = HybridOffloadOptimizer(
+        params, offload_fraction=1.0, lr=0.01, cpu_optimizer_cls=PrecisionAwareAdamW,
+        exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
+    )  # fmt: skip
+    run(opt, params, range(2))
+    holder = opt.cpu_optimizers[0]
+    host = params[0]
+    copy = opt.gpu_params_map_cpu_copy[host]
+    stored = holder.state[copy]["exp_avg_sq"].clone()
+    expanded = holder.get_unscaled_state(copy, "exp_avg_sq")
+    opt.state[host]["exp_avg_sq"] = expanded
+    assert torch.equal(holder.state[copy]["exp_avg_sq"], stored)
+    assert torch.equal(holder.get_unscaled_state(copy, "exp_avg_sq"), expanded)

@@ -112,6 +112,15 @@ def _kind(hybrid: HybridOffloadOptimizer, sub: torch.optim.Optimizer, index: int
     return "torch"
 
 
+def _torch_group_allows(group: dict[str, Any]) -> bool:
+    """No option the kernel lacks, and AdamW's decoupled decay (``decoupled_weight_decay=False``
+    is torch's L2 mode)."""
+    return (
+        not any(group.get(k) for k in _TORCH_SWITCHES)
+        and group.get("decoupled_weight_decay", True) is not False
+    )
+
+
 def _formats_allow(param: Tensor, inner: Tensor, grad: Tensor) -> bool:
     return (
         param.dtype == torch.bfloat16
@@ -165,7 +174,7 @@ def plan(hybrid: HybridOffloadOptimizer) -> list[FusedEntry]:
     entries = []
     for sub, index, sub_group in _host_groups(hybrid):
         kind = _kind(hybrid, sub, index)
-        if kind is None or (kind == "torch" and any(sub_group.get(k) for k in _TORCH_SWITCHES)):
+        if kind is None or (kind == "torch" and not _torch_group_allows(sub_group)):
             continue
         for inner in sub_group["params"]:
             param = hybrid.cpu_copys_map_gpu_param[inner]
@@ -216,7 +225,11 @@ def run(entries: Sequence[FusedEntry]) -> None:
         if isinstance(sub, PrecisionAwareAdamW):
             operands = kernel_step.kernel_operands(sub, entry.inner, entry.grad)
             if operands is None:  # plan() checked this: the optimizer changed in between
-                raise RuntimeError("the fused host step lost a parameter the kernel reads")
+                raise RuntimeError(
+                    "the fused host step lost a parameter the kernel reads: the host "
+                    "optimizer's options or state changed between plan() and run(); pass "
+                    "fused_host_step=False to HybridOffloadOptimizer to step it unfused"
+                )
             _, grad, m, v, _, m_scale, v_scale = operands
             fused = (entry.param.view(-1), grad, m, v, entry.inner.view(-1), m_scale, v_scale)
             precision.setdefault(id(entry.group), (sub, entry.group, []))[2].append(fused)

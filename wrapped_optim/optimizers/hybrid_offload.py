@@ -361,7 +361,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             for sub in subs:
                 sub.step()
                 if sub in self.cpu_optimizers:
-                    fused_host_step.run(fused)
+                    fused_host_step.run([entry for entry in fused if entry.optimizer is sub])
         except BaseException:
             if snapshot is not None:
                 snapshot.restore()

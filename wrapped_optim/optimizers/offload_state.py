@@ -5,7 +5,9 @@ Generic "move the optimizer state to the device" utilities (Lightning's
 ``state[p][name] = tensor.to(device)``. Exposing the host sub-optimizer's own dict would let
 that replace its host tensors with device copies: the offload silently undone, or a host step
 over mixed devices. Each host-side param's state is therefore exposed as :class:`InPlaceState`,
-whose writes over a same-shape tensor copy into it, so the values arrive and the storage stays.
+whose writes over a tensor of the same shape and dtype copy into it, so the values arrive and
+the storage stays. A tensor of another dtype is not a moved copy (and would be wrongly cast
+into a precision-aware holder's raw fp16/FP8 storage, which has a scale): it is a dict write.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ __all__ = ["InPlaceState", "exposed_state", "plain_dict"]
 
 class InPlaceState(MutableMapping[str, Any]):
     """One param's state: reads give the live tensors; a tensor written over a tensor of the
-    same shape is copied into it (keeping its device and dtype); other writes are dict writes.
+    same shape and dtype is copied into it (keeping its device); other writes are dict writes.
 
     A meta tensor carries no values: written over a tensor, it leaves that tensor as it is.
 
@@ -31,9 +33,12 @@ class InPlaceState(MutableMapping[str, Any]):
         >>> import torch
         >>> moment = torch.zeros(2)
         >>> state = InPlaceState({"exp_avg": moment})
-        >>> state["exp_avg"] = torch.ones(2, dtype=torch.float64)  # e.g. a "moved" copy
+        >>> state["exp_avg"] = torch.ones(2)  # e.g. a "moved" copy
         >>> state["exp_avg"] is moment, moment.tolist()
         (True, [1.0, 1.0])
+        >>> state["exp_avg"] = torch.ones(2, dtype=torch.float64)  # not a copy: replaces it
+        >>> state["exp_avg"].dtype
+        torch.float64
         >>> state["exp_avg"] = torch.ones(2, device="meta")
         >>> moment.device, moment.tolist()
         (device(type='cpu'), [1.0, 1.0])
@@ -52,6 +57,7 @@ class InPlaceState(MutableMapping[str, Any]):
             isinstance(current, torch.Tensor)
             and isinstance(value, torch.Tensor)
             and value.shape == current.shape
+            and value.dtype == current.dtype
         ):
             if value is not current and not value.is_meta:
                 current.copy_(value)
