@@ -252,3 +252,20 @@ def test_streaming_load_reads_unscaled_states_straight_into_storage(
     )
     expected.load_state_dict(clone_sd(source.state_dict()))
     assert_same_optimizer(opt, expected, scales=False)
+
+
+def test_loaded_hyper_parameters_never_alias_the_callers_even_in_containers() -> None:
+    """Review finding: tensors inside a container (``betas`` as a tuple of tensors) stayed
+    the caller's after a load."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
+    opt.initialize_state(p)
+    state_dict = opt.state_dict()
+    betas = (torch.tensor(0.8), torch.tensor(0.9))
+    lr = torch.tensor(0.01)
+    state_dict["param_groups"][0].update(betas=betas, lr=lr)
+    opt.load_state_dict(state_dict)
+    group = opt.param_groups[0]
+    assert group["lr"] is not lr and torch.equal(group["lr"], lr)
+    assert all(mine is not theirs for mine, theirs in zip(group["betas"], betas, strict=True))
+    assert [float(b) for b in group["betas"]] == [float(b) for b in betas]

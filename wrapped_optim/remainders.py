@@ -96,7 +96,10 @@ def join_master(
             f"and {remainder.dtype}"
         )
     if param.numel() != remainder.numel():
-        raise ValueError("parameter and remainder have different sizes")
+        raise ValueError(
+            f"join_master: the parameter has {param.numel()} elements and the remainder "
+            f"{remainder.numel()}; pass the remainder split from this parameter's master"
+        )
     # (high << 16) + sext(remainder) == (high - [remainder < 0]) << 16 | (remainder & 0xFFFF)
     if out is not None and out.is_contiguous() and out.dtype == torch.float32:
         bits = out.view(torch.int32).view(param.shape)

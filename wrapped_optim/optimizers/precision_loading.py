@@ -6,7 +6,8 @@ the *whole* incoming state, so a rejected checkpoint changes nothing; then it qu
 incoming tensor into the storage the optimizer already has, through the instance's
 ``set_scaled_state`` (which works in bounded slices). New storage is allocated only where a
 state is missing or its format or shape differs, one tensor at a time, after freeing the old.
-The extra memory of a load is therefore one slice, not a second copy of the state.
+The extra memory of a load of FP32 values is therefore one slice, not a second copy of the
+state (values in another float dtype are first converted to FP32 one whole tensor at a time).
 
 Without that second copy a failure half-way cannot be rolled back; it is rolled *forward*
 instead: the caller's state dict is validated and never modified, so the load is completed
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from wrapped_optim import state_format
 from wrapped_optim.adapters.dtensor import local_tensor
+from wrapped_optim.rollback import deep_clone
 
 if TYPE_CHECKING:
     from wrapped_optim.optimizers.precision_adam import PrecisionAwareAdamW
@@ -123,7 +125,7 @@ def _merged_groups(
     for i, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
         merged = {k: v for k, v in group.items() if k != "params"}
         merged.update(
-            {k: _copy_value(v) for k, v in saved.items() if k not in ("params", "param_names")}
+            {k: deep_clone(v) for k, v in saved.items() if k not in ("params", "param_names")}
         )
         if "step" in saved:  # FusedAdam's group step is an int
             merged["step"] = state_format.check_step(f"param group {i}", saved["step"])
@@ -193,10 +195,3 @@ def _drop_others(opt: PrecisionAwareAdamW, kept: Mapping[int, Iterable[str]]) ->
                 del entry[name]
             if not entry:
                 del table[param]
-
-
-def _copy_value(value: Any) -> Any:
-    """Group hyper-parameters are copied, so the loaded optimizer never aliases the caller's."""
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    return value
