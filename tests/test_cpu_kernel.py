@@ -518,9 +518,15 @@ def test_source_ships_with_the_package() -> None:
     root = Path(__file__).resolve().parents[1]
     data = tomllib.loads((root / "pyproject.toml").read_text())
     patterns = data["tool"]["setuptools"]["package-data"]["wrapped_optim"]
-    source = cpu_kernel._SOURCE.relative_to(root / "wrapped_optim")
-    assert any(source.match(pattern) for pattern in patterns), patterns
-    assert cpu_kernel._SOURCE.is_file()
+    assert cpu_kernel._SOURCE in cpu_kernel._SOURCES
+    for path in cpu_kernel._SOURCES:
+        source = path.relative_to(root / "wrapped_optim")
+        assert any(source.match(pattern) for pattern in patterns), patterns
+        assert path.is_file()
+    # every file the C source includes from its own directory is one of them
+    included = {line.split('"')[1] for line in cpu_kernel._SOURCE.read_text().splitlines()
+                if line.startswith("#include \"")}  # fmt: skip
+    assert included == {path.name for path in cpu_kernel._SOURCES[1:]}
 
 
 # ----------------------------------------------------------------------------- in the optimizer

@@ -30,7 +30,7 @@ enum { MASTER_NONE = 0, MASTER_FP32 = 1, MASTER_REMAINDER = 2 };
 enum { KIND_FP32 = 0, KIND_BF16 = 1, KIND_FP16 = 2, KIND_FP8 = 3 };
 enum { PASS_WRITE = 0, PASS_AMAX = 1 };
 
-#define WO_ABI_VERSION 7
+#define WO_ABI_VERSION 8
 
 int wo_abi_version(void) { return WO_ABI_VERSION; }
 
@@ -298,6 +298,9 @@ static inline __attribute__((always_inline)) void atomic_max_u32(uint32_t *slot,
     }
 }
 
+/* The hand-written AVX-512 loops of the fp16/FP8 moments (WO_AVX512 where they build). */
+#include "_adamw_cpu_avx512.h"
+
 /*
  * The split loop, for scaled moments, mixed moment formats and L2 mode: WO_TILE elements at a
  * time, the parameter and gradient are FP32 pointers into the tensors where they are stored in
@@ -340,7 +343,12 @@ static inline __attribute__((always_inline)) void split_range(wo_tensor *t, int6
         }
         void *m = (void *)offset(t->exp_avg, s, t->m_kind);
         void *v = (void *)offset(t->exp_avg_sq, s, t->v_kind);
-        split_moments(k, p, g, m, v, t, h, pass, &m_amax, &v_amax);
+#ifdef WO_AVX512
+        if (wo_avx512_usable == 1 && (is_scaled(t->m_kind) || is_scaled(t->v_kind)))
+            v_split_moments(k, p, g, m, v, t, h, pass, &m_amax, &v_amax);
+        else
+#endif
+            split_moments(k, p, g, m, v, t, h, pass, &m_amax, &v_amax);
         if (pass == PASS_AMAX) continue;
         if (mk == MASTER_FP32) {
             uint16_t *out = (uint16_t *)t->param + s;
@@ -510,18 +518,62 @@ typedef struct {
     atomic_llong next;
 } wo_job;
 
+/*
+ * Every thread runs the loops with MXCSR's DAZ and FTZ off: subnormal inputs and results are
+ * kept (IEEE), whatever the caller set (torch.set_flush_denormal sets both), so the bits do not
+ * depend on it, and the AVX-512 FP8 decode, which builds subnormal FP32 values, is exact.
+ */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+static inline unsigned int wo_ieee_begin(void) {
+    unsigned int saved = _mm_getcsr();
+    _mm_setcsr(saved & ~0x8040u); /* FTZ (bit 15) and DAZ (bit 6) off */
+    return saved;
+}
+static inline void wo_ieee_end(unsigned int saved) { _mm_setcsr(saved); }
+#else
+static inline unsigned int wo_ieee_begin(void) { return 0; }
+static inline void wo_ieee_end(unsigned int saved) { (void)saved; }
+#endif
+
 static void wo_take_blocks(wo_job *job) {
+    unsigned int csr = wo_ieee_begin();
     wo_cursor at = {0, 0};
     for (;;) {
         long long b = atomic_fetch_add(&job->next, 1);
-        if (b >= job->blocks) return;
+        if (b >= job->blocks) break;
         int64_t begin = (int64_t)b * job->block;
         int64_t end = begin + job->block < job->total ? begin + job->block : job->total;
         wo_update_range(job->tensors, job->count, begin, end, job->h, job->pass, &at);
     }
+    wo_ieee_end(csr);
 }
 
 #define WO_MAX_THREADS 256
+
+/* 1 when the fp16/FP8 moments run the hand-written AVX-512 loops on this CPU, else 0 (the
+ * portable loops: another CPU, another architecture, or a -DWO_NO_CLONES build). */
+int wo_vector_loops(void) {
+#ifdef WO_AVX512
+    if (wo_avx512_usable < 0) wo_avx512_usable = wo_detect_avx512();
+    return wo_avx512_usable;
+#else
+    return 0;
+#endif
+}
+
+/* Turns the AVX-512 loops off (on = 0) or back on where the CPU has them; returns the new
+ * state. For the tests and the benchmark, which compare them with the portable loops; not
+ * while a step runs. */
+int wo_set_vector_loops(int on) {
+#ifdef WO_AVX512
+    wo_avx512_usable = on ? wo_detect_avx512() : 0;
+    return wo_avx512_usable;
+#else
+    (void)on;
+    return 0;
+#endif
+}
 
 /* 1 when built with OpenMP (threads > 1 can run in parallel), else 0. */
 int wo_parallel(void) {
@@ -546,9 +598,14 @@ int wo_adamw_step(wo_tensor *tensors, int64_t count, int64_t total, int threads,
     if (pass != PASS_WRITE && pass != PASS_AMAX) return -2;
     int64_t blocks = (total + block - 1) / block;
     if (threads > blocks) threads = blocks > 0 ? (int)blocks : 1;
+#ifdef WO_AVX512
+    if (wo_avx512_usable < 0) wo_avx512_usable = wo_detect_avx512();
+#endif
     if (threads == 1) {
+        unsigned int csr = wo_ieee_begin();
         wo_cursor at = {0, 0};
         wo_update_range(tensors, count, 0, total, h, pass, &at);
+        wo_ieee_end(csr);
         return 0;
     }
     wo_job job = {tensors, count, total, blocks, block, h, pass, 0};

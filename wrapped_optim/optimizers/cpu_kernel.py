@@ -20,7 +20,12 @@ torch has already loaded, so the kernel's threads are torch's own intra-op worke
 
 The kernel is compiled without floating-point contraction, and its vectorized clones (AVX-512,
 AVX2, baseline) do the same FP32 operations in the same order, so results do not depend on
-the machine or on how the elements are split between threads.
+the machine or on how the elements are split between threads. fp16/FP8 moments run
+hand-written AVX-512 loops where the CPU has AVX-512 with VBMI and F16C (Ice Lake, Sapphire
+Rapids and later; Zen 4 and later; :attr:`KernelStatus.vector_loops`): hardware fp16
+conversions and FP8 table lookups, bitwise equal to the portable loops. Every step runs with
+denormals kept (MXCSR's flush-to-zero and denormals-are-zero off, then restored), so
+``torch.set_flush_denormal(True)`` does not change its bits.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from wrapped_optim import codecs
 __all__ = ["KernelStatus", "adamw_step_", "available", "status"]
 
 _SOURCE = Path(__file__).with_name("_adamw_cpu.c")
+# Every file the build reads (the AVX-512 loops are included by _adamw_cpu.c).
+_SOURCES = (_SOURCE, _SOURCE.with_name("_adamw_cpu_avx512.h"))
 # -fno-trapping-math lets the fp16/FP8 selects vectorize (values are unchanged: only FP flags,
 # which nothing reads, may differ); 512-bit vectors in the AVX-512 clone.
 _FLAGS = (
@@ -53,7 +60,7 @@ _FLAGS = (
     "-ffp-contract=off", "-mprefer-vector-width=512",
 )  # fmt: skip
 _OPENMP_FLAGS = ("-fopenmp",)
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 _DISABLE_ENV = "WRAPPED_OPTIM_CPU_KERNEL"
 _CACHE_ENV = "WRAPPED_OPTIM_KERNEL_CACHE"
 # Below this many elements per thread (about 50 us of work), another thread costs more than
@@ -112,6 +119,9 @@ class KernelStatus:
     library: Path | None = None
     reason: str | None = None
     parallel: bool = False  # built with OpenMP: calls may use several threads
+    # fp16/FP8 moments run the hand-written AVX-512 loops (AVX-512 BW/VL/DQ, VBMI and F16C);
+    # else the portable loops, which give the same bits more slowly.
+    vector_loops: bool = False
 
 
 _lock = threading.Lock()
@@ -148,6 +158,14 @@ def _reset_for_tests() -> None:
         _loaded = None
 
 
+def _use_vector_loops(on: bool) -> bool:
+    """Turn the AVX-512 loops of fp16/FP8 moments off (or back on where the CPU has them),
+    for the tests and the benchmark that compare them with the portable loops; returns
+    whether they are on. Not while another thread steps."""
+    lib = _load()[1]
+    return lib is not None and bool(lib.wo_set_vector_loops(1 if on else 0))
+
+
 def _load() -> tuple[KernelStatus, ctypes.CDLL | None]:
     global _loaded, _loaded_in_pid
     with _lock:
@@ -182,7 +200,12 @@ def _build_and_open() -> tuple[KernelStatus, ctypes.CDLL | None]:
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             failures.append(f"{' '.join(extra) or 'without OpenMP'}: {exc}")
             continue
-        return KernelStatus(True, library=library, parallel=bool(lib.wo_parallel())), lib
+        return KernelStatus(
+            True,
+            library=library,
+            parallel=bool(lib.wo_parallel()),
+            vector_loops=bool(lib.wo_vector_loops()),
+        ), lib
     raise RuntimeError("; ".join(failures))
 
 
@@ -190,7 +213,12 @@ def _cached_build(compiler: str, version: list[str], directory: Path, extra: Seq
     flags = " ".join((*_FLAGS, *extra))
     key = hashlib.sha256(
         b"\0".join(
-            [_SOURCE.read_bytes(), flags.encode(), compiler.encode(), *map(str.encode, version)]
+            [
+                *(path.read_bytes() for path in _SOURCES),
+                flags.encode(),
+                compiler.encode(),
+                *map(str.encode, version),
+            ]
         )
     ).hexdigest()[:16]
     library = directory / f"adamw_cpu-{key}.so"
@@ -203,6 +231,9 @@ def _open(library: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     lib.wo_abi_version.restype = ctypes.c_int
     lib.wo_parallel.restype = ctypes.c_int
+    lib.wo_vector_loops.restype = ctypes.c_int
+    lib.wo_set_vector_loops.restype = ctypes.c_int
+    lib.wo_set_vector_loops.argtypes = [ctypes.c_int]
     if lib.wo_abi_version() != _ABI_VERSION:
         raise RuntimeError(f"{library} has ABI {lib.wo_abi_version()}, expected {_ABI_VERSION}")
     fn = lib.wo_adamw_step

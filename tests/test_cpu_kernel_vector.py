@@ -1,0 +1,242 @@
+"""The CPU kernel's hand-written AVX-512 loops for fp16/FP8 moments: where they run, and
+that they give the portable loops' bits for every format combination, tail length and
+special value; and that a step's bits do not depend on the caller's denormal flushing."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.test_cpu_kernel import param_and_master
+from wrapped_optim import codecs
+from wrapped_optim.optimizers import cpu_kernel
+
+FP32, BF16, FP16, FP8 = torch.float32, torch.bfloat16, torch.float16, codecs.FP8_E4M3
+MOMENTS = [FP32, BF16, FP16, FP8]
+SCALED_PAIRS = [
+    (m, v) for m in MOMENTS for v in MOMENTS if codecs.is_scaled(m) or codecs.is_scaled(v)
+]
+HYPER: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+                         "bias_correction1": 0.19, "bias_correction2": 0.0975}  # fmt: skip
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernel.available(), reason=f"CPU kernel unavailable: {cpu_kernel.status().reason}"
+)
+_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "f16c")
+
+
+def cpu_has_vector_loops() -> bool:
+    """What /proc/cpuinfo says about the instructions the AVX-512 loops need."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() != "x86_64" or not cpuinfo.exists():
+        return False
+    flags = next(
+        (line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+         if line.startswith("flags")),
+        [],
+    )  # fmt: skip
+    return all(flag in flags for flag in _FLAGS)
+
+
+needs_vector_loops = pytest.mark.skipif(
+    not cpu_has_vector_loops(),
+    reason="this CPU lacks AVX-512 with VBMI and F16C: the portable loops are the only ones",
+)
+
+
+@pytest.fixture
+def portable_then_vector() -> Iterator[list[bool]]:
+    """Both loop kinds, portable first; the vector loops are back on afterwards."""
+    yield [False, True]
+    cpu_kernel._use_vector_loops(True)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+    return t.view(width)
+
+
+def nan_mask(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == FP8:
+        return (t & 0x7F) == 0x7F
+    return torch.isnan(t)
+
+
+# The NaN each stored format writes (sign aside): the portable conversions' canonical NaN.
+_CANONICAL_NAN = {FP16: 0x7E00, BF16: 0x7FC0, FP8: 0x7F}
+
+
+def operands(
+    n: int, master: str, g_dtype: torch.dtype, m_dtype: torch.dtype, v_dtype: torch.dtype,
+    magnitude: float, specials: bool, seed: int,
+) -> list[Any]:  # fmt: skip
+    """[param, grad, exp_avg, exp_avg_sq, master, m_scale, v_scale] for one tensor: values
+    spread over several decades around ``magnitude`` (so scaled moments hold subnormal codes
+    too), with NaN, inf and -0 in the gradient when ``specials``."""
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.exp2(torch.randint(-12, 1, (n,), generator=gen).float())
+    param, master_t, _ = param_and_master(torch.randn(n, generator=gen), master)
+    g = torch.randn(n, generator=gen) * magnitude * spread
+    if specials:
+        g[torch.randint(0, n, (3,), generator=gen)] = torch.tensor(
+            [float("nan"), -float("inf"), -0.0]
+        )
+    m_values = torch.randn(n, generator=gen) * 0.1 * magnitude * spread
+    v_values = torch.rand(n, generator=gen) * (magnitude * spread) ** 2
+
+    def stored(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        if codecs.is_scaled(dtype):
+            return codecs.encode(values, dtype)
+        return values.to(dtype), None
+
+    m, m_scale = stored(m_values, m_dtype)
+    v, v_scale = stored(v_values, v_dtype)
+    return [param, g.to(g_dtype), m, v, master_t, m_scale, v_scale]
+
+
+def step_both_ways(columns: list[Any], adam_w_mode: bool, threads: int = 1) -> list[list[Any]]:
+    """The same step with the portable loops and with the vector loops, on copies."""
+    results = []
+    for vector in (False, True):
+        assert cpu_kernel._use_vector_loops(vector) is vector
+        ops = [None if t is None else t.clone() for t in columns]
+        param, g, m, v, master, m_scale, v_scale = ops
+        cpu_kernel.adamw_step_(
+            [param], [g], [m], [v], [master], **HYPER, adam_w_mode=adam_w_mode,
+            num_threads=threads, exp_avg_scales=[m_scale], exp_avg_sq_scales=[v_scale],
+        )  # fmt: skip
+        results.append(ops)
+    cpu_kernel._use_vector_loops(True)
+    return results
+
+
+def assert_same_bits(portable: list[Any], vector: list[Any]) -> None:
+    """Bitwise equal, NaNs at the same places and, in a stored moment, both the canonical
+    NaN. A NaN's sign (and an FP32 NaN's payload) is left out: where both operands of an
+    addition are NaN, x86 returns the first one, and which one is first is the compiler's
+    choice in either loop (IEEE leaves it open; torch's kernels differ the same way)."""
+    names = ["param", "grad", "exp_avg", "exp_avg_sq", "master", "m_scale", "v_scale"]
+    for name, a, b in zip(names, portable, vector, strict=True):
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        nan = nan_mask(a)
+        assert torch.equal(nan, nan_mask(b)), f"{name}: NaNs at other places"
+        assert torch.equal(raw(a)[~nan], raw(b)[~nan]), f"{name} differs between the loops"
+        canonical = _CANONICAL_NAN.get(a.dtype)
+        if canonical is not None and name.startswith("exp_avg"):
+            magnitude = 0x7F if a.dtype == FP8 else 0x7FFF
+            for t in (a, b):
+                assert bool(((raw(t)[nan].int() & magnitude) == canonical).all()), name
+
+
+@needs_kernel
+def test_vector_loops_run_where_the_cpu_has_them() -> None:
+    """status() reports the AVX-512 loops exactly where the CPU has what they need, so the
+    comparisons below are not vacuous on such a machine."""
+    expected = cpu_has_vector_loops()
+    assert cpu_kernel.status().vector_loops is expected
+    assert cpu_kernel._use_vector_loops(True) is expected
+    assert cpu_kernel._use_vector_loops(False) is False
+    assert cpu_kernel._use_vector_loops(True) is expected
+
+
+@needs_kernel
+@needs_vector_loops
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.one_of(
+        st.integers(1, 200), st.sampled_from([15, 16, 17, 63, 64, 65, 511, 512, 513, 1500])
+    ),
+    master=st.sampled_from(["none", "fp32", "remainder"]),
+    g_dtype=st.sampled_from([FP32, BF16]),
+    moments=st.sampled_from(SCALED_PAIRS),
+    magnitude=st.sampled_from([1e-30, 1e-6, 1.0, 1e4, 1e30]),
+    specials=st.booleans(),
+    adam_w_mode=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_vector_loops_give_the_portable_loops_bits(
+    n: int, master: str, g_dtype: torch.dtype, moments: tuple[torch.dtype, torch.dtype],
+    magnitude: float, specials: bool, adam_w_mode: bool, seed: int,
+) -> None:  # fmt: skip
+    """Every combination with an fp16/FP8 moment, any length (the masked tails of 16 and 64
+    lanes), values from FP32 subnormals to overflow, NaN/inf/-0 gradients, both modes:
+    params, masters, moments and new scales bitwise those of the portable loops."""
+    columns = operands(n, master, g_dtype, *moments, magnitude, specials, seed)
+    assert_same_bits(*step_both_ways(columns, adam_w_mode))
+
+
+@needs_kernel
+@needs_vector_loops
+@pytest.mark.parametrize("dtype", [FP16, FP8])
+@pytest.mark.parametrize("scale", [1.0, 0.37, 3e-7, 2.5e5])
+def test_every_stored_code_decodes_and_encodes_as_in_the_portable_loops(
+    dtype: torch.dtype, scale: float
+) -> None:
+    """Every fp16 / FP8 bit pattern (NaNs, infinities, subnormals, both zeros) as both stored
+    moments, under scales that push the new values over and under the range, with gradients
+    at every code's value: the vector loops' bits are the portable loops'."""
+    if dtype == FP16:
+        codes = torch.arange(-(2**15), 2**15).to(torch.int16).view(FP16)
+    else:
+        codes = torch.arange(256).to(torch.uint8)
+    n = codes.numel() * 2 + 37
+    stored = codes.repeat(3)[:n].clone()
+    decoded = (stored.view(torch.float8_e4m3fn) if dtype == FP8 else stored).float()
+    g = torch.nan_to_num(decoded.flip(0), nan=1.0, posinf=2.0, neginf=-2.0) * scale
+    for adam_w_mode in (True, False):
+        columns = [torch.randn(n), g, stored.clone(), stored.roll(1).clone(), None,
+                   torch.tensor([scale]), torch.tensor([1.0 / scale])]  # fmt: skip
+        assert_same_bits(*step_both_ways(columns, adam_w_mode))
+
+
+@needs_kernel
+@needs_vector_loops
+def test_threads_split_the_vector_loops_without_changing_bits() -> None:
+    """Several OpenMP threads over a tensor longer than a block, with an odd tail."""
+    columns = operands(3 * 2**16 + 77, "remainder", BF16, FP16, FP8, 1e-3, True, seed=5)
+    portable, vector = step_both_ways(columns, True, threads=2)
+    assert_same_bits(portable, vector)
+    _, one_thread = step_both_ways(columns, True, threads=1)
+    assert_same_bits(one_thread, vector)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_caller_denormal_flushing_changes_no_bits(threads: int) -> None:
+    """torch.set_flush_denormal(True) sets the calling thread's flush-to-zero and
+    denormals-are-zero flags; the kernel keeps denormals whatever they are (every subnormal
+    operand and intermediate is exact), and restores the caller's flags afterwards. (The
+    new scales are torch's arithmetic, which does flush: they are kept normal here.)"""
+    n = 2**17 + 5
+    columns = operands(n, "none", FP32, FP32, FP8, 1e-3, False, seed=9)
+    columns[1] = columns[1] * 1e-36  # gradients whose products are subnormal
+    columns[2] = torch.full((n,), 1e-39) * torch.randn(n)  # FP32 moments: subnormal
+    results = []
+    try:
+        for flush in (False, True):
+            if not torch.set_flush_denormal(flush):
+                pytest.skip("this CPU cannot flush denormals: nothing to check")
+            ops = [None if t is None else t.clone() for t in columns]
+            param, g, m, v, master, m_scale, v_scale = ops
+            cpu_kernel.adamw_step_(
+                [param], [g], [m], [v], [master], **HYPER, num_threads=threads,
+                exp_avg_scales=[m_scale], exp_avg_sq_scales=[v_scale],
+            )  # fmt: skip
+            # The caller's setting is back: torch flushes a subnormal product again.
+            tiny = torch.tensor([1e-39]) * torch.tensor([1.0])
+            assert (float(tiny) == 0.0) is flush
+            results.append(ops)
+    finally:
+        torch.set_flush_denormal(False)
+    assert_same_bits(*results)
+    assert bool((raw(results[0][2]) != raw(columns[2])).any())  # the step did write m
