@@ -20,7 +20,9 @@
  * nothing is written), Python derives the scales with the codecs' own functions, pass 0 redoes
  * the same arithmetic and writes everything. Each pass is one fused loop per combination of
  * moment formats (split_range); the conversions are integer bit arithmetic and selects on
- * 32-bit lanes, so those loops vectorize.
+ * 32-bit lanes, so those loops vectorize. Where the CPU has AVX-512 with VBMI and F16C, the
+ * scaled combinations run the hand-written loops of _adamw_cpu_avx512.h instead (same bits).
+ * Every call runs with MXCSR's FTZ and DAZ off (wo_ieee_begin).
  */
 #include <stdatomic.h>
 #include <stdint.h>
@@ -555,7 +557,6 @@ static void wo_take_blocks(wo_job *job) {
  * portable loops: another CPU, another architecture, or a -DWO_NO_CLONES build). */
 int wo_vector_loops(void) {
 #ifdef WO_AVX512
-    if (wo_avx512_usable < 0) wo_avx512_usable = wo_detect_avx512();
     return wo_avx512_usable;
 #else
     return 0;
@@ -567,7 +568,7 @@ int wo_vector_loops(void) {
  * while a step runs. */
 int wo_set_vector_loops(int on) {
 #ifdef WO_AVX512
-    wo_avx512_usable = on ? wo_detect_avx512() : 0;
+    wo_avx512_usable = on && wo_detect_avx512();
     return wo_avx512_usable;
 #else
     (void)on;
@@ -598,9 +599,6 @@ int wo_adamw_step(wo_tensor *tensors, int64_t count, int64_t total, int threads,
     if (pass != PASS_WRITE && pass != PASS_AMAX) return -2;
     int64_t blocks = (total + block - 1) / block;
     if (threads > blocks) threads = blocks > 0 ? (int)blocks : 1;
-#ifdef WO_AVX512
-    if (wo_avx512_usable < 0) wo_avx512_usable = wo_detect_avx512();
-#endif
     if (threads == 1) {
         unsigned int csr = wo_ieee_begin();
         wo_cursor at = {0, 0};

@@ -290,16 +290,20 @@ WO_AVX512_FN __attribute__((noinline)) static void v_split_moments(
     }
 }
 
-/* Whether the fp16/FP8 moments run the loops above: -1 until wo_adamw_step (or
- * wo_vector_loops) decides, before any thread starts; then 1 or 0. */
-static int wo_avx512_usable = -1;
-
 static int wo_detect_avx512(void) {
     __builtin_cpu_init();
-    int usable = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                 __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("f16c");
-    if (usable) wo_fill_e4m3_tables();
-    return usable;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("f16c");
+}
+
+/* Whether the fp16/FP8 moments run the loops above (1) or the portable ones (0). Decided,
+ * and the tables filled, when the library is loaded: before any call, so no thread ever
+ * sees a half-filled table. */
+static int wo_avx512_usable = 0;
+
+__attribute__((constructor)) static void wo_init_avx512(void) {
+    wo_fill_e4m3_tables();
+    wo_avx512_usable = wo_detect_avx512();
 }
 #endif
