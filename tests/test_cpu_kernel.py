@@ -83,6 +83,8 @@ def param_and_master(values: torch.Tensor, master: str) -> tuple[torch.Tensor, A
         return values.clone(), None, values
     if master == "fp32":
         return values.to(BF16), values.clone(), values
+    if master == "fp32 copy":  # an FP32 master and the FP32 param that gets its value
+        return values.clone(), values.clone(), values
     param, remainder = codecs.split_master(values)
     return param, remainder, codecs.join_master(param, remainder)
 
@@ -90,10 +92,17 @@ def param_and_master(values: torch.Tensor, master: str) -> tuple[torch.Tensor, A
 # ----------------------------------------------------------------------------- the kernel
 
 
+MASTERS = ["none", "fp32", "remainder", "fp32 copy"]
+#: (exp_avg, exp_avg_sq) dtypes: the fast loop takes equal unscaled ones (AdamW mode), the
+#: split loop scaled (fp16, FP8 as uint8) and mixed ones.
+MOMENT_PAIRS = [(FP32, FP32), (BF16, BF16), (BF16, FP32), (torch.float16, torch.uint8),
+                (torch.uint8, BF16)]  # fmt: skip
+
+
 @needs_kernel
 @given(
     n=st.integers(1, 300),
-    master=st.sampled_from(["none", "fp32", "remainder"]),
+    master=st.sampled_from(MASTERS),
     grad_dtype=st.sampled_from([FP32, BF16]),
     m_dtype=st.sampled_from([FP32, BF16]),
     v_dtype=st.sampled_from([FP32, BF16]),
@@ -139,9 +148,69 @@ def test_kernel_equals_single_torch_ops_bitwise(
         assert master_t is not None
         assert torch.equal(master_t, want_p)
         assert torch.equal(param, want_p.to(BF16))
+    elif master == "fp32 copy":
+        assert master_t is not None
+        assert torch.equal(master_t, want_p) and torch.equal(param, want_p)
     else:
         assert master_t is not None
         assert torch.equal(codecs.join_master(param, master_t), want_p)
+
+
+@needs_kernel
+@given(
+    moments=st.sampled_from(MOMENT_PAIRS),
+    grad_dtype=st.sampled_from([FP32, BF16]),
+    adam_w_mode=st.booleans(),
+    threads=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_fp32_copy_master_is_the_in_place_update_of_the_same_values(
+    moments: tuple[torch.dtype, torch.dtype],
+    grad_dtype: torch.dtype,
+    adam_w_mode: bool,
+    threads: int,
+    seed: int,
+) -> None:
+    """An FP32 param with an FP32 master (a host copy and its param): master and param both
+    get, bit for bit, what the in-place update of an FP32 param with no master gives, through
+    the fast loop (AdamW mode, equal unscaled moments) and the split loop (scaled or mixed
+    moments, L2 mode), split between threads."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [1, 700, 1500]
+    values = [torch.randn(n, generator=gen) * 3 for n in sizes]
+    grads = [(torch.randn(n, generator=gen) * 0.1).to(grad_dtype) for n in sizes]
+    first = [torch.randn(n, generator=gen) * 0.1 for n in sizes]
+    second = [torch.rand(n, generator=gen) * 0.01 for n in sizes]
+    hyper: dict[str, Any] = {"lr": 3e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+                             "bias_correction1": 0.19, "bias_correction2": 0.0975,
+                             "adam_w_mode": adam_w_mode, "num_threads": threads}  # fmt: skip
+    results = []
+    for master in ("none", "fp32 copy"):
+        columns: list[list[Any]] = [[], [], [], [], [], [], []]
+        for x, g, m_values, v_values in zip(values, grads, first, second, strict=True):
+            param, master_t, _ = param_and_master(x, master)
+            m, m_scale = stored_moment(m_values.clone(), moments[0])  # FP32: not a copy
+            v, v_scale = stored_moment(v_values.clone(), moments[1])
+            for column, value in zip(columns, (param, g, m, v, master_t, m_scale, v_scale),
+                                     strict=True):  # fmt: skip
+                column.append(value)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_kernel, "_MIN_ELEMENTS_PER_THREAD", 1)
+            mp.setattr(cpu_kernel, "_BLOCK_ELEMENTS", 64)
+            for _ in range(2):
+                cpu_kernel.adamw_step_(
+                    *columns[:5], **hyper, exp_avg_scales=columns[5],
+                    exp_avg_sq_scales=columns[6],
+                )  # fmt: skip
+        results.append(columns)
+    alone, with_copy = results
+    for x, param in zip(values, with_copy[0], strict=True):
+        assert not torch.equal(param, x)  # it did update
+    for want, param, master_t in zip(alone[0], with_copy[0], with_copy[4], strict=True):
+        assert same_bits(master_t, want) and same_bits(param, want)
+    for column in (2, 3, 5, 6):  # moments and scales
+        for want, got in zip(alone[column], with_copy[column], strict=True):
+            assert (want is None and got is None) or same_bits(got, want)
 
 
 @needs_kernel
@@ -187,12 +256,7 @@ def random_operands(
     columns: list[list[Any]] = [[], [], [], [], []]
     for n, (master, g_dtype, m_dtype, v_dtype) in zip(sizes, kinds, strict=True):
         values = torch.randn(n, generator=gen)
-        if master == "none":
-            param, master_t = values, None
-        elif master == "fp32":
-            param, master_t = values.to(BF16), values.clone()
-        else:
-            param, master_t = codecs.split_master(values)
+        param, master_t, _ = param_and_master(values, master)
         g = torch.randn(n, generator=gen).to(g_dtype)
         m = (torch.randn(n, generator=gen) * 0.1).to(m_dtype)
         v = (torch.rand(n, generator=gen) * 0.01).to(v_dtype)
@@ -202,7 +266,7 @@ def random_operands(
 
 
 KINDS = st.tuples(
-    st.sampled_from(["none", "fp32", "remainder"]),
+    st.sampled_from(MASTERS),
     st.sampled_from([FP32, BF16]),
     st.sampled_from([FP32, BF16]),
     st.sampled_from([FP32, BF16]),
@@ -315,7 +379,7 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_baseline_build_gives_the_bits_of_the_vectorized_clones(baseline: Path) -> None:
     """The library picks an AVX-512, AVX2 or baseline clone at load time; the baseline alone
     (built with -DWO_NO_CLONES) must give the same bits as the clone this machine runs."""
-    kinds = [(m, g, a, v) for m in ("none", "fp32", "remainder") for g in (FP32, BF16)
+    kinds = [(m, g, a, v) for m in MASTERS for g in (FP32, BF16)
              for a in (FP32, BF16) for v in (FP32, BF16)]  # fmt: skip
     sizes = [1000 + 37 * i for i in range(len(kinds))]
     hyper: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
@@ -342,7 +406,7 @@ def test_baseline_build_gives_the_bits_of_the_clones_for_scaled_and_mixed_moment
     master, gradient and moment formats, both modes, gradients from subnormal to huge, one NaN
     or inf in some tensors; the baseline build gives the bits (and the new scales) of the
     clone this machine runs."""
-    kinds = [(m, g, a, v) for m in ("none", "fp32", "remainder") for g in (FP32, BF16)
+    kinds = [(m, g, a, v) for m in MASTERS for g in (FP32, BF16)
              for a in MOMENT_DTYPES for v in MOMENT_DTYPES]  # fmt: skip
     hyper: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
                              "bias_correction1": 0.19, "bias_correction2": 0.0975}  # fmt: skip
@@ -425,8 +489,12 @@ def test_operands_are_checked_before_anything_is_written() -> None:
          r"params\[1\] must be contiguous"),
         ((p, g, m, torch.zeros(4, dtype=BF16, device="meta")), {},
          r"exp_avg_sqs\[1\] must be a CPU tensor, got one on meta"),
-        ((p, g, m, v, torch.ones(4)), {}, r"params\[1\] has dtype torch.float32; the kernel"),
+        ((p, g, m, v, torch.ones(4, dtype=torch.int16)), {},
+         r"masters\[1\] has dtype torch.int16; the kernel takes torch.float32$"),
+        ((p.to(torch.float16), g, m, v, torch.ones(4)), {},
+         r"params\[1\] has dtype torch.float16; the kernel takes torch.bfloat16, torch.float32"),
         ((p.to(BF16), g, m, v, torch.ones(4, dtype=torch.int32)), {}, r"masters\[1\] has"),
+        ((p, g, m, v, p), {}, r"masters\[1\] is the storage of params\[1\]: pass None"),
         ((p, g, m, v), {"num_threads": 0}, "num_threads must be at least 1"),
     ]  # fmt: skip
     for args, extra, match in cases:
@@ -739,7 +807,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @needs_kernel
 @given(
     n=st.integers(1, 1500),
-    master=st.sampled_from(["none", "fp32", "remainder"]),
+    master=st.sampled_from(MASTERS),
     grad_dtype=st.sampled_from([FP32, BF16]),
     m_dtype=st.sampled_from(MOMENT_DTYPES),
     v_dtype=st.sampled_from([FP16, FP8]),
@@ -802,11 +870,13 @@ def test_scaled_moments_equal_reference_and_codecs_bitwise(
         if got is not None:
             assert same_bits(got, want)
     p_now = param if master == "none" else (
-        master_t if master == "fp32" else codecs.join_master(param, master_t)
+        master_t if master in ("fp32", "fp32 copy") else codecs.join_master(param, master_t)
     )  # fmt: skip
     assert p_now is not None and same_bits(p_now, want_p)
     if master == "fp32":
         assert same_bits(param, want_p.to(BF16))
+    if master == "fp32 copy":
+        assert torch.equal(param.view(torch.int32), master_t.view(torch.int32))
 
 
 @needs_kernel

@@ -108,14 +108,14 @@ def test_precision_host_fused_equals_unfused_bitwise(config, fraction, weight_de
     a, fused, b, plain = twins(
         dtypes, fraction, lr=1e-2, weight_decay=weight_decay, **PRECISION[config]
     )
-    # step 1 creates the state (unfused); param 1 has no grad at step 2, param 3 none at 3
-    counts = run_steps([(a, fused), (b, plain)], 4, skip_at={2: (1,), 3: (3,)})
+    # step 1 creates the state (unfused); param 1 has no grad at step 2, 2 (FP32) and 3 at 3
+    counts = run_steps([(a, fused), (b, plain)], 4, skip_at={2: (1,), 3: (2, 3)})
     assert counts[0] == 0 and max(counts) > 0
-    offloaded_bf16 = [
-        i for i, p in enumerate(a) if p in fused.gpu_params_map_cpu_copy and p.dtype == BF16
-    ]
-    assert counts[1] == len(offloaded_bf16)  # every offloaded bf16 param, no FP32 one
-    assert counts[2] == len([i for i in offloaded_bf16 if i != 1])
+    offloaded = [i for i, p in enumerate(a) if p in fused.gpu_params_map_cpu_copy]
+    assert FP32 in {a[i].dtype for i in offloaded}
+    assert counts[1] == len(offloaded)  # every offloaded param, bf16 and FP32
+    assert counts[2] == len([i for i in offloaded if i != 1])
+    assert counts[3] == len([i for i in offloaded if i not in (2, 3)])
     assert_bitwise(a, fused, b, plain)
 
 
@@ -136,9 +136,9 @@ def test_torch_adamw_default_is_fused_and_within_rounding_of_torch(fraction, wei
     a, fused, b, plain = twins(dtypes, fraction, lr=1e-2, weight_decay=weight_decay)
     counts = run_steps([(a, fused), (b, plain)], 6, skip_at={3: (2,)})
     # from the first step on (it creates torch's state itself), the skipped grad excepted
-    offloaded_bf16 = [p for p in a if p in fused.gpu_params_map_cpu_copy and p.dtype == BF16]
-    assert counts == [len(offloaded_bf16)] * 6 or counts[3] == len(offloaded_bf16) - 1
-    assert min(counts) > 0
+    offloaded = [p for p in a if p in fused.gpu_params_map_cpu_copy]
+    assert FP32 in {p.dtype for p in offloaded}
+    assert counts == [len(offloaded)] * 3 + [len(offloaded) - 1] + [len(offloaded)] * 2
     for x, y in zip(a, b, strict=True):
         sa, sb = fused.state[x], plain.state[y]
         assert sa.keys() == sb.keys() == {"exp_avg", "exp_avg_sq", "step", "master_param"}
@@ -149,15 +149,18 @@ def test_torch_adamw_default_is_fused_and_within_rounding_of_torch(fraction, wei
         torch.testing.assert_close(sa["master_param"], sb["master_param"], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol=1e-5, atol=1e-9)
-        # the params are the masters rounded to bf16, as the copy-out rounds them
-        assert torch.equal(x, sa["master_param"].to(x.dtype)) or x.dtype == FP32
+        # the params are the masters as the copy-out writes them: rounded to bf16, or the
+        # FP32 master's exact value
+        assert torch.equal(x, sa["master_param"].to(x.dtype))
 
 
 @needs_kernel
-def test_torch_adamw_fused_step_is_the_kernel_on_the_copies():
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_torch_adamw_fused_step_is_the_kernel_on_the_copies(dtype):
     """Bitwise: the fused torch-AdamW step is the kernel's update of the FP32 copies with
-    torch's per-param step count, then the round-to-nearest-even cast into the params."""
-    params = make_params([BF16, BF16, BF16])
+    torch's per-param step count, then the copy-out's cast into the params (round to nearest
+    even into bf16; FP32 params get the copy's exact value)."""
+    params = make_params([dtype] * 3)
     opt = HybridOffloadOptimizer(params, offload_fraction=1.0, lr=3e-2, weight_decay=0.05)
     set_grads(params, 0)
     opt.step()
@@ -178,7 +181,7 @@ def test_torch_adamw_fused_step_is_the_kernel_on_the_copies():
         assert torch.equal(opt.state[p]["exp_avg"], m) and torch.equal(
             opt.state[p]["exp_avg_sq"], v
         )
-        assert torch.equal(p, copy.to(BF16))
+        assert torch.equal(p, copy.to(dtype))
         assert opt.state[p]["step"].item() == 2.0
 
 
@@ -242,8 +245,9 @@ def test_without_the_kernel_the_unfused_path_steps(monkeypatch):
 
 
 @needs_kernel
-def test_fused_params_are_not_copied_out_and_their_grad_buffer_is_freed():
-    params = make_params([BF16, BF16])
+@pytest.mark.parametrize("dtypes", [[BF16, BF16], [FP32, BF16]], ids=["bf16", "fp32+bf16"])
+def test_fused_params_are_not_copied_out_and_their_grad_buffer_is_freed(dtypes):
+    params = make_params(dtypes)
     opt = HybridOffloadOptimizer(params, offload_fraction=1.0, lr=1e-2)
     run_steps([(params, opt)], 2)
     assert opt._fused_params == frozenset(params)
@@ -256,9 +260,10 @@ def test_fused_params_are_not_copied_out_and_their_grad_buffer_is_freed():
 
 @needs_kernel
 @pytest.mark.parametrize("config", ["torch", "bf16 moments"])
-def test_a_failed_device_step_undoes_the_fused_host_step(config):
+@pytest.mark.parametrize("dtypes", [[BF16] * 4, [FP32, BF16, FP32, FP32]], ids=["bf16", "fp32"])
+def test_a_failed_device_step_undoes_the_fused_host_step(config, dtypes):
     options = {} if config == "torch" else PRECISION[config]
-    params = make_params([BF16, BF16, BF16, BF16])
+    params = make_params(dtypes)
     opt = HybridOffloadOptimizer(params, offload_fraction=0.5, atomic_step=True, **options)
     run_steps([(params, opt)], 1)
     before = [p.detach().clone() for p in params]
@@ -371,3 +376,162 @@ def test_torch_adamw_takes_one_path_whatever_came_before():
 
     assert layout(ours, c[0]) == layout(torchs, d[0])
     assert ours.state[c[0]]["step"].item() == torchs.state[d[0]]["step"].item() == 1.0
+
+
+# ----------------------------------------------------------------------------- FP32 params
+
+
+@needs_kernel
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_fp32_params_are_fused_and_equal_their_host_copies_after_every_step(fraction):
+    """An offloaded FP32 param is stepped by the fused host step (torch AdamW, the default)
+    from the first step on; after every step it is bit for bit its host copy (the kernel
+    writes the copy's exact value into it) and within FP32 rounding of the unfused path; a
+    param without a grad is left alone and its step count stays, as torch's."""
+    dtypes = [FP32, BF16, FP32, FP32, BF16]
+    a, fused, b, plain = twins(dtypes, fraction, lr=1e-2, weight_decay=0.1)
+    offloaded = [i for i, p in enumerate(a) if p in fused.gpu_params_map_cpu_copy]
+    on_device = [i for i in range(len(a)) if i not in offloaded]
+    assert {a[i].dtype for i in offloaded} == {FP32, BF16}
+    assert (fraction == 1.0) == (not on_device)
+    skip_at = {2: (0,)}  # param 0 (FP32, offloaded) has no grad at step 2
+    for step in range(4):
+        skip = skip_at.get(step, ())
+        set_grads(a, step, skip)
+        set_grads(b, step, skip)
+        planned = {id(e.param) for e in fused_host_step.plan(fused)}
+        assert planned == {id(a[i]) for i in offloaded if i not in skip}
+        before = [p.detach().clone() for p in a]
+        fused.step()
+        plain.step()
+        assert fused._fused_params == frozenset(a[i] for i in offloaded if i not in skip)
+        for i in offloaded:
+            x, y = a[i], b[i]
+            copy = fused.gpu_params_map_cpu_copy[x]
+            assert copy is not x and copy.data_ptr() != x.data_ptr()  # still a distinct copy
+            assert torch.equal(x, copy.to(x.dtype))
+            if i in skip:
+                assert torch.equal(x, before[i])
+            sa, sb = fused.state[x], plain.state[y]
+            assert torch.equal(sa["step"], sb["step"])
+            torch.testing.assert_close(sa["master_param"], sb["master_param"], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+        for i in on_device:  # the device sub-optimizer's own arithmetic: torch's bits
+            assert torch.equal(a[i], b[i])
+    assert fused.state[a[0]]["step"].item() == 3.0
+    assert not torch.equal(fused.state[a[0]]["master_param"], plain.state[b[0]]["master_param"])
+
+
+@needs_kernel
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_fused_host_step_false_gives_torchs_bits_for_fp32_params(fraction):
+    """``fused_host_step=False``: FP32 params are stepped by torch's own AdamW, bit for bit —
+    ``AdamW(fused=True)`` on the host copies (HybridOffloadOptimizer's host default), torch's
+    default ``AdamW`` on the device."""
+    params = make_params([FP32] * 4)
+    opt = HybridOffloadOptimizer(
+        params, offload_fraction=fraction, lr=1e-2, weight_decay=0.1, fused_host_step=False
+    )
+    twins_ = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    host = [t for p, t in zip(params, twins_, strict=True) if p in opt.gpu_params_map_cpu_copy]
+    device = [t for t in twins_ if all(t is not h for h in host)]
+    references = [torch.optim.AdamW(host, lr=1e-2, weight_decay=0.1, fused=True)]
+    if device:
+        references.append(torch.optim.AdamW(device, lr=1e-2, weight_decay=0.1))
+    for step in range(3):
+        set_grads(params, step)
+        set_grads(twins_, step)
+        assert fused_host_step.plan(opt) == []
+        opt.step()
+        for ref in references:
+            ref.step()
+    for p, t in zip(params, twins_, strict=True):
+        assert torch.equal(p, t)
+        assert torch.equal(opt.state[p]["master_param"], t)
+
+
+@needs_kernel
+@pytest.mark.parametrize("config", ["bf16 moments", "fp16/FP8 moments"])
+def test_a_param_lost_between_plan_and_run_raises_before_anything_is_written(config):
+    """plan() picked PrecisionAwareAdamW copies the kernel reads; if the host optimizer stops
+    handing them to the kernel before run(), run() says so and writes nothing."""
+    params = make_params([FP32, BF16, FP32])
+    opt = HybridOffloadOptimizer(params, offload_fraction=1.0, lr=1e-2, **PRECISION[config])
+    run_steps([(params, opt)], 1)  # creates the state (unfused)
+    set_grads(params, 1)
+    entries = fused_host_step.plan(opt)
+    assert len(entries) == 3
+    host = opt.cpu_optimizers[0]
+    before = [p.detach().clone() for p in params]
+    state = raw_state(opt, params)
+    host.cpu_kernel = False
+    with pytest.raises(RuntimeError, match=r"lost a parameter the kernel reads.*fused_host_step"):
+        fused_host_step.run(entries)
+    assert all(torch.equal(p, v) for p, v in zip(params, before, strict=True))
+    for now, then in zip(raw_state(opt, params), state, strict=True):
+        assert all(torch.equal(torch.as_tensor(now[k]), torch.as_tensor(then[k])) for k in then)
+
+
+@needs_kernel
+@settings(max_examples=12, deadline=None)
+@given(
+    config=st.sampled_from(["torch", "bf16 moments", "fp16/FP8 moments"]),
+    fraction=st.sampled_from([1.0, 0.5]),
+    fused_before=st.booleans(),
+    fused_after=st.booleans(),
+    before=st.integers(1, 3),
+    after=st.integers(1, 3),
+)
+def test_fp32_state_dict_round_trip_across_fused_and_unfused_steps(
+    config, fraction, fused_before, fused_after, before, after
+):
+    """FP32 and bf16 params: a state dict saved after fused or unfused steps loads into an
+    optimizer that steps fused or unfused, and continues bit for bit as the saving one does
+    on the same path; with PrecisionAwareAdamW every combination is bitwise an all-unfused
+    run, with torch's AdamW within FP32 rounding of it."""
+    options = {} if config == "torch" else PRECISION[config]
+    dtypes = [FP32, BF16, FP32]
+
+    def setting(fused: bool) -> bool | None:
+        return None if fused else False
+
+    params = make_params(dtypes)
+    opt = HybridOffloadOptimizer(
+        params, offload_fraction=fraction, lr=1e-2, fused_host_step=setting(fused_before),
+        **options,
+    )  # fmt: skip
+    _, _, b, plain = twins(dtypes, fraction, lr=1e-2, **options)
+    run_steps([(params, opt), (b, plain)], before)
+    saved = opt.state_dict()
+    reference = plain.state_dict()
+    assert saved["state"].keys() == reference["state"].keys()
+    for key, entry in saved["state"].items():
+        assert {n: (v.dtype, v.shape) for n, v in entry.items()} == {
+            n: (v.dtype, v.shape) for n, v in reference["state"][key].items()
+        }
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = HybridOffloadOptimizer(
+        twin_params, offload_fraction=fraction, lr=1e-2, fused_host_step=setting(fused_after),
+        **options,
+    )  # fmt: skip
+    twin.load_state_dict(saved)
+    opt.fused_host_step = setting(fused_after)  # the saving one switches path alike
+    for step in range(before, before + after):
+        for group in (params, twin_params, b):
+            set_grads(group, step)
+        planned = len(fused_host_step.plan(twin))
+        offloaded = len(twin.gpu_params_map_cpu_copy)
+        assert planned == len(fused_host_step.plan(opt)) == (offloaded if fused_after else 0)
+        opt.step()
+        twin.step()
+        plain.step()
+    assert_bitwise(params, opt, twin_params, twin)
+    if config != "torch":
+        assert_bitwise(params, opt, b, plain)
+        return
+    for x, y in zip(params, b, strict=True):
+        sa, sb = opt.state[x], plain.state[y]
+        assert torch.equal(sa["step"], sb["step"])
+        torch.testing.assert_close(sa["master_param"], sb["master_param"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol=1e-5, atol=1e-9)

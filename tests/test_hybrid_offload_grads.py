@@ -1,6 +1,8 @@
 """HybridOffloadOptimizer steps a host copy with its param's own grad where the formats allow
 (same dtype, device and layout, a host optimizer that only reads grads), bit for bit as with a
-copy of it, and never writes into a param's grad."""
+copy of it, and never writes into a param's grad. These are the unfused path's rules
+(``fused_host_step=False``): by default the fused host step reads an FP32 CPU param's grad
+itself (tests/test_hybrid_offload_fused.py) and the copy gets none."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wrapped_optim.optimizers import HybridOffloadOptimizer
+from wrapped_optim.optimizers import HybridOffloadOptimizer, cpu_kernel
 
 
 class CopyingAdamW(torch.optim.AdamW):
@@ -41,7 +43,7 @@ def set_grads(params: list[torch.nn.Parameter], step: int) -> None:
 def test_shared_grads_step_bit_identically_to_copied_ones(fraction, options, cls):
     shared_params, copied_params = make_params(0, torch.float32), make_params(0, torch.float32)
     shared = HybridOffloadOptimizer(
-        shared_params, fraction, cpu_optimizer_cls=cls, lr=0.01, **options
+        shared_params, fraction, cpu_optimizer_cls=cls, lr=0.01, fused_host_step=False, **options
     )
     copying_cls = type("Copying" + cls.__name__, (cls,), {})
     copied = HybridOffloadOptimizer(
@@ -77,11 +79,26 @@ def test_bf16_params_and_other_host_optimizers_still_copy():
     assert all(inner.grad is not p.grad for p, inner in other.gpu_params_map_cpu_copy.items())
 
 
+def test_the_fused_host_step_gives_fp32_copies_no_grad():
+    """By default (where the kernel exists) an offloaded FP32 param's grad is read by the fused
+    host step; its copy gets no grad, shared or copied."""
+    params = make_params(4, torch.float32)
+    opt = HybridOffloadOptimizer(params, offload_fraction=1.0, lr=0.01)
+    set_grads(params, 0)
+    grads = [p.grad for p in params]
+    opt.step()
+    fused = cpu_kernel.available()
+    for p, grad in zip(params, grads, strict=True):
+        inner = opt.gpu_params_map_cpu_copy[p]
+        assert (inner.grad is None) == fused and p.grad is grad
+        assert torch.equal(p, inner)
+
+
 def test_a_grad_that_was_shared_is_never_written_later():
     """A grad the copy stepped with, then a grad that must be copied (another layout): the
     copy gets a buffer of its own; the earlier grad, still held by the caller, is untouched."""
     params = make_params(2, torch.float32)
-    opt = HybridOffloadOptimizer(params, offload_fraction=1.0, lr=0.01)
+    opt = HybridOffloadOptimizer(params, offload_fraction=1.0, lr=0.01, fused_host_step=False)
     set_grads(params, 0)
     opt.step()
     first = params[0].grad

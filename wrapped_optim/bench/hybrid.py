@@ -50,12 +50,14 @@ def _timed(fn: Callable[[], object], repeats: int) -> float:
 #: Bytes each phase moves per offloaded parameter (read + write): for bf16 params with FP32
 #: host copies, unfused (the grad cast in, the step over param, grad and both moments, the
 #: param cast out) and fused (the fused host step reads the bf16 grad and writes the bf16
-#: param itself: 2 + 8 + 16 + 2); for FP32 params (no grad copy: the host copy steps with the
-#: param's own grad; the result is copied out).
+#: param itself: 2 + 8 + 16 + 2); for FP32 params, unfused (no grad copy: the host copy steps
+#: with the param's own grad; the result is copied out) and fused (the FP32 grad read, the
+#: param written with the copy's value: 4 + 8 + 16 + 4).
 _PHASE_BYTES = {
     "bf16": {"copy_in": 2 + 4, "host": 16 + 12, "copy_out": 4 + 2},
     "bf16 fused": {"copy_in": 0, "host": 2 + 8 + 16 + 2, "copy_out": 0},
     "fp32": {"copy_in": 0, "host": 16 + 12, "copy_out": 4 + 4},
+    "fp32 fused": {"copy_in": 0, "host": 4 + 8 + 16 + 4, "copy_out": 0},
 }
 _PHASES = ("copy_in", "host", "copy_out", "device")
 #: The issue's target: an offload_fraction=1.0 step within this factor of a bare fused step.
@@ -165,7 +167,7 @@ def breakdown_section(sizes: list[int], rounds: int) -> list[str]:
         "beside a bare `AdamW(fused=True)` step over FP32 params of the same numel (updated in "
         "place: no copies). 'fused' marks a host step that reads the grads and writes the "
         "params itself (copy-in and copy-out are then part of it); the '1.0 unfused' rows "
-        "(`fused_host_step=False`) are the separate cast passes it replaces. Times are the "
+        "(`fused_host_step=False`) are the separate passes it replaces. Times are the "
         f"best of {rounds} interleaved rounds, in milliseconds; the phases are timed one by "
         "one (the same calls `step` makes), the step column is a whole `step()`. Target: the "
         f"offload_fraction=1.0 step within {TARGET_RATIO}x of the bare step. On a CPU the "
@@ -216,11 +218,12 @@ def breakdown_section(sizes: list[int], rounds: int) -> list[str]:
         f"floor of {floors['bf16']:.2f}x the bare step at equal bandwidth); the fused host "
         "step reads the bf16 grad, updates the FP32 host copy and the moments and writes the "
         f"bf16 param in one pass: {sum(_PHASE_BYTES['bf16 fused'].values())} B/param, the "
-        f"bare step's bytes ({floors['bf16 fused']:.2f}x). FP32 params on a CPU take the "
-        f"unfused path ({sum(_PHASE_BYTES['fp32'].values())} B/param, {floors['fp32']:.2f}x): "
-        "the host copy steps with the param's own grad and is copied out (the distinct copy "
-        "is what lets stale copies behave as on a GPU); the kernel has no entry point that "
-        "writes an FP32 param and its FP32 copy in one pass.",
+        f"bare step's bytes ({floors['bf16 fused']:.2f}x). FP32 params keep a distinct FP32 "
+        "host copy (it is what lets stale copies behave as on a GPU); the fused host step "
+        "reads the FP32 grad, updates the copy and the moments and writes the param with the "
+        f"copy's exact value: {sum(_PHASE_BYTES['fp32 fused'].values())} B/param "
+        f"({floors['fp32 fused']:.2f}x). Unfused, the copy steps with the param's own grad and "
+        f"is copied out: {sum(_PHASE_BYTES['fp32'].values())} B/param ({floors['fp32']:.2f}x).",
         "",
     ]
     return lines

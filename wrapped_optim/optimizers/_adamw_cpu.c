@@ -28,7 +28,9 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { MASTER_NONE = 0, MASTER_FP32 = 1, MASTER_REMAINDER = 2 };
+/* MASTER_FP32_COPY: an FP32 master whose FP32 param receives its exact value (a host copy and
+ * the param it stands for, updated in one pass). */
+enum { MASTER_NONE = 0, MASTER_FP32 = 1, MASTER_REMAINDER = 2, MASTER_FP32_COPY = 3 };
 enum { KIND_FP32 = 0, KIND_BF16 = 1, KIND_FP16 = 2, KIND_FP8 = 3 };
 enum { PASS_WRITE = 0, PASS_AMAX = 1 };
 
@@ -333,7 +335,7 @@ static inline __attribute__((always_inline)) void split_range(wo_tensor *t, int6
         if (need_p) {
             if (mk == MASTER_NONE) {
                 p = (float *)t->param + s;
-            } else if (mk == MASTER_FP32) {
+            } else if (mk == MASTER_FP32 || mk == MASTER_FP32_COPY) {
                 p = (float *)t->master + s;
             } else {
                 const uint16_t *hi = (const uint16_t *)t->param + s;
@@ -355,6 +357,9 @@ static inline __attribute__((always_inline)) void split_range(wo_tensor *t, int6
         if (mk == MASTER_FP32) {
             uint16_t *out = (uint16_t *)t->param + s;
             for (int64_t i = 0; i < k; ++i) out[i] = f32_to_bf16(p[i]);
+        } else if (mk == MASTER_FP32_COPY) {
+            float *out = (float *)t->param + s;
+            for (int64_t i = 0; i < k; ++i) out[i] = p[i];
         } else if (mk == MASTER_REMAINDER) {
             uint16_t *hi = (uint16_t *)t->param + s;
             int16_t *lo = (int16_t *)t->master + s;
@@ -394,7 +399,7 @@ static inline __attribute__((always_inline)) void adamw_range(
         float p;
         if (master_kind == MASTER_NONE) {
             p = ((const float *)param)[i];
-        } else if (master_kind == MASTER_FP32) {
+        } else if (master_kind == MASTER_FP32 || master_kind == MASTER_FP32_COPY) {
             p = ((const float *)master)[i];
         } else {
             uint32_t high = (uint32_t)((const uint16_t *)param)[i] << 16;
@@ -418,6 +423,9 @@ static inline __attribute__((always_inline)) void adamw_range(
         } else if (master_kind == MASTER_FP32) {
             ((float *)master)[i] = p;
             ((uint16_t *)param)[i] = f32_to_bf16(p);
+        } else if (master_kind == MASTER_FP32_COPY) {
+            ((float *)master)[i] = p;
+            ((float *)param)[i] = p;
         } else {
             uint32_t bits = f2u(p);
             int16_t rem = (int16_t)(bits & 0xFFFFu);
@@ -464,6 +472,7 @@ static inline __attribute__((always_inline)) int adamw_tensor(wo_tensor *t, int6
         WO_CASES_FOR_MASTER(MASTER_NONE)
         WO_CASES_FOR_MASTER(MASTER_FP32)
         WO_CASES_FOR_MASTER(MASTER_REMAINDER)
+        WO_CASES_FOR_MASTER(MASTER_FP32_COPY)
         default:
             return -1;
     }
@@ -472,7 +481,7 @@ static inline __attribute__((always_inline)) int adamw_tensor(wo_tensor *t, int6
 static int wo_kinds_ok(const wo_tensor *tensors, int64_t count) {
     for (int64_t k = 0; k < count; ++k) {
         const wo_tensor *t = &tensors[k];
-        if (t->master_kind < 0 || t->master_kind > 2 || t->grad_kind < 0 || t->grad_kind > 1 ||
+        if (t->master_kind < 0 || t->master_kind > 3 || t->grad_kind < 0 || t->grad_kind > 1 ||
             t->m_kind < 0 || t->m_kind > 3 || t->v_kind < 0 || t->v_kind > 3)
             return 0;
     }

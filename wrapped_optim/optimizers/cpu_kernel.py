@@ -70,7 +70,14 @@ _MAX_THREADS = 256  # the kernel's own limit
 # Threads take work in blocks of this many elements (a multiple of 64) from a shared counter.
 _BLOCK_ELEMENTS = 1 << 14
 
-_MASTER_KIND = {None: 0, torch.float32: 1, torch.int16: 2}
+#: (param dtype, master dtype or None) -> the kernel's master kind (MASTER_* in _adamw_cpu.c).
+_MASTER_KIND = {
+    (torch.float32, None): 0,  # the FP32 param is the value updated, in place
+    (torch.bfloat16, torch.float32): 1,  # FP32 master; the param gets it rounded to bf16
+    (torch.bfloat16, torch.int16): 2,  # the low half of the FP32 value (TE's remainder)
+    (torch.float32, torch.float32): 3,  # FP32 master; the FP32 param gets its exact value
+}
+_MASTERED_PARAM_DTYPES = (torch.bfloat16, torch.float32)
 _VALUE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, codecs.FP8_E4M3: 3}
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)
 _MOMENT_DTYPES = tuple(_VALUE_KIND)
@@ -337,8 +344,14 @@ def _describe(
     if master is None:
         _check_operand(f"params[{index}]", param, n, (torch.float32,))
     else:
-        _check_operand(f"params[{index}]", param, n, (torch.bfloat16,))
-        _check_operand(f"masters[{index}]", master, n, (torch.float32, torch.int16))
+        _check_operand(f"params[{index}]", param, n, _MASTERED_PARAM_DTYPES)
+        masters = tuple(m for (p, m) in _MASTER_KIND if p == param.dtype and m is not None)
+        _check_operand(f"masters[{index}]", master, n, masters)
+        if master.data_ptr() == param.data_ptr() and n:
+            raise ValueError(
+                f"masters[{index}] is the storage of params[{index}]: pass None as the master "
+                "of an FP32 param updated in place"
+            )
     _check_operand(f"grads[{index}]", grad, n, _GRAD_DTYPES)
     _check_operand(f"exp_avgs[{index}]", exp_avg, n, _MOMENT_DTYPES)
     _check_operand(f"exp_avg_sqs[{index}]", exp_avg_sq, n, _MOMENT_DTYPES)
@@ -351,7 +364,7 @@ def _describe(
         exp_avg.data_ptr(),
         exp_avg_sq.data_ptr(),
         n,
-        _MASTER_KIND[None if master is None else master.dtype],
+        _MASTER_KIND[param.dtype, None if master is None else master.dtype],
         _VALUE_KIND[grad.dtype],
         _VALUE_KIND[exp_avg.dtype],
         _VALUE_KIND[exp_avg_sq.dtype],
@@ -392,9 +405,11 @@ def adamw_step_(
 ) -> None:
     """One AdamW update of CPU tensors in place, each read and written in its stored dtype.
 
-    Lists as in torch's ``_fused_adamw_``: one entry per parameter. A parameter is FP32 (its
-    ``masters`` entry None) or bf16 with an FP32 master or the int16 remainder of one; grads
-    are FP32 or bf16; moments FP32, bf16, fp16 or FP8 E4M3 (``torch.uint8``, TE's marker).
+    Lists as in torch's ``_fused_adamw_``: one entry per parameter. A parameter is FP32,
+    updated in place (its ``masters`` entry None) or written with the exact value of its FP32
+    master (a host copy and the param it stands for, in one pass), or bf16 with an FP32
+    master (written rounded to nearest even) or the int16 remainder of one; grads are FP32
+    or bf16; moments FP32, bf16, fp16 or FP8 E4M3 (``torch.uint8``, TE's marker).
     An fp16/FP8 moment is stored relative to its per-tensor scale (``exp_avg_scales`` /
     ``exp_avg_sq_scales``: a one-element float32 tensor each, None for the other formats),
     exactly as :mod:`wrapped_optim.codecs` encodes it: it is decoded with the old scale and

@@ -6,10 +6,14 @@ buffer (2 + 4 bytes per parameter), the host optimizer's step (28) and the param
 once: it reads the bf16 (or FP32) grad, takes the FP32 host copy as the *master* of the bf16
 param, updates master and moments, and writes the param rounded to nearest even — the cast
 the copy-out makes — 2 + 8 + 16 + 2 = 28 bytes per parameter with FP32 moments, a bare
-fused step's bytes (20 with bf16 moments).
+fused step's bytes (20 with bf16 moments). An FP32 parameter's host copy is stepped the same
+way, the param written with the copy's exact value (the copy-out's copy): it reads the FP32
+grad and writes the param, 4 + 8 + 16 + 4 = 32 bytes against 36 unfused (its grad is not
+copied in, the copy steps with it; 44 where the grad is copied).
 
 It applies to an offloaded parameter when its formats allow (a contiguous bf16 CPU param with
-an FP32 host copy; a bf16 or FP32 grad of the same numel on the CPU), the kernel can be built,
+an FP32 host copy and a bf16 or FP32 grad, or a contiguous FP32 CPU param with its FP32 host
+copy and an FP32 grad; the grad of the param's numel, on the CPU), the kernel can be built,
 and the host optimizer is one of:
 
 - :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW`, for a copy it would itself update
@@ -24,8 +28,8 @@ and the host optimizer is one of:
   form of the same formula — equal to torch's ``AdamW(fused=True)`` up to FP32 rounding (a
   few ulps of the master per step), not bitwise.
 
-Everything else (CUDA params, FP32 or fp16 params, other host optimizers) keeps the
-unfused path. The host optimizer's own ``step`` runs first, for the other copies (a fused
+Everything else (CUDA params, fp16 params, other host optimizers) keeps the unfused
+path. The host optimizer's own ``step`` runs first, for the other copies (a fused
 copy's ``grad`` is None then, so it skips it; a PrecisionAwareAdamW advances its group step),
 then :func:`run` updates the fused ones.
 """
@@ -121,14 +125,21 @@ def _torch_group_allows(group: dict[str, Any]) -> bool:
     )
 
 
+# Param dtype -> the grad dtypes the fused step reads for it (its host copy is FP32).
+_GRAD_DTYPES = {
+    torch.bfloat16: (torch.bfloat16, torch.float32),
+    torch.float32: (torch.float32,),
+}
+
+
 def _formats_allow(param: Tensor, inner: Tensor, grad: Tensor) -> bool:
     return (
-        param.dtype == torch.bfloat16
+        param.dtype in _GRAD_DTYPES
         and param.device.type == "cpu"
         and param.is_contiguous()
         and inner.dtype == torch.float32
         and inner.is_contiguous()
-        and grad.dtype in (torch.bfloat16, torch.float32)
+        and grad.dtype in _GRAD_DTYPES[param.dtype]
         and grad.device.type == "cpu"
         and not grad.is_sparse
         and grad.numel() == param.numel()

@@ -46,9 +46,9 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     parameter left on its device gets an FP32 working copy there, and everything on the device
     is stepped by one ``gpu_optimizer_cls`` instance. The default host optimizer is torch's
     ``AdamW`` (its state and checkpoint format), stepped by the *fused host step*
-    (:mod:`~wrapped_optim.optimizers.fused_host_step`) where it applies — a bf16 CPU param
-    with an FP32 host copy: one pass of the compiled CPU kernel reads the grad, updates copy
-    and moments and writes the param, within FP32 rounding of torch's arithmetic, not bitwise
+    (:mod:`~wrapped_optim.optimizers.fused_host_step`) where it applies — a bf16 or FP32 CPU
+    param with an FP32 host copy: one pass of the compiled CPU kernel reads the grad, updates
+    copy and moments and writes the param, within FP32 rounding of torch's arithmetic, not bitwise
     — and by ``AdamW(fused=True)`` elsewhere. Pass ``fused=...`` or ``foreach=...`` to get
     exactly torch's implementation, ``fused_host_step=False`` to never use the fused step
     (``True``: raise if the kernel cannot be built), or any ``cpu_optimizer_cls``, e.g.
