@@ -156,7 +156,7 @@ def test_vector_loops_run_where_the_cpu_has_them() -> None:
     n=st.one_of(
         st.integers(1, 200), st.sampled_from([15, 16, 17, 63, 64, 65, 511, 512, 513, 1500])
     ),
-    master=st.sampled_from(["none", "fp32", "remainder"]),
+    master=st.sampled_from(["none", "fp32", "fp32 copy", "remainder"]),
     g_dtype=st.sampled_from([FP32, BF16]),
     moments=st.sampled_from(SCALED_PAIRS),
     magnitude=st.sampled_from([1e-30, 1e-6, 1.0, 1e4, 1e30]),
