@@ -566,6 +566,41 @@ def test_a_failing_compiler_leaves_no_files(
     assert list(fresh_kernel.iterdir()) == []
 
 
+@needs_kernel
+@pytest.mark.slow
+def test_a_compiler_without_the_avx512_intrinsics_gets_the_portable_loops(
+    fresh_kernel: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiler that cannot build the AVX-512 section still gets a kernel: the build is
+    retried without it (-DWO_NO_AVX512), and its steps give the same bits."""
+    real = cpu_kernel._find_compiler()
+    assert real is not None
+    bin_dir = tmp_path_factory.mktemp("bin")
+    fake = bin_dir / "no-avx512-cc"
+    fake.write_text(
+        "#!/bin/sh\ncase \" $* \" in *' -DWO_NO_AVX512 '*|*' --version '*) "
+        f'exec {real} "$@";; esac\necho "error: no AVX-512 intrinsics here" >&2\nexit 1\n'
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    columns = random_operands([3000], [("none", FP32, torch.float16, codecs.FP8_E4M3)], seed=3)
+    scales = [[torch.tensor([0.01])], [torch.tensor([1e-4])]]
+    want = [[None if t is None else t.clone() for t in column] for column in columns]
+    want_scales = [[s.clone() for s in column] for column in scales]
+    hyper: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+    cpu_kernel.adamw_step_(*want, **hyper, exp_avg_scales=want_scales[0],
+                           exp_avg_sq_scales=want_scales[1])  # fmt: skip
+    monkeypatch.setenv("CC", str(fake))
+    cpu_kernel._reset_for_tests()
+    s = cpu_kernel.status()
+    assert s.available and not s.vector_loops
+    assert s.library is not None and s.library.parent == fresh_kernel
+    cpu_kernel.adamw_step_(*columns, **hyper, exp_avg_scales=scales[0],
+                           exp_avg_sq_scales=scales[1])  # fmt: skip
+    for got, expected in zip([*columns, *scales], [*want, *want_scales], strict=True):
+        for a, b in zip(got, expected, strict=True):
+            assert (a is None and b is None) or same_bits(a, b)
+
+
 def test_unwritable_explicit_cache_is_reported(
     fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

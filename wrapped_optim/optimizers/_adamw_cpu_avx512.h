@@ -20,9 +20,12 @@
  *   2^-6), ties to even, and its bits minus c's are the rounded mantissa.
  * The Adam arithmetic is the portable loop's, operation for operation, so every result is
  * bitwise the portable loop's; the tests compare the two over every format combination.
- * CPUs with AVX-512 but without VBMI (Skylake-SP, Cascade Lake) keep the portable loops.
+ * CPUs with AVX-512 but without VBMI (Skylake-SP, Cascade Lake) keep the portable loops, and
+ * so does a build with -DWO_NO_AVX512 (cpu_kernel's fallback for a compiler that cannot build
+ * these intrinsics).
  */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(WO_NO_CLONES)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(WO_NO_CLONES) && \
+    !defined(WO_NO_AVX512)
 #define WO_AVX512 1
 #include <immintrin.h>
 #define WO_AVX512_FN \

@@ -60,6 +60,7 @@ _FLAGS = (
     "-ffp-contract=off", "-mprefer-vector-width=512",
 )  # fmt: skip
 _OPENMP_FLAGS = ("-fopenmp",)
+_NO_AVX512 = "-DWO_NO_AVX512"
 _ABI_VERSION = 8
 _DISABLE_ENV = "WRAPPED_OPTIM_CPU_KERNEL"
 _CACHE_ENV = "WRAPPED_OPTIM_KERNEL_CACHE"
@@ -200,7 +201,10 @@ def _build_and_open() -> tuple[KernelStatus, ctypes.CDLL | None]:
     directory = _cache_dir()
     failures = []
     # OpenMP first (threads); a compiler or runtime without it still gets the one-thread build.
-    for extra in (_OPENMP_FLAGS, ()):
+    # Each without the AVX-512 loops next, for a compiler that cannot build their intrinsics
+    # (the portable loops give the same bits).
+    attempts = (_OPENMP_FLAGS, (*_OPENMP_FLAGS, _NO_AVX512), (), (_NO_AVX512,))
+    for extra in attempts:
         try:
             library = _cached_build(compiler, version, directory, extra)
             lib = _open(library)
