@@ -15,9 +15,19 @@ from typing import Any
 import pytest
 import torch
 
-from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel, precision_paths
+from wrapped_optim.optimizers import (
+    HybridOffloadOptimizer,
+    PrecisionAwareAdamW,
+    cpu_kernel,
+    fused_host_step,
+    precision_paths,
+)
 
 BF16, FP32 = torch.bfloat16, torch.float32
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernel.available(), reason=f"CPU kernel unavailable: {cpu_kernel.status().reason}"
+)
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "fp32 moments": {},
@@ -56,3 +66,75 @@ def test_kernel_would_update_is_what_the_step_does(
     assert [p.data_ptr() in handed for p in params] == predicted
     if cpu_kernel.available() and config == "bf16 moments" and dtype == FP32:
         assert predicted == [True, True]  # the spy can see a positive answer too
+
+
+@needs_kernel
+def test_the_fused_host_step_asks_the_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused host step takes a PrecisionAwareAdamW copy exactly when
+    ``kernel_would_update`` says the optimizer would give it to the kernel."""
+    params = [torch.nn.Parameter(torch.randn(40).to(BF16)) for _ in range(2)]
+    opt = HybridOffloadOptimizer(
+        params,
+        offload_fraction=1.0,
+        lr=1e-2,
+        cpu_optimizer_cls=PrecisionAwareAdamW,
+        gpu_optimizer_cls=PrecisionAwareAdamW,
+        exp_avg_dtype=BF16,
+    )
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(40).to(BF16)
+        opt.step()
+    for p in params:
+        p.grad = torch.randn(40).to(BF16)
+    assert [e.param for e in fused_host_step.plan(opt)] == params
+    asked: list[torch.Tensor] = []
+
+    def says_no(sub: Any, param: Any, grad: Any, group: Any) -> bool:
+        asked.append(param)
+        return False
+
+    monkeypatch.setattr(precision_paths, "kernel_would_update", says_no)
+    assert fused_host_step.plan(opt) == []
+    assert len(asked) == 2
+
+
+@pytest.mark.parametrize(
+    ("defaults", "groups", "chosen"),
+    [
+        ({}, [{}, {}], [False, False]),
+        ({"fused": False}, [{}, {}], [True, True]),
+        ({"foreach": True}, [{}, {}], [True, True]),
+        ({}, [{}, {"fused": True}], [False, True]),
+        ({}, [{"foreach": False}, {}], [True, False]),
+    ],
+)
+def test_one_rule_for_the_callers_implementation_choice(
+    defaults: dict[str, Any], groups: list[dict[str, Any]], chosen: list[bool]
+) -> None:
+    """``fused`` or ``foreach`` from the caller, as a default or in a group, is their choice;
+    torch's fused CPU AdamW is the host default only when the defaults name neither."""
+    params = [torch.nn.Parameter(torch.randn(4).to(BF16)) for _ in groups]
+    opt = HybridOffloadOptimizer(
+        [{"params": [p], **g} for p, g in zip(params, groups, strict=True)],
+        offload_fraction=1.0,
+        **defaults,
+    )
+    assert [opt._implementation_chosen(i) for i in range(len(groups))] == chosen
+    assert opt._implementation_chosen() == bool(defaults)
+    assert ("fused" not in defaults and "foreach" not in defaults) == (
+        opt._host_options().get("fused") is True
+    )
+
+
+@needs_kernel
+def test_both_readers_of_the_choice_ask_the_one_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host default and the fused host step both follow ``_implementation_chosen``."""
+    params = [torch.nn.Parameter(torch.randn(4).to(BF16))]
+    opt = HybridOffloadOptimizer(params, offload_fraction=1.0, lr=1e-2)
+    params[0].grad = torch.randn(4).to(BF16)
+    assert len(fused_host_step.plan(opt)) == 1
+    assert opt._host_options()["fused"] is True
+    monkeypatch.setattr(opt, "_implementation_chosen", lambda group_index=None: True)
+    assert fused_host_step.plan(opt) == []
+    assert "fused" not in opt._host_options()
