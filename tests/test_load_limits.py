@@ -182,26 +182,42 @@ def test_scaled_fp16_rejects_fp32_max_and_fp8_keeps_it(path: str) -> None:
     assert expanded[2].item() == -FP32_MAX and bool(torch.isfinite(expanded).all())
 
 
-@pytest.mark.parametrize("dtype", sorted(load_limits.LOADS_AS_INF, key=str))
-def test_the_limit_table_is_what_the_formats_do(dtype: torch.dtype) -> None:
-    """Each limit is the smallest magnitude the codec (or the cast into FP32) turns into
-    inf, and the value just below it stays finite."""
-    limit = load_limits.LOADS_AS_INF[dtype]
-    below = float(torch.nextafter(torch.tensor(limit, dtype=torch.float64), torch.tensor(0.0)))
-    if dtype != torch.float32:  # values reach the others as FP32
-        below = float(torch.nextafter(torch.tensor(limit), torch.tensor(0.0)))
+@pytest.mark.parametrize(
+    ("dtype", "scaled"),
+    [
+        (torch.bfloat16, True),
+        (torch.float32, True),
+        (torch.float16, True),
+        (torch.uint8, True),
+        (torch.bfloat16, False),
+        (torch.float16, False),
+    ],
+)
+def test_each_limit_is_what_the_format_does(dtype: torch.dtype, scaled: bool) -> None:
+    """Each limit is the smallest magnitude the codec (a holder's storage) or the plain cast
+    turns into inf, and the value just below it stays finite."""
+    limit = load_limits.loads_as_inf(dtype, scaled=scaled)
+    assert limit is not None
+    wide = torch.float64 if dtype == torch.float32 else torch.float32  # what reaches it
+    below = float(torch.nextafter(torch.tensor(limit, dtype=wide), torch.tensor(0.0, dtype=wide)))
 
     def stored(value: float) -> float:
-        x = torch.tensor([value], dtype=torch.float64).float()
-        if dtype == torch.float32:
-            return float(x)
+        x = torch.tensor([value], dtype=torch.float64).to(wide)
+        if not scaled or dtype in (torch.float32, torch.bfloat16):
+            return float(x.to(dtype).double())
         data, scale = codecs.encode(x, dtype, exact=True)
         return float(codecs.decode(data, dtype, scale))
 
     assert not math.isfinite(stored(limit))  # inf (NaN for FP8: an inf amax poisons it)
     assert math.isfinite(stored(below))
-    assert load_limits.overflow_problem(limit, dtype) is not None
-    assert load_limits.overflow_problem(below, dtype) is None
+    assert load_limits.overflow_problem(limit, dtype, scaled=scaled) is not None
+    assert load_limits.overflow_problem(below, dtype, scaled=scaled) is None
+
+
+def test_nothing_overflows_an_int16_remainder_or_float64() -> None:
+    assert load_limits.loads_as_inf(torch.int16, scaled=True) is None
+    assert load_limits.loads_as_inf(torch.float64) is None
+    assert load_limits.overflow_problem(float("1e308"), torch.float64) is None
 
 
 MAGNITUDES = st.integers(0x7F7F0000, 0x7F7FFFFF).map(f32) | st.floats(-1e3, 1e3)
@@ -233,7 +249,7 @@ def test_both_paths_agree_on_every_round_trip(values: list[tuple[float, bool]]) 
         _assert_unchanged_values(opt, again)
         outcomes.append(stored.view(torch.int16).tolist())
     assert outcomes[0] == outcomes[1]
-    fits = all(abs(v) < load_limits.LOADS_AS_INF[torch.bfloat16] for v, _ in values)
+    fits = all(abs(v) < (load_limits.loads_as_inf(torch.bfloat16) or 0.0) for v, _ in values)
     assert isinstance(outcomes[0], list) == fits
 
 
@@ -256,3 +272,57 @@ def test_a_streaming_load_without_undo_never_writes_the_overflowing_read() -> No
     with pytest.raises(OptimizerCheckpointError, match=r"magnitude 3\.39617753e\+38"):
         _streaming_load(False)(opt, sd)
     assert torch.equal(opt.state[p]["exp_avg"].view(torch.int16), old.view(torch.int16))
+
+
+def _hybrid_state(hybrid: Any) -> list[torch.Tensor]:
+    return [t.clone() for e in hybrid.state.values() for t in e.values() if torch.is_tensor(t)]
+
+
+@pytest.mark.parametrize("path", ["dict", "streaming"])
+def test_plain_copies_take_the_rule_of_their_cast(path: str, tmp_path: Any) -> None:
+    """Outside a holder a state is cast plainly: float64 values beyond FP32 into
+    HybridOffloadOptimizer's FP32 copies and torch AdamW state (its dict load stored inf)."""
+    from wrapped_optim.optimizers import HybridOffloadOptimizer
+
+    p = torch.nn.Parameter(torch.randn(4).to(torch.bfloat16))
+    hybrid = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=1e-2)
+    p.grad = torch.randn(4).to(torch.bfloat16)
+    hybrid.step()
+    sd = copy.deepcopy(hybrid.state_dict())
+    sd["state"][0] = {k: v.double() if k != "step" else v for k, v in sd["state"][0].items()}
+    sd["state"][0]["exp_avg"][1] = 1e300
+    before, weights = _hybrid_state(hybrid), p.detach().clone()
+    with pytest.raises(OptimizerCheckpointError) as caught:
+        if path == "dict":
+            hybrid.load_state_dict(sd)
+        else:
+            dcp.save(sd, checkpoint_id=tmp_path, no_dist=True)
+            load_optimizer(hybrid, tmp_path)
+    assert "param 0: state 'exp_avg' has a value of magnitude 1e+300, beyond the range of its " \
+        "FP32 storage" in str(caught.value)  # fmt: skip
+    after = _hybrid_state(hybrid)
+    assert len(after) == len(before) and all(map(torch.equal, after, before))
+    assert torch.equal(p, weights)
+
+
+def test_a_torch_optimizers_fp16_state_has_fp16s_own_limit(tmp_path: Any) -> None:
+    """A torch optimizer's fp16 state is a plain cast (not scaled): the streaming load
+    rejects FP32 values from 65520 up (they became inf), and 65504 loads."""
+    half = torch.nn.Parameter(torch.randn(4).to(torch.float16))
+    adam = torch.optim.Adam([half], lr=1e-2)
+    half.grad = torch.randn(4).to(torch.float16)
+    adam.step()
+    kept = adam.state[half]["exp_avg"].clone()
+    saved = adam.state_dict()
+    entry = saved["state"][0]
+    saved["state"][0] = {k: v.float() if k != "step" else v for k, v in entry.items()}
+    saved["state"][0]["exp_avg"][1] = 65520.0
+    dcp.save(saved, checkpoint_id=tmp_path / "over", no_dist=True)
+    with pytest.raises(OptimizerCheckpointError, match="magnitude 65520, beyond the range of "
+                       "its fp16 storage"):  # fmt: skip
+        load_optimizer(adam, tmp_path / "over")
+    assert torch.equal(adam.state[half]["exp_avg"], kept)
+    saved["state"][0]["exp_avg"][1] = 65504.0
+    dcp.save(saved, checkpoint_id=tmp_path / "max", no_dist=True)
+    load_optimizer(adam, tmp_path / "max")
+    assert adam.state[half]["exp_avg"][1].item() == 65504.0

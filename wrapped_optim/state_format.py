@@ -425,10 +425,16 @@ def check_floating(index: Any, name: str, value: Saved) -> None:
 
 
 def check_values(
-    index: Any, name: str, value: torch.Tensor, stored: torch.dtype | None = None
+    index: Any,
+    name: str,
+    value: torch.Tensor,
+    stored: torch.dtype | None = None,
+    *,
+    scaled: bool = False,
 ) -> None:
     """Finite values; no negative value in a second moment (:data:`SECOND_MOMENTS`); with
-    ``stored``, none too large for that storage format (:mod:`wrapped_optim.load_limits`).
+    ``stored`` (a holder's storage with ``scaled``), none too large for the format they are
+    loaded into (:func:`wrapped_optim.load_limits.loads_as_inf`).
 
     Example:
         >>> import torch
@@ -449,7 +455,7 @@ def check_values(
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise _state_fault(index, name, "has non-finite values")
         negative = lo < 0
-        problem = overflow_problem(max(-lo, hi), stored)
+        problem = overflow_problem(max(-lo, hi), stored, scaled=scaled)
         if problem is not None:
             raise _state_fault(index, name, problem)
     else:
@@ -560,7 +566,7 @@ def check_holder_tensor(index: Any, name: str, value: Any, rule: HolderRule, sha
         )
     check_floating(index, name, saved)
     if isinstance(saved, torch.Tensor):
-        check_values(index, name, saved, rule.formats.get(name))
+        check_values(index, name, saved, rule.formats.get(name), scaled=True)
     return saved
 
 

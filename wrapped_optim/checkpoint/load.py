@@ -81,6 +81,7 @@ class _Target:
     accumulator: torch.Tensor | None = None
     filled: int = 0
     stored: torch.dtype | None = None  # the format the values end in (their range is checked)
+    scaled: bool = False  # ... a holder's storage, whose fp16 and FP8 are scaled
     staged: torch.dtype | None = None  # the checkpoint's dtype, when reading would narrow it
 
 
@@ -312,7 +313,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         if name == "step":
             state_format.check_step(f"param {index!r}", tensor)
         else:
-            state_format.check_values(index, name, tensor, target.stored)
+            state_format.check_values(index, name, tensor, target.stored, scaled=target.scaled)
         if target.staged is not None:
             _region(target, read_item).copy_(tensor)
         if target.holder is None:
@@ -407,6 +408,7 @@ def _plan_range_check(
     an overflow would otherwise arrive as an inf whose magnitude is lost."""
     if holder is not None:
         target.stored = state_format.holder_rule(holder, param).formats.get(name)
+        target.scaled = True
     elif target.tensor is not None and target.tensor.is_floating_point():
         target.stored = target.tensor.dtype
     into = target.tensor.dtype if target.tensor is not None else target.dtype
