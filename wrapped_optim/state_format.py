@@ -10,7 +10,7 @@ fault is rejected by all of them with one :class:`OptimizerCheckpointError` and 
 A streaming loader sees a tensor's shape and dtype (a :class:`TensorMeta`) before its data:
 every check takes either, and the value checks run when the data arrives.
 
-A leaf module: it imports nothing of the package but the error type.
+A leaf module: it imports nothing of the package but the error type and the load limits.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import attrs
 import torch
 
 from wrapped_optim.errors import OptimizerCheckpointError
+from wrapped_optim.load_limits import overflow_problem
 
 __all__ = [
     "SECOND_MOMENTS",
@@ -423,8 +424,17 @@ def check_floating(index: Any, name: str, value: Saved) -> None:
         raise _state_fault(index, name, f"is {dtype}, not floating")
 
 
-def check_values(index: Any, name: str, value: torch.Tensor) -> None:
-    """Finite values; no negative value in a second moment (:data:`SECOND_MOMENTS`).
+def check_values(
+    index: Any,
+    name: str,
+    value: torch.Tensor,
+    stored: torch.dtype | None = None,
+    *,
+    scaled: bool = False,
+) -> None:
+    """Finite values; no negative value in a second moment (:data:`SECOND_MOMENTS`); with
+    ``stored`` (a holder's storage with ``scaled``), none too large for the format they are
+    loaded into (:func:`wrapped_optim.load_limits.loads_as_inf`).
 
     Example:
         >>> import torch
@@ -445,6 +455,9 @@ def check_values(index: Any, name: str, value: torch.Tensor) -> None:
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise _state_fault(index, name, "has non-finite values")
         negative = lo < 0
+        problem = overflow_problem(max(-lo, hi), stored, scaled=scaled)
+        if problem is not None:
+            raise _state_fault(index, name, problem)
     else:
         if not bool(torch.isfinite(local).all()):
             raise _state_fault(index, name, "has non-finite values")
@@ -466,7 +479,8 @@ class HolderRule:
     """What a precision-aware holder accepts for one param in the portable format.
 
     ``keeps``: the state names; ``required``: those that must be present; ``remainder``:
-    ``master_param`` is an int16 remainder (a bf16 param with ``store_param_remainders``).
+    ``master_param`` is an int16 remainder (a bf16 param with ``store_param_remainders``);
+    ``formats``: the storage dtype each state is loaded into (its values must fit it).
     Built by :func:`holder_rule`.
 
     Example:
@@ -480,6 +494,7 @@ class HolderRule:
     required: frozenset[str]
     remainder: bool
     note: str = ""
+    formats: Mapping[str, torch.dtype] = attrs.field(factory=dict, eq=False)
 
 
 def holder_rule(holder: Any, param: torch.Tensor, *, master_copy: bool = False) -> HolderRule:
@@ -508,7 +523,14 @@ def holder_rule(holder: Any, param: torch.Tensor, *, master_copy: bool = False) 
         and param.dtype == torch.bfloat16
     )
     note = "" if masters or master_copy else " (master_weights is off)"
-    return HolderRule(type(holder).__name__, frozenset(keeps), required, remainder, note)
+    formats = {n: holder.name_to_dtype_map[n] for n in names}
+    if masters or master_copy:  # the caller's own master copy is FP32
+        formats["master_param"] = (
+            holder.name_to_dtype_map.get("master_param", torch.float32)
+            if masters
+            else torch.float32
+        )
+    return HolderRule(type(holder).__name__, frozenset(keeps), required, remainder, note, formats)
 
 
 def check_holder_tensor(index: Any, name: str, value: Any, rule: HolderRule, shape: Any) -> Saved:
@@ -544,7 +566,7 @@ def check_holder_tensor(index: Any, name: str, value: Any, rule: HolderRule, sha
         )
     check_floating(index, name, saved)
     if isinstance(saved, torch.Tensor):
-        check_values(index, name, saved)
+        check_values(index, name, saved, rule.formats.get(name), scaled=True)
     return saved
 
 

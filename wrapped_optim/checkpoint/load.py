@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import threading
 from collections.abc import Mapping
 from itertools import chain
 from typing import Any
@@ -40,7 +41,7 @@ from wrapped_optim.checkpoint.common import (
     _raise_ours,
 )
 from wrapped_optim.checkpoint.deferred import _uses_remainder
-from wrapped_optim.rollback import GroupOptions, OptimizerSnapshot
+from wrapped_optim.checkpoint.undo import _Undo
 from wrapped_optim.wrapper import OptimizerWrapper
 
 __all__ = ["StreamingLoadPlanner", "load_optimizer"]
@@ -79,6 +80,9 @@ class _Target:
     dtype: torch.dtype = torch.float32
     accumulator: torch.Tensor | None = None
     filled: int = 0
+    stored: torch.dtype | None = None  # the format the values end in (their range is checked)
+    scaled: bool = False  # ... a holder's storage, whose fp16 and FP8 are scaled
+    staged: torch.dtype | None = None  # the checkpoint's dtype, when reading would narrow it
 
 
 class StreamingLoadPlanner(DefaultLoadPlanner):
@@ -132,6 +136,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self.saved_as: dict[str, tuple[Any, str]] = {}  # fqn -> (param index, state name)
         self.group_tensors: dict[str, tuple[int, str]] = {}  # fqn -> (group, hyper-parameter)
         self.chunk_bytes = chunk_bytes
+        self._buffers = threading.local()  # staged reads (see _buffer)
 
     # -- planning ----------------------------------------------------------------------
     def set_up_planner(
@@ -265,6 +270,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 self.created = True
             targets[fqn] = _Target(md.size, tensor=tensor, live=tensor)
             state.setdefault(index, {})[name] = tensor
+        for fqn, target in targets.items():
+            if fqn in self.saved_as:
+                index, name = self.saved_as[fqn]
+                _plan_range_check(target, leaf if holder else None, id_map[index][0], name,
+                                  tensors[fqn][2].properties.dtype)  # fmt: skip
         self.targets = targets
         self.state = state
 
@@ -272,13 +282,21 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """The region of the live tensor, or of the holder accumulator, to read into."""
         target = self.targets[read_item.dest_index.fqn]
-        if target.tensor is not None:
-            tensor = target.tensor
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            return narrow_tensor_by_index(local.detach(), read_item.dest_offsets, read_item.lengths)
-        if target.accumulator is None:
-            target.accumulator = torch.empty(target.shape, dtype=target.dtype)
-        return narrow_tensor_by_index(target.accumulator, read_item.dest_offsets, read_item.lengths)
+        if target.staged is not None:  # its own dtype first: the range check needs the values
+            return self._buffer(target.staged, read_item.lengths)
+        return _region(target, read_item)
+
+    def _buffer(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """A buffer for one staged read, reused (per reader thread) so that its pages are
+        touched once (a fresh allocation per read item paid its page faults every time)."""
+        buffers: dict[torch.dtype, torch.Tensor] | None = getattr(self._buffers, "by", None)
+        if buffers is None:
+            buffers = self._buffers.by = {}
+        numel = math.prod(shape)
+        found = buffers.get(dtype)
+        if found is None or found.numel() < numel:
+            found = buffers[dtype] = torch.empty(numel, dtype=dtype)
+        return found[:numel].view(shape)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """Checks the values that arrived (state_format); quantizes a holder state into
@@ -291,11 +309,13 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 raise OptimizerCheckpointError(f"param group {group_index}: {problem}")
             return
         index, name = self.saved_as[fqn]
+        target = self.targets[fqn]
         if name == "step":
             state_format.check_step(f"param {index!r}", tensor)
         else:
-            state_format.check_values(index, name, tensor)
-        target = self.targets[read_item.dest_index.fqn]
+            state_format.check_values(index, name, tensor, target.stored, scaled=target.scaled)
+        if target.staged is not None:
+            _region(target, read_item).copy_(tensor)
         if target.holder is None:
             return
         target.filled += math.prod(read_item.lengths)
@@ -365,6 +385,39 @@ def _holder_target(
     dtype = torch.int16 if remainder else torch.float32
     chunks = param.__create_chunk_list__() if isinstance(param, DTensor) else None
     return _Target(local_shape, holder=leaf, param=param, name=name, dtype=dtype, chunks=chunks)
+
+
+def _region(target: _Target, read_item: ReadItem) -> torch.Tensor:
+    """The region of the live tensor, or of the holder accumulator, a read item fills."""
+    if target.tensor is not None:
+        tensor = target.tensor
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return narrow_tensor_by_index(local.detach(), read_item.dest_offsets, read_item.lengths)
+    if target.accumulator is None:
+        target.accumulator = torch.empty(target.shape, dtype=target.dtype)
+    return narrow_tensor_by_index(target.accumulator, read_item.dest_offsets, read_item.lengths)
+
+
+def _plan_range_check(
+    target: _Target, holder: Any, param: torch.Tensor, name: str, saved: torch.dtype
+) -> None:
+    """Which format a state's values end in, so that they are checked against its range
+    before they are written (state_format.check_values): a holder's storage format, or the
+    live tensor's dtype. A read that would narrow them (FP32 into bf16 storage, float64
+    into FP32) goes through a buffer of the checkpoint's dtype, one read item at a time, as
+    an overflow would otherwise arrive as an inf whose magnitude is lost."""
+    if holder is not None:
+        target.stored = state_format.holder_rule(holder, param).formats.get(name)
+        target.scaled = True
+    elif target.tensor is not None and target.tensor.is_floating_point():
+        target.stored = target.tensor.dtype
+    into = target.tensor.dtype if target.tensor is not None else target.dtype
+    if (
+        saved.is_floating_point
+        and into.is_floating_point
+        and torch.finfo(saved).max > torch.finfo(into).max
+    ):
+        target.staged = saved
 
 
 def _fits_param(saved: torch.Size, param_shape: torch.Size) -> bool:
@@ -539,59 +592,6 @@ def _read_and_apply(
         if planner.undo is not None:
             planner.undo.restore()
         raise
-
-
-class _Undo:
-    """What a streaming load overwrites in place, kept until it has finished.
-
-    A precision-aware holder's state is kept by the rollback utility's snapshot (its storage as
-    stored, its scales, its params). Otherwise the live state tensors that the checkpoint is
-    read into are cloned and copied back into the same tensors (which sub-optimizers or
-    wrappers may alias), the state entries and the group options are put back as they were;
-    under a wrapper, whose ``state_loaded()`` may write the weights, the params are kept too.
-    """
-
-    def __init__(self, leaf: torch.optim.Optimizer, targets: Any, with_params: bool) -> None:
-        self.leaf = leaf
-        self.snapshot: OptimizerSnapshot | None = None
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.entries = {param: dict(entry) for param, entry in leaf.state.items()}
-        self.options = GroupOptions.take(leaf.param_groups)
-        self.params: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if is_precision_aware_holder(leaf):
-            # The holder's loader writes its storage and scales, never the params: those are
-            # kept only for a wrapper's state_loaded(), which may write weights.
-            self.snapshot = OptimizerSnapshot.take(leaf, keep_values=with_params)
-            return
-        live = {id(t): t for entry in leaf.state.values() for t in entry.values()}
-        for target in targets:
-            tensor = target.live
-            if isinstance(tensor, torch.Tensor) and id(tensor) in live:
-                self.copies.append((tensor, tensor.detach().clone()))
-        if with_params:  # a wrapper's state_loaded() writes weights (HybridSyncOptimizer)
-            unique = {id(p): p for g in leaf.param_groups for p in g["params"]}
-            self.params = [(p, p.detach().clone()) for p in unique.values()]
-
-    @classmethod
-    def take(cls, leaf: torch.optim.Optimizer, targets: Any, with_params: bool) -> _Undo:
-        """Keeps what loading ``targets`` into ``leaf`` may change (and its params)."""
-        return cls(leaf, targets, with_params)
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        """Puts it all back."""
-        if self.snapshot is not None:
-            self.snapshot.restore()
-            return
-        for tensor, copy in self.copies + self.params:
-            tensor.copy_(copy)
-        state = self.leaf.state
-        for param in [p for p in state if p not in self.entries]:
-            del state[param]
-        for param, entry in self.entries.items():
-            state[param].clear()
-            state[param].update(entry)
-        self.options.restore(self.leaf.param_groups)
 
 
 def _set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:

@@ -43,7 +43,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from wrapped_optim.optimizers import cpu_kernel, kernel_step, torch_step
+from wrapped_optim.optimizers import cpu_kernel, kernel_step, precision_paths
 from wrapped_optim.optimizers.kernel_step import KernelOperands
 from wrapped_optim.optimizers.precision_adam import PrecisionAwareAdamW
 
@@ -54,7 +54,6 @@ __all__ = ["FusedEntry", "grad_of", "plan", "run"]
 
 # torch AdamW group switches the kernel has no counterpart for.
 _TORCH_SWITCHES = ("amsgrad", "maximize", "capturable", "differentiable")
-_IMPLEMENTATION_KEYS = ("fused", "foreach")
 
 
 @attrs.frozen(eq=False)
@@ -110,8 +109,7 @@ def _kind(hybrid: HybridOffloadOptimizer, sub: torch.optim.Optimizer, index: int
         return None if use_decoupled or not kernel_step.kernel_enabled(sub) else "precision"
     if type(sub) is not torch.optim.AdamW or hybrid.cpu_optimizer_cls is not torch.optim.AdamW:
         return None
-    chosen = set(hybrid.defaults) | set(hybrid.param_groups[index])
-    if any(key in chosen for key in _IMPLEMENTATION_KEYS):
+    if hybrid._implementation_chosen(index):
         return None  # the caller picked torch's implementation: they get it
     return "torch"
 
@@ -209,9 +207,7 @@ def _precision_kernel_would_update(
     """Whether PrecisionAwareAdamW would hand ``inner`` (with an FP32 grad, as the unfused
     path gives it) to the kernel: not to torch's fused kernel, and in formats the kernel
     reads. ``inner`` stands in for that grad (same dtype, device and shape)."""
-    if torch_step.direct_views(sub, inner, inner, group) is not None:  # type: ignore[arg-type]
-        return False
-    return kernel_step.kernel_operands(sub, inner, inner) is not None  # type: ignore[arg-type]
+    return precision_paths.kernel_would_update(sub, inner, inner, group)  # type: ignore[arg-type]
 
 
 def run(entries: Sequence[FusedEntry]) -> None:

@@ -244,9 +244,18 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         kernel (one pass over the copies, ~7x its default per-tensor loop on a CPU) unless
         the caller chose ``fused`` or ``foreach`` themselves."""
         options = dict(self.defaults)
-        if self.cpu_optimizer_cls is torch.optim.AdamW and not {"fused", "foreach"} & set(options):
+        if self.cpu_optimizer_cls is torch.optim.AdamW and not self._implementation_chosen():
             options["fused"] = True
         return options
+
+    def _implementation_chosen(self, group_index: int | None = None) -> bool:
+        """Whether the caller picked torch's AdamW implementation (a ``fused`` or ``foreach``
+        keyword) for the host sub-optimizer, or, given ``group_index``, for that group: then
+        they get exactly it (no fused CPU default, no fused host step)."""
+        options = set(self.defaults)
+        if group_index is not None:
+            options |= set(self.param_groups[group_index])
+        return bool(options & {"fused", "foreach"})
 
     @property
     def sub_optimizers(self) -> list[torch.optim.Optimizer]:

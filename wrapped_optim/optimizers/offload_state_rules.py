@@ -158,7 +158,7 @@ def _master_value(
     saved = state_format.check_tensor(index, "master_param", value)
     state_format.check_shape(index, "master_param", saved, param.shape)
     state_format.check_floating(index, "master_param", saved)
-    state_format.check_values(index, "master_param", value)
+    state_format.check_values(index, "master_param", value, dtype)  # cast to dtype below
     copy: torch.Tensor = value.detach().to(device=device, dtype=dtype, copy=True)
     return copy
 
@@ -200,7 +200,12 @@ def _plain_value(
             state_format.check_shape(index, name, value, kind.shape, "the sub-optimizer keeps")
         if kind.floating:
             state_format.check_floating(index, name, value)
-    state_format.check_values(index, name, value)
+    # What it is cast to below: a template's dtype, nothing (a clone), or the copies' dtype.
+    if kind is not None and not kind.elementwise:
+        into = None if kind.template is None else kind.template.dtype
+    else:
+        into = dtype if value.is_floating_point() else None
+    state_format.check_values(index, name, value, into)
     if kind is not None and not kind.elementwise:
         template = kind.template
         if template is not None:

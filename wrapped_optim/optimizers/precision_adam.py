@@ -20,10 +20,9 @@ from torch import Tensor
 from wrapped_optim import codecs, state_format
 from wrapped_optim.adapters.dtensor import like_param, local_tensor
 from wrapped_optim.optimizers import cpu_kernel as _cpu_kernel
-from wrapped_optim.optimizers import fused_gpu as _fused_gpu
 from wrapped_optim.optimizers import precision_loading as _loading
+from wrapped_optim.optimizers import precision_paths as _paths
 from wrapped_optim.optimizers import torch_step as _torch_step
-from wrapped_optim.optimizers.kernel_step import KernelOperands, kernel_operands, kernel_update
 from wrapped_optim.rollback import OptimizerSnapshot
 from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
@@ -512,51 +511,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         return loss
 
     def _step_groups(self) -> None:
-        for group in self.param_groups:
-            if not group["params"]:
-                continue
-            group["step"] = group.get("step", 0) + 1
-            # Parameters whose state needs no conversion go to torch's fused kernel together,
-            # one call per (device, dtype), as torch.optim.AdamW(fused=True) does.
-            batches: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, ...]]] = {}
-            small: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
-            kernel: list[KernelOperands] = []  # one call for all of them: threads share it
-            fused_gpu: list[tuple[Tensor, Tensor]] = []  # one launch per format combination
-            for p in group["params"]:
-                grad = self._grad_of(p)
-                if grad is None:
-                    continue  # frozen or unused this step: no state, as torch's optimizers do
-                if not self.state[p]:
-                    self.initialize_state(p)
-                if grad.is_sparse:
-                    raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients.")
-                if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                    raise RuntimeError(
-                        "PrecisionAwareAdamW supports fp32, fp16 and bf16 parameters, "
-                        f"got {p.dtype}"
-                    )
-                views = self._direct_views(p, grad, group)
-                operands = None if views is not None else kernel_operands(self, p, grad)
-                if views is not None:
-                    batches.setdefault((views[0].device, views[0].dtype), []).append(views)
-                elif operands is not None:
-                    kernel.append(operands)
-                elif _fused_gpu.applicable(self, p, grad, group):
-                    fused_gpu.append((p, grad))
-                elif self._packable(p, grad, group):
-                    small.setdefault(local_tensor(p).device, []).append((p, grad))
-                else:
-                    self._update(p, grad, group)
-            for (device, _), items in batches.items():
-                step = _torch_step.step_tensor(group["step"], device)
-                ps, gs, ms, vs = (list(column) for column in zip(*items, strict=True))
-                self._fused_math(ps, gs, ms, vs, group, [step] * len(ps))
-            for device, pairs in small.items():
-                self._update_packed(pairs, group, device)
-            if kernel:
-                kernel_update(self, kernel, group)
-            if fused_gpu:
-                _fused_gpu.update_group(self, fused_gpu, group)
+        _paths.step_groups(self)  # the path of each parameter: optimizers/precision_paths.py
 
     def _packable(self, param: Tensor, grad: Tensor, group: dict[str, Any]) -> bool:
         return _torch_step.packable(self, param, grad, group)
