@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 
-from wrapped_optim import state_format
+from wrapped_optim import holder_format, state_format
 from wrapped_optim.adapters.dtensor import like_param
 from wrapped_optim.adapters.precision import is_precision_aware_holder, supports_chunked_state
 from wrapped_optim.checkpoint.common import (
@@ -219,8 +219,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         for index, entry in saved.items():
             param = id_map[index][0]
             if holder:
-                rule = state_format.holder_rule(leaf, param)
-                state_format.check_holder_entry(index, entry, rule, tuple(param.shape))
+                rule = holder_format.holder_rule(leaf, param)
+                holder_format.check_holder_entry(index, entry, rule, tuple(param.shape))
             elif "step" in entry:
                 state_format.check_step(f"param {index!r}", entry["step"])
         for i, (group, mine) in enumerate(zip(saved_groups, leaf.param_groups, strict=True)):
@@ -360,7 +360,7 @@ def _holder_target(
     live: Mapping[str, Any],
 ) -> _Target:
     """Where a precision-aware holder's state goes: its live storage, or an accumulator that
-    is quantized into it (checked beforehand by state_format.check_holder_entry)."""
+    is quantized into it (checked beforehand by holder_format.check_holder_entry)."""
     remainder = _uses_remainder(leaf, param, name)
     current = live.get(name)
     local_shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
@@ -407,7 +407,7 @@ def _plan_range_check(
     into FP32) goes through a buffer of the checkpoint's dtype, one read item at a time, as
     an overflow would otherwise arrive as an inf whose magnitude is lost."""
     if holder is not None:
-        target.stored = state_format.holder_rule(holder, param).formats.get(name)
+        target.stored = holder_format.holder_rule(holder, param).formats.get(name)
         target.scaled = True
     elif target.tensor is not None and target.tensor.is_floating_point():
         target.stored = target.tensor.dtype

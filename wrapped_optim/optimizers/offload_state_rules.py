@@ -1,7 +1,7 @@
 """What a HybridOffloadOptimizer checkpoint entry must look like, per kind of sub-optimizer.
 
 A precision-aware sub-optimizer (FusedAdam, PrecisionAwareAdamW) takes FusedAdam's portable
-format: :func:`wrapped_optim.state_format.check_holder_entry` checks it. A plain torch
+format: :func:`wrapped_optim.holder_format.check_holder_entry` checks it. A plain torch
 sub-optimizer declares no format: the state names and kinds it keeps are read from its live
 state, or from one step of a throwaway instance (:class:`References`). Every fault is raised
 through :mod:`wrapped_optim.state_format`, so its wording is that of every other loader.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from wrapped_optim import state_format
+from wrapped_optim import holder_format, state_format
 from wrapped_optim.errors import OptimizerCheckpointError
 
 if TYPE_CHECKING:
@@ -250,8 +250,8 @@ def holder_entry(
     Its ``master_param`` may be the hybrid optimizer's own FP32 copy (accepted even when the
     holder keeps no master); a per-param ``step`` is torch's layout of the group's step.
     """
-    rule = state_format.holder_rule(sub, inner, master_copy=True)
-    states = state_format.check_holder_entry(
+    rule = holder_format.holder_rule(sub, inner, master_copy=True)
+    states = holder_format.check_holder_entry(
         index, entry, rule, tuple(inner.shape), extra=("step",)
     )
     step = None

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from wrapped_optim import state_format
+from wrapped_optim import holder_format, state_format
 from wrapped_optim.adapters.dtensor import local_tensor
 from wrapped_optim.rollback import deep_clone
 
@@ -88,7 +88,7 @@ def load_portable(opt: PrecisionAwareAdamW, state_dict: dict[str, Any]) -> None:
         >>> opt.state[p]["exp_avg"] is storage, storage.tolist()
         (True, [1.0, 1.0])
     """
-    resolved, saved_groups = state_format.check_holder_state_dict(opt, state_dict)
+    resolved, saved_groups = holder_format.check_holder_state_dict(opt, state_dict)
     groups = _merged_groups(opt.param_groups, saved_groups)
     writes = _unaliased(
         opt,
