@@ -164,79 +164,102 @@ WO_AVX512_INLINE void v_encode64(void *base, int64_t i, int kind, int64_t left,
     }
 }
 
-/* moments_write, 64 elements a step: the same operations in the same order. */
+/* The hyper-parameters and multipliers, broadcast once per call. */
+typedef struct {
+    __m512 lr, b1, omb1, b2, omb2, eps, wd, inv_bc1, inv_bc2, m_dec, v_dec, m_enc, v_enc;
+} v_consts;
+
+WO_AVX512_INLINE v_consts v_broadcast(const wo_tensor *t, const wo_hyper *h) {
+    v_consts c = {_mm512_set1_ps(h->lr),          _mm512_set1_ps(h->beta1),
+                  _mm512_set1_ps(h->one_minus_beta1), _mm512_set1_ps(h->beta2),
+                  _mm512_set1_ps(h->one_minus_beta2), _mm512_set1_ps(h->eps),
+                  _mm512_set1_ps(h->weight_decay), _mm512_set1_ps(h->inv_bias_correction1),
+                  _mm512_set1_ps(h->inv_bias_correction2), _mm512_set1_ps(t->m_decode),
+                  _mm512_set1_ps(t->v_decode),    _mm512_set1_ps(t->m_encode),
+                  _mm512_set1_ps(t->v_encode)};
+    return c;
+}
+
+/* 64 elements from i of moments_write (fewer when left < 64): the same operations in the
+ * same order. Called with left = 64 for every whole step, so its masks are constants. */
+WO_AVX512_INLINE void v_write_step(int64_t i, int64_t left, float *restrict p,
+                                   const float *restrict g, void *restrict m, void *restrict v,
+                                   const v_consts *c, const int adam_w_mode, const int mk,
+                                   const int vk) {
+    __m512 mo[4], vo[4];
+    v_decode64(m, i, mk, left, c->m_dec, mo);
+    v_decode64(v, i, vk, left, c->v_dec, vo);
+    for (int j = 0; j < 4; ++j) {
+        const __mmask16 lanes = v_lanes(left - 16 * j);
+        float *pj = p + i + 16 * j;
+        __m512 pi = _mm512_maskz_loadu_ps(lanes, pj);
+        __m512 gi = _mm512_maskz_loadu_ps(lanes, g + i + 16 * j);
+        if (!adam_w_mode) gi = _mm512_add_ps(gi, _mm512_mul_ps(c->wd, pi));
+        __m512 mi = _mm512_add_ps(_mm512_mul_ps(c->b1, mo[j]), _mm512_mul_ps(c->omb1, gi));
+        __m512 vi = _mm512_add_ps(_mm512_mul_ps(c->b2, vo[j]),
+                                  _mm512_mul_ps(_mm512_mul_ps(c->omb2, gi), gi));
+        __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, c->inv_bc2)), c->eps);
+        __m512 update = _mm512_div_ps(_mm512_mul_ps(mi, c->inv_bc1), denom);
+        if (adam_w_mode) update = _mm512_add_ps(update, _mm512_mul_ps(c->wd, pi));
+        _mm512_mask_storeu_ps(pj, lanes, _mm512_sub_ps(pi, _mm512_mul_ps(c->lr, update)));
+        mo[j] = mi;
+        vo[j] = vi;
+    }
+    v_encode64(m, i, mk, left, mo, c->m_enc);
+    v_encode64(v, i, vk, left, vo, c->v_enc);
+}
+
+/* moments_write, 64 elements a step. */
 WO_AVX512_INLINE void v_moments_write(int64_t k, float *restrict p, const float *restrict g,
                                       void *restrict m, void *restrict v, const wo_tensor *t,
                                       const wo_hyper *h, const int adam_w_mode, const int mk,
                                       const int vk) {
-    const __m512 lr = _mm512_set1_ps(h->lr), b1 = _mm512_set1_ps(h->beta1);
-    const __m512 omb1 = _mm512_set1_ps(h->one_minus_beta1), b2 = _mm512_set1_ps(h->beta2);
-    const __m512 omb2 = _mm512_set1_ps(h->one_minus_beta2), eps = _mm512_set1_ps(h->eps);
-    const __m512 wd = _mm512_set1_ps(h->weight_decay);
-    const __m512 inv_bc1 = _mm512_set1_ps(h->inv_bias_correction1);
-    const __m512 inv_bc2 = _mm512_set1_ps(h->inv_bias_correction2);
-    const __m512 m_dec = _mm512_set1_ps(t->m_decode), v_dec = _mm512_set1_ps(t->v_decode);
-    const __m512 m_enc = _mm512_set1_ps(t->m_encode), v_enc = _mm512_set1_ps(t->v_encode);
-    for (int64_t i = 0; i < k; i += 64) {
-        const int64_t left = k - i;
-        __m512 mo[4], vo[4];
-        v_decode64(m, i, mk, left, m_dec, mo);
-        v_decode64(v, i, vk, left, v_dec, vo);
-        for (int j = 0; j < 4; ++j) {
-            const __mmask16 lanes = v_lanes(left - 16 * j);
-            float *pj = p + i + 16 * j;
-            __m512 pi = _mm512_maskz_loadu_ps(lanes, pj);
-            __m512 gi = _mm512_maskz_loadu_ps(lanes, g + i + 16 * j);
-            if (!adam_w_mode) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, pi));
-            __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, mo[j]), _mm512_mul_ps(omb1, gi));
-            __m512 vi = _mm512_add_ps(_mm512_mul_ps(b2, vo[j]),
-                                      _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
-            __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, inv_bc2)), eps);
-            __m512 update = _mm512_div_ps(_mm512_mul_ps(mi, inv_bc1), denom);
-            if (adam_w_mode) update = _mm512_add_ps(update, _mm512_mul_ps(wd, pi));
-            _mm512_mask_storeu_ps(pj, lanes, _mm512_sub_ps(pi, _mm512_mul_ps(lr, update)));
-            mo[j] = mi;
-            vo[j] = vi;
+    const v_consts c = v_broadcast(t, h);
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64) v_write_step(i, 64, p, g, m, v, &c, adam_w_mode, mk, vk);
+    if (i < k) v_write_step(i, k - i, p, g, m, v, &c, adam_w_mode, mk, vk);
+}
+
+/* 64 elements from i of moments_amax (a lane past the end reads zeros: its moments are 0). */
+WO_AVX512_INLINE void v_amax_step(int64_t i, int64_t left, const float *restrict p,
+                                  const float *restrict g, const void *restrict m,
+                                  const void *restrict v, const v_consts *c,
+                                  const int adam_w_mode, const int mk, const int vk,
+                                  __m512i *ma, __m512i *va) {
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512 mo[4], vo[4];
+    if (mk != KIND_SKIP) v_decode64(m, i, mk, left, c->m_dec, mo);
+    if (vk != KIND_SKIP) v_decode64(v, i, vk, left, c->v_dec, vo);
+    for (int j = 0; j < 4; ++j) {
+        const __mmask16 lanes = v_lanes(left - 16 * j);
+        __m512 gi = _mm512_maskz_loadu_ps(lanes, g + i + 16 * j);
+        if (!adam_w_mode)
+            gi = _mm512_add_ps(gi,
+                               _mm512_mul_ps(c->wd, _mm512_maskz_loadu_ps(lanes, p + i + 16 * j)));
+        if (mk != KIND_SKIP) {
+            __m512 mi = _mm512_add_ps(_mm512_mul_ps(c->b1, mo[j]), _mm512_mul_ps(c->omb1, gi));
+            *ma = _mm512_max_epu32(*ma, _mm512_and_si512(_mm512_castps_si512(mi), magnitude));
         }
-        v_encode64(m, i, mk, left, mo, m_enc);
-        v_encode64(v, i, vk, left, vo, v_enc);
+        if (vk != KIND_SKIP) {
+            __m512 vi = _mm512_add_ps(_mm512_mul_ps(c->b2, vo[j]),
+                                      _mm512_mul_ps(_mm512_mul_ps(c->omb2, gi), gi));
+            *va = _mm512_max_epu32(*va, _mm512_and_si512(_mm512_castps_si512(vi), magnitude));
+        }
     }
 }
 
-/* moments_amax, 64 elements a step (a lane past the end reads zeros: its moments are 0). */
+/* moments_amax, 64 elements a step. */
 WO_AVX512_INLINE void v_moments_amax(int64_t k, const float *restrict p,
                                      const float *restrict g, const void *restrict m,
                                      const void *restrict v, const wo_tensor *t,
                                      const wo_hyper *h, const int adam_w_mode, const int mk,
                                      const int vk, uint32_t *m_amax, uint32_t *v_amax) {
-    const __m512 b1 = _mm512_set1_ps(h->beta1), omb1 = _mm512_set1_ps(h->one_minus_beta1);
-    const __m512 b2 = _mm512_set1_ps(h->beta2), omb2 = _mm512_set1_ps(h->one_minus_beta2);
-    const __m512 wd = _mm512_set1_ps(h->weight_decay);
-    const __m512 m_dec = _mm512_set1_ps(t->m_decode), v_dec = _mm512_set1_ps(t->v_decode);
-    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+    const v_consts c = v_broadcast(t, h);
     __m512i ma = _mm512_setzero_si512(), va = _mm512_setzero_si512();
-    for (int64_t i = 0; i < k; i += 64) {
-        const int64_t left = k - i;
-        __m512 mo[4], vo[4];
-        if (mk != KIND_SKIP) v_decode64(m, i, mk, left, m_dec, mo);
-        if (vk != KIND_SKIP) v_decode64(v, i, vk, left, v_dec, vo);
-        for (int j = 0; j < 4; ++j) {
-            const __mmask16 lanes = v_lanes(left - 16 * j);
-            __m512 gi = _mm512_maskz_loadu_ps(lanes, g + i + 16 * j);
-            if (!adam_w_mode)
-                gi = _mm512_add_ps(
-                    gi, _mm512_mul_ps(wd, _mm512_maskz_loadu_ps(lanes, p + i + 16 * j)));
-            if (mk != KIND_SKIP) {
-                __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, mo[j]), _mm512_mul_ps(omb1, gi));
-                ma = _mm512_max_epu32(ma, _mm512_and_si512(_mm512_castps_si512(mi), magnitude));
-            }
-            if (vk != KIND_SKIP) {
-                __m512 vi = _mm512_add_ps(_mm512_mul_ps(b2, vo[j]),
-                                          _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
-                va = _mm512_max_epu32(va, _mm512_and_si512(_mm512_castps_si512(vi), magnitude));
-            }
-        }
-    }
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64)
+        v_amax_step(i, 64, p, g, m, v, &c, adam_w_mode, mk, vk, &ma, &va);
+    if (i < k) v_amax_step(i, k - i, p, g, m, v, &c, adam_w_mode, mk, vk, &ma, &va);
     uint32_t ms = _mm512_reduce_max_epu32(ma), vs = _mm512_reduce_max_epu32(va);
     *m_amax = ms > *m_amax ? ms : *m_amax;
     *v_amax = vs > *v_amax ? vs : *v_amax;
