@@ -240,3 +240,28 @@ def test_caller_denormal_flushing_changes_no_bits(threads: int) -> None:
         torch.set_flush_denormal(False)
     assert_same_bits(*results)
     assert bool((raw(results[0][2]) != raw(columns[2])).any())  # the step did write m
+
+
+@needs_kernel
+def test_one_call_for_many_tensors_gives_each_tensors_own_bits() -> None:
+    """The scales and multipliers of all scaled moments in a call are computed together (one
+    torch call per storage dtype): the bits are those of one call per tensor."""
+    pairs = [(FP16, FP8), (FP8, FP8), (FP32, FP16), (BF16, FP8), (FP8, BF16)]
+    columns = [
+        operands(97 + 31 * i, "none", FP32, m, v, (1e-3, 1.0, 1e3)[i % 3], i == 2, seed=i)
+        for i, (m, v) in enumerate(pairs)
+    ]
+    together = [[None if t is None else t.clone() for t in c] for c in columns]
+    param, g, m, v, master, m_scale, v_scale = (list(x) for x in zip(*together, strict=True))
+    cpu_kernel.adamw_step_(
+        param, g, m, v, master, **HYPER, num_threads=1, exp_avg_scales=m_scale,
+        exp_avg_sq_scales=v_scale,
+    )  # fmt: skip
+    for i, column in enumerate(columns):
+        alone = [None if t is None else t.clone() for t in column]
+        p1, g1, m1, v1, master1, ms1, vs1 = alone
+        cpu_kernel.adamw_step_(
+            [p1], [g1], [m1], [v1], [master1], **HYPER, num_threads=1,
+            exp_avg_scales=[ms1], exp_avg_sq_scales=[vs1],
+        )  # fmt: skip
+        assert_same_bits(alone, [t[i] for t in (param, g, m, v, master, m_scale, v_scale)])

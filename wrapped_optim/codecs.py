@@ -164,7 +164,8 @@ def combine_amax(a: Tensor, b: Tensor) -> Tensor:
 
 
 def scale_from_amax(amax: Tensor, dtype: torch.dtype) -> Tensor:
-    """TE's per-tensor scale ``amax / range`` (float32, shape ``[1]``), correctly rounded.
+    """TE's per-tensor scale ``amax / range`` (float32, shape ``[1]``; one per element for
+    several amax values at once), correctly rounded.
 
     The range is a float32 tensor on ``amax``'s device: divided by a Python number, CUDA
     multiplies by its reciprocal instead, which can differ from TE's division in the last bit.
@@ -175,7 +176,7 @@ def scale_from_amax(amax: Tensor, dtype: torch.dtype) -> Tensor:
         >>> scale_from_amax(torch.tensor([896.0]), torch.uint8)
         tensor([2.])
     """
-    amax = amax.to(torch.float32).reshape(1)
+    amax = amax.to(torch.float32).reshape(-1)
     return torch.div(amax, _range_tensor(dtype, amax.device))
 
 

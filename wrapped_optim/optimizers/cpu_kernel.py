@@ -324,12 +324,12 @@ def _check_operand(name: str, t: Tensor, numel: int, dtypes: tuple[torch.dtype, 
         )
 
 
-def _check_scale(name: str, storage: Tensor, scale: Tensor | None) -> float:
-    """The decode multiplier of a moment (1.0 unscaled); a scaled one needs its scale."""
+def _check_scale(name: str, storage: Tensor, scale: Tensor | None) -> None:
+    """A scaled moment needs its scale (a one-element float32 CPU tensor), another none."""
     if not codecs.is_scaled(storage.dtype):
         if scale is not None:
             raise ValueError(f"{name} is {storage.dtype}, which has no scale; pass None")
-        return 1.0
+        return
     if scale is None:
         raise ValueError(f"{name} is {storage.dtype} (scaled): its per-tensor scale is missing")
     if scale.dtype != torch.float32 or scale.numel() != 1 or scale.device.type != "cpu":
@@ -337,7 +337,45 @@ def _check_scale(name: str, storage: Tensor, scale: Tensor | None) -> float:
             f"the scale of {name} must be a one-element float32 CPU tensor, got a "
             f"{scale.dtype} tensor of shape {tuple(scale.shape)} on {scale.device}"
         )
-    return float(codecs.decode_multiplier(scale.reshape(1), storage.dtype))
+
+
+# One scaled moment of the call: (its struct, "m" or "v", storage dtype, scale tensor).
+_Scaled = tuple[Any, str, torch.dtype, Tensor]
+
+
+def _by_dtype(moments: Sequence[_Scaled]) -> dict[torch.dtype, list[_Scaled]]:
+    groups: dict[torch.dtype, list[_Scaled]] = {}
+    for moment in moments:
+        groups.setdefault(moment[2], []).append(moment)
+    return groups
+
+
+def _set_decode_multipliers(moments: Sequence[_Scaled]) -> None:
+    """Each scaled moment's decode multiplier, by the codecs' own function, in one call per
+    storage dtype (the functions are elementwise: the bits are those of one call each)."""
+    for dtype, group in _by_dtype(moments).items():
+        scales = torch.cat([scale.reshape(1) for *_, scale in group])
+        for (t, prefix, _, _), value in zip(
+            group, codecs.decode_multiplier(scales, dtype).tolist(), strict=True
+        ):
+            setattr(t, f"{prefix}_decode", value)
+
+
+def _new_scales(moments: Sequence[_Scaled]) -> list[tuple[list[Tensor], Tensor]]:
+    """The codecs' new scale of each scaled moment from the amax pass 1 left in its struct,
+    and the encode multipliers pass 2 uses (set in the structs): the very functions the
+    torch path calls, so the bits agree; one call each per storage dtype. Returns (scale
+    tensors, new values) to copy in once pass 2 has run."""
+    updates = []
+    for dtype, group in _by_dtype(moments).items():
+        bits = [getattr(t, f"{prefix}_amax") for t, prefix, _, _ in group]
+        amax = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+        new = codecs.scale_from_amax(amax, dtype)
+        multipliers = codecs.encode_multiplier(new, dtype).tolist()
+        for (t, prefix, _, _), value in zip(group, multipliers, strict=True):
+            setattr(t, f"{prefix}_encode", value)
+        updates.append(([scale for *_, scale in group], new))
+    return updates
 
 
 def _describe(
@@ -359,8 +397,8 @@ def _describe(
     _check_operand(f"grads[{index}]", grad, n, _GRAD_DTYPES)
     _check_operand(f"exp_avgs[{index}]", exp_avg, n, _MOMENT_DTYPES)
     _check_operand(f"exp_avg_sqs[{index}]", exp_avg_sq, n, _MOMENT_DTYPES)
-    m_decode = _check_scale(f"exp_avgs[{index}]", exp_avg, m_scale)
-    v_decode = _check_scale(f"exp_avg_sqs[{index}]", exp_avg_sq, v_scale)
+    _check_scale(f"exp_avgs[{index}]", exp_avg, m_scale)
+    _check_scale(f"exp_avg_sqs[{index}]", exp_avg_sq, v_scale)
     return _Tensor(
         param.data_ptr(),
         None if master is None else master.data_ptr(),
@@ -372,21 +410,13 @@ def _describe(
         _VALUE_KIND[grad.dtype],
         _VALUE_KIND[exp_avg.dtype],
         _VALUE_KIND[exp_avg_sq.dtype],
-        m_decode,
-        v_decode,
+        1.0,  # decode multipliers: set by _set_decode_multipliers for scaled moments
+        1.0,
         1.0,
         1.0,
         0,
         0,
     )
-
-
-def _new_scale(amax_bits: int, dtype: torch.dtype) -> tuple[Tensor, float]:
-    """The codecs' scale for a tensor whose amax has these FP32 bits, and its encode
-    multiplier: the very functions the torch path calls, so the bits agree."""
-    amax = torch.tensor([amax_bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
-    scale = codecs.scale_from_amax(amax, dtype)
-    return scale, float(codecs.encode_multiplier(scale, dtype))
 
 
 def adamw_step_(
@@ -471,6 +501,14 @@ def adamw_step_(
     operands = zip(params, grads, exp_avgs, exp_avg_sqs, masters, m_scales, v_scales, strict=True)
     described = [_describe(i, *ops) for i, ops in enumerate(operands)]
     tensors = (_Tensor * max(count, 1))(*described)
+    scaled: list[_Scaled] = [
+        (tensors[i], prefix, storage.dtype, scale)
+        for i in range(count)
+        for storage, scale, prefix in ((exp_avgs[i], m_scales[i], "m"),
+                                       (exp_avg_sqs[i], v_scales[i], "v"))
+        if scale is not None
+    ]  # fmt: skip
+    _set_decode_multipliers(scaled)
     beta1, beta2 = float(betas[0]), float(betas[1])
     hyper = _Hyper(
         float(lr), beta1, 1.0 - beta1, beta2, 1.0 - beta2, float(eps), float(weight_decay),
@@ -493,24 +531,14 @@ def adamw_step_(
                 "to rebuild it"
             )
 
-    new_scales: list[tuple[Tensor, Tensor]] = []  # (scale tensor to update, new value)
-    scaled = [
-        i for i in range(count)
-        if codecs.is_scaled(exp_avgs[i].dtype) or codecs.is_scaled(exp_avg_sqs[i].dtype)
-    ]  # fmt: skip
+    new_scales: list[tuple[list[Tensor], Tensor]] = []
     if scaled:
         run(_PASS_AMAX)
-        for i in scaled:
-            t = tensors[i]
-            for storage, scale, prefix in ((exp_avgs[i], m_scales[i], "m"),
-                                           (exp_avg_sqs[i], v_scales[i], "v")):  # fmt: skip
-                if scale is not None:
-                    new, multiplier = _new_scale(getattr(t, f"{prefix}_amax"), storage.dtype)
-                    setattr(t, f"{prefix}_encode", multiplier)
-                    new_scales.append((scale, new))
+        new_scales = _new_scales(scaled)
     run(_PASS_WRITE)
-    for scale, new in new_scales:
-        scale.copy_(new.reshape(scale.shape))
+    for scales, values in new_scales:
+        for scale, value in zip(scales, values.unbind(), strict=True):
+            scale.copy_(value)
     # Written through raw pointers, so torch did not see it: tell autograd (and anything else
     # that watches version counters) as torch's own in-place ops would.
     written = [*params, *exp_avgs, *exp_avg_sqs, *(m for m in masters if m is not None)]
