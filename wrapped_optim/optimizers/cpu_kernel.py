@@ -51,8 +51,12 @@ from wrapped_optim import codecs
 __all__ = ["KernelStatus", "adamw_step_", "available", "status"]
 
 _SOURCE = Path(__file__).with_name("_adamw_cpu.c")
-# Every file the build reads (the AVX-512 loops are included by _adamw_cpu.c).
-_SOURCES = (_SOURCE, _SOURCE.with_name("_adamw_cpu_avx512.h"))
+# Every file the build reads (the formats and the AVX-512 loops are included by _adamw_cpu.c).
+_SOURCES = (
+    _SOURCE,
+    _SOURCE.with_name("_adamw_cpu_formats.h"),
+    _SOURCE.with_name("_adamw_cpu_avx512.h"),
+)
 # -fno-trapping-math lets the fp16/FP8 selects vectorize (values are unchanged: only FP flags,
 # which nothing reads, may differ); 512-bit vectors in the AVX-512 clone.
 _FLAGS = (
