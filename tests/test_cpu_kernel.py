@@ -14,16 +14,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.kernel_marks import needs_kernel
 from wrapped_optim import codecs
 from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
 
 BF16, FP32 = torch.bfloat16, torch.float32
-
-# gcc or clang is part of every supported build machine; without one the kernel is off and
-# these tests say so instead of passing vacuously.
-needs_kernel = pytest.mark.skipif(
-    not cpu_kernel.available(), reason=f"CPU kernel unavailable: {cpu_kernel.status().reason}"
-)
 
 
 @pytest.fixture

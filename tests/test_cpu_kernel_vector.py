@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.kernel_marks import needs_kernel
 from tests.test_cpu_kernel import param_and_master
 from wrapped_optim import codecs
 from wrapped_optim.optimizers import cpu_kernel
@@ -26,9 +27,6 @@ SCALED_PAIRS = [
 HYPER: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
                          "bias_correction1": 0.19, "bias_correction2": 0.0975}  # fmt: skip
 
-needs_kernel = pytest.mark.skipif(
-    not cpu_kernel.available(), reason=f"CPU kernel unavailable: {cpu_kernel.status().reason}"
-)
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "f16c")
 
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.kernel_marks import needs_kernel
 from wrapped_optim.optimizers import (
     HybridOffloadOptimizer,
     PrecisionAwareAdamW,
@@ -18,9 +19,6 @@ from wrapped_optim.optimizers import (
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
-needs_kernel = pytest.mark.skipif(
-    not cpu_kernel.available(), reason=f"CPU kernel unavailable: {cpu_kernel.status().reason}"
-)
 
 PAAW = dict(cpu_optimizer_cls=PrecisionAwareAdamW, gpu_optimizer_cls=PrecisionAwareAdamW)
 #: Host optimizer configurations: keywords for HybridOffloadOptimizer, and whether the fused

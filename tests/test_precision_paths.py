@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.kernel_marks import needs_kernel
 from wrapped_optim.optimizers import (
     HybridOffloadOptimizer,
     PrecisionAwareAdamW,
@@ -25,9 +26,6 @@ from wrapped_optim.optimizers import (
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
-needs_kernel = pytest.mark.skipif(
-    not cpu_kernel.available(), reason=f"CPU kernel unavailable: {cpu_kernel.status().reason}"
-)
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "fp32 moments": {},
