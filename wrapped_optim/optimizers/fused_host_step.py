@@ -193,21 +193,15 @@ def plan(hybrid: HybridOffloadOptimizer) -> list[FusedEntry]:
                 continue
             if kind == "torch" and state and not _torch_state_allows(state, inner):
                 continue
+            # A PrecisionAwareAdamW copy is fused only where its own step (given an FP32
+            # grad, as the unfused path gives it: ``inner`` stands in for it) would use the
+            # kernel, so the fused step is bitwise its update.
             if kind == "precision" and not (
-                state and _precision_kernel_would_update(sub, inner, sub_group)
+                state and precision_paths.kernel_would_update(sub, inner, inner, sub_group)  # type: ignore[arg-type]
             ):
                 continue
             entries.append(FusedEntry(param, inner, grad, sub, sub_group))
     return entries
-
-
-def _precision_kernel_would_update(
-    sub: torch.optim.Optimizer, inner: Tensor, group: dict[str, Any]
-) -> bool:
-    """Whether PrecisionAwareAdamW would hand ``inner`` (with an FP32 grad, as the unfused
-    path gives it) to the kernel: not to torch's fused kernel, and in formats the kernel
-    reads. ``inner`` stands in for that grad (same dtype, device and shape)."""
-    return precision_paths.kernel_would_update(sub, inner, inner, group)  # type: ignore[arg-type]
 
 
 def run(entries: Sequence[FusedEntry]) -> None:
