@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.kernel_marks import needs_kernel
+from tests.kernel_support import needs_kernel, param_and_master
 from wrapped_optim import codecs
 from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
 
@@ -70,18 +70,6 @@ def reference_step(
     if adam_w_mode:
         update = update + p32 * wd
     return p32 - update * lr, m, v
-
-
-def param_and_master(values: torch.Tensor, master: str) -> tuple[torch.Tensor, Any, torch.Tensor]:
-    """(parameter, master or None, FP32 value the kernel updates) for a master kind."""
-    if master == "none":
-        return values.clone(), None, values
-    if master == "fp32":
-        return values.to(BF16), values.clone(), values
-    if master == "fp32 copy":  # an FP32 master and the FP32 param that gets its value
-        return values.clone(), values.clone(), values
-    param, remainder = codecs.split_master(values)
-    return param, remainder, codecs.join_master(param, remainder)
 
 
 # ----------------------------------------------------------------------------- the kernel

@@ -14,8 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.kernel_marks import needs_kernel
-from tests.test_cpu_kernel import param_and_master
+from tests.kernel_support import needs_kernel, param_and_master
 from wrapped_optim import codecs
 from wrapped_optim.optimizers import cpu_kernel
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.kernel_marks import needs_kernel
+from tests.kernel_support import needs_kernel
 from wrapped_optim.optimizers import (
     HybridOffloadOptimizer,
     PrecisionAwareAdamW,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.kernel_marks import needs_kernel
+from tests.kernel_support import needs_kernel
 from wrapped_optim.optimizers import (
     HybridOffloadOptimizer,
     PrecisionAwareAdamW,
