@@ -90,10 +90,11 @@ def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[in
     if optimizer is None:
         yield 0
         return
+    from wrapped_optim.adapters.megatron_checkpoint import megatron_load_repairs
     from wrapped_optim.staging import fp32_no_copy_load, no_copy_decisions
 
     eligible = sum(1 for decision in no_copy_decisions(optimizer) if decision.eligible)
-    with fp32_no_copy_load(optimizer):
+    with megatron_load_repairs(optimizer), fp32_no_copy_load(optimizer):
         yield eligible
 
 
@@ -108,8 +109,8 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
     entries put back into (a copy of) the torch-format state dict. Yields the number of
     optimizers prepared; everything is restored on exit, also on error. After a block that did
     not raise, the loaded masters are pushed to every copy level and the model weights, so
-    the next step continues from them. Call
-    :func:`sync_hybrid_device_optimizer_fp32_master_copies` after a model-only load.
+    the next step continues from them. :func:`sync_hybrid_device_optimizer_fp32_master_copies`
+    after it (Bridge's order) keeps them.
 
     Example:
         >>> import torch
@@ -126,11 +127,18 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
         is_hybrid_offload,
         push_state_to_sub_optimizers,
         restore_omitted_state,
-        restoring_omitted_megatron_state,
     )
+    from wrapped_optim.adapters.megatron_checkpoint import megatron_load_repairs, sharded_loaders
 
     with ExitStack() as scopes:
-        prepared = scopes.enter_context(restoring_omitted_megatron_state(optimizer))
+        scopes.enter_context(megatron_load_repairs(optimizer))
+        prepared = len(
+            {
+                id(leaf.container)
+                for leaf in sharded_loaders(optimizer)
+                if is_hybrid_offload(leaf.optimizer)
+            }
+        )
         seen: set[int] = set()
         for leaf in walk_leaves(optimizer):
             hybrid = leaf.optimizer
@@ -140,7 +148,7 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
             if leaf.container is not None and hasattr(
                 leaf.container, "_set_main_param_and_optimizer_states"
             ):
-                continue  # prepared by restoring_omitted_megatron_state
+                continue  # prepared by megatron_load_repairs
             original = hybrid.load_state_dict
 
             def load_state_dict(state_dict: Any, _original: Any = original) -> Any:
@@ -159,15 +167,25 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
 
 
 def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
-    """Bridge's model-only sync: every FP32 master level takes the model weights' value.
+    """Bridge's post-load sync of every FP32 master level, for both kinds of load.
 
-    After loading *weights only* into a model trained with a hybrid offload optimizer
-    (Megatron's HybridDeviceOptimizer, alone or under a DistributedOptimizer/ChainedOptimizer,
-    or the portable HybridOffloadOptimizer), the distributed optimizer's FP32 shards, the host
-    clones and the FP32 working copies still hold the old values; the first step would write
-    them into the model. Returns ``True`` when the stack has a hybrid offload optimizer
-    (synced), ``False`` (doing nothing) otherwise or for ``None``. Do not call it after a full
-    optimizer-state resume: that would drop the restored masters' low bits.
+    Megatron-Bridge calls it after *every* checkpoint load. For each parameter of every hybrid
+    offload optimizer (Megatron's HybridDeviceOptimizer, alone or under a
+    DistributedOptimizer/ChainedOptimizer, or the portable HybridOffloadOptimizer):
+
+    - the optimizer's master disagrees with the model weight (rounded to the weight's dtype):
+      the weights were loaded without optimizer state (a model-only load, fine-tuning), so
+      every level -- the distributed optimizer's FP32 shard, the host clone, the FP32 working
+      copy -- takes the weight's value;
+    - the master agrees: optimizer state was restored with the weights (a full resume), so
+      the master keeps its low bits and is pushed to every other level (repairing working
+      copies that a loader replaced without refreshing) and the restored state is handed to
+      the sub-optimizers that step it.
+
+    Megatron-Bridge 0.6.2 refreshes every level from the weights unconditionally, which drops
+    the restored masters' low bits after a full resume; this follows the specification
+    instead. Returns ``True`` when the stack has a hybrid offload optimizer (synced),
+    ``False`` (doing nothing) otherwise or for ``None``.
 
     Example:
         >>> import torch
@@ -175,7 +193,7 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
         >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
         >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1)
         >>> with torch.no_grad():
-        ...     _ = p.fill_(2.0)
+        ...     _ = p.fill_(2.0)  # a model-only load
         >>> sync_hybrid_device_optimizer_fp32_master_copies(opt)
         True
         >>> opt.gpu_params_map_cpu_copy[p].tolist()
@@ -183,12 +201,23 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
     """
     if optimizer is None:
         return False
-    from wrapped_optim.adapters.hybrid import find_hybrid_offload, hybrid_master_copies
+    from wrapped_optim.adapters.hybrid import (
+        find_hybrid_offload,
+        hybrid_master_copies,
+        push_state_to_sub_optimizers,
+    )
 
     if not find_hybrid_offload(optimizer):
         return False
-    for entry in hybrid_master_copies(optimizer):
-        entry.refresh_from_weight()
+    entries = hybrid_master_copies(optimizer)
+    kept = [entry for entry in entries if "master" not in entry.stale_levels()]
+    if kept:
+        push_state_to_sub_optimizers(optimizer)
+    for entry in entries:
+        if any(entry is other for other in kept):
+            entry.push_master()
+        else:
+            entry.refresh_from_weight()
     return True
 
 

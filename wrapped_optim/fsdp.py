@@ -351,9 +351,14 @@ def _stack_is_precision_aware(optimizer: Any) -> bool:
     return layer is not None and layer.precision_aware
 
 
-def _init_leaf(leaf: torch.optim.Optimizer, precision_aware: bool) -> None:
+def _init_leaf(
+    leaf: torch.optim.Optimizer, precision_aware: bool, *, every_param: bool = False
+) -> None:
     params = [
-        param for group in leaf.param_groups for param in group["params"] if param.requires_grad
+        param
+        for group in leaf.param_groups
+        for param in group["params"]
+        if every_param or param.requires_grad
     ]
     locals_before = [local_tensor(param).detach().clone() for param in params]
     saved_grads = [(param, param.grad, grad_dtype_attr(param)) for param in params]
@@ -445,7 +450,9 @@ def init_optimizer_state(optimizer: Any) -> bool:
     the weights. This one, for every leaf optimizer of the stack that has no state yet:
 
     - gives each trainable parameter a zero grad in its grad dtype (cast to the data dtype for
-      the step unless the stack's :class:`FSDPAwareOptimizer` is ``precision_aware``);
+      the step unless the stack's :class:`FSDPAwareOptimizer` is ``precision_aware``); under
+      a Megatron optimizer every main parameter counts as trainable (they are detached
+      copies, and Megatron gives each a grad), a HybridDeviceOptimizer's included;
     - sets ``lr`` and ``weight_decay`` to 0 for the step (a tensor is zeroed in place and
       keeps its identity) and restores every parameter-group entry afterwards; an entry the
       step added is removed again, except a group ``step`` counter, which stays at 0 so that
@@ -490,8 +497,10 @@ def init_optimizer_state(optimizer: Any) -> bool:
     precision_aware = _stack_is_precision_aware(optimizer)
     created = False
     for leaf in walk_leaves(optimizer):
-        if leaf.optimizer is None or leaf.optimizer.state:
+        if leaf.optimizer is None or leaf.is_stub or leaf.optimizer.state:
             continue
-        _init_leaf(leaf.optimizer, precision_aware)
+        # A Megatron optimizer's leaf steps main params (detached FP32 shards or copies):
+        # their requires_grad is not the model's, and the container gives every one a grad.
+        _init_leaf(leaf.optimizer, precision_aware, every_param=leaf.container is not None)
         created = created or bool(leaf.optimizer.state)
     return created

@@ -28,7 +28,10 @@ from wrapped_optim.adapters.hybrid import (
     keeps_per_param_step,
     push_state_to_sub_optimizers,
     restore_omitted_state,
-    restoring_omitted_megatron_state,
+)
+from wrapped_optim.adapters.megatron_checkpoint import (
+    allowed_optimizer_classes,
+    megatron_load_repairs,
 )
 from wrapped_optim.wrapper import OptimizerWrapper
 
@@ -93,6 +96,9 @@ class HybridSyncOptimizer(OptimizerWrapper):
     """
 
     _push_pending: bool = False  # a committed load whose masters are not all pushed yet
+    # Optimizer classes allowed for torch's weights-only unpickler while a dist_checkpointing
+    # load that this wrapper's loading scaffold began is in progress (see sharded_state_dict).
+    _allowed_for_load: tuple[Callable[..., Any], ...] = ()
 
     def __init__(self, inner: Any, *, on_stale: OnStale = "refresh") -> None:
         super().__init__(inner)
@@ -140,6 +146,8 @@ class HybridSyncOptimizer(OptimizerWrapper):
     # Step and guard
     # ----------------------------------------------------------------------------------
     def _step(self, closure: Callable[[], Any] | None) -> Any:
+        if self._allowed_for_load:
+            self._end_load()  # a load that was begun and abandoned
         if self._push_pending or self._guard_armed:
             self._before_step()
         return self._inner_step(closure)
@@ -248,8 +256,56 @@ class HybridSyncOptimizer(OptimizerWrapper):
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         payload = restore_omitted_state(state_dict, per_param_step=keeps_per_param_step(self.inner))
-        with restoring_omitted_megatron_state(self.inner):
-            self.inner.load_state_dict(payload)
+        try:
+            with megatron_load_repairs(self.inner):
+                self.inner.load_state_dict(payload)
+        finally:
+            self._end_load()
+        self._on_state_loaded()
+
+    def sharded_state_dict(
+        self, model_sharded_state_dict: Any = None, is_loading: bool = False, **kwargs: Any
+    ) -> Any:
+        """Megatron's ``sharded_state_dict`` of the wrapped stack.
+
+        With ``is_loading=True`` Megatron builds its loading scaffold by calling the inner
+        ``load_state_dict`` itself, so the same repairs as in :meth:`load_state_dict` apply
+        (see :func:`wrapped_optim.adapters.megatron_checkpoint.megatron_load_repairs`). A
+        HybridDeviceOptimizer keeps its sub-optimizer classes in its param groups, which a
+        fully-reshardable checkpoint stores in its common state; Core reads that with torch's
+        weights-only unpickler, which refuses them. So from the scaffold until the load ends
+        (the next :meth:`load_state_dict`, or the next step if the load was abandoned), those
+        classes -- and only those -- are allowed to that unpickler.
+        """
+        inner_method = getattr(self.inner, "sharded_state_dict", None)
+        if inner_method is None:
+            raise AttributeError(
+                f"{type(self.inner).__name__} has no sharded_state_dict (not a Megatron optimizer)"
+            )
+        self._end_load()
+        if not is_loading:
+            return inner_method(model_sharded_state_dict, is_loading, **kwargs)
+        with megatron_load_repairs(self.inner):
+            result = inner_method(model_sharded_state_dict, is_loading, **kwargs)
+        classes = tuple(allowed_optimizer_classes(self.inner))
+        if classes:
+            torch.serialization.add_safe_globals(list(classes))
+            self._allowed_for_load = classes
+        return result
+
+    def _end_load(self) -> None:
+        classes, self._allowed_for_load = self._allowed_for_load, ()
+        if classes:
+            torch.serialization.safe_globals(list(classes)).__exit__(None, None, None)
+
+    def load_parameter_state(self, filename: str, **kwargs: Any) -> None:
+        """Megatron's legacy parameter-state load (``save_parameter_state``'s file): the
+        masters it restores are pushed to every copy, as after :meth:`load_state_dict`."""
+        try:
+            with megatron_load_repairs(self.inner):
+                self.inner.load_parameter_state(filename, **kwargs)
+        finally:
+            self._end_load()
         self._on_state_loaded()
 
     def _on_state_loaded(self) -> None:

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from wrapped_optim.adapters.megatron import unshare_steps
+from wrapped_optim.adapters.megatron_checkpoint import megatron_load_repairs
 from wrapped_optim.staging import StagingStats, fp32_no_copy_load, staged_load, staged_save
 from wrapped_optim.wrapper import OptimizerWrapper
 
@@ -92,6 +92,7 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
     @contextlib.contextmanager
     def _loading(self, stats: StagingStats) -> Iterator[None]:
         with contextlib.ExitStack() as scopes:
+            scopes.enter_context(megatron_load_repairs(self.inner))
             scopes.enter_context(self._saving(stats))
             if self.chunked_load:
                 scopes.enter_context(
@@ -113,7 +114,6 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         with self._loading(self._new_stats()):
             super()._load_state_dict(state_dict)
-        unshare_steps(self.inner)  # megatron-core's DistributedOptimizer shares one step
 
     def sharded_state_dict(
         self, model_sharded_state_dict: Any = None, is_loading: bool = False, **kwargs: Any
@@ -121,7 +121,8 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
         """Megatron's ``sharded_state_dict`` of the wrapped stack, staged.
 
         With ``is_loading=True`` Megatron also loads its scaffold into the inner optimizer,
-        so the loading scopes apply as well.
+        so the loading scopes apply as well (among them the repairs of Core's loaders, see
+        :func:`wrapped_optim.adapters.megatron_checkpoint.megatron_load_repairs`).
         """
         inner_method = getattr(self.inner, "sharded_state_dict", None)
         if inner_method is None:
@@ -132,9 +133,13 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
         scope = self._loading(stats) if is_loading else self._saving(stats)
         with scope:
             result = inner_method(model_sharded_state_dict, is_loading, **kwargs)
-        if is_loading:
-            unshare_steps(self.inner)  # Megatron loaded its scaffold: same repair as a load
         return result
+
+    def load_parameter_state(self, filename: str, **kwargs: Any) -> None:
+        """Megatron's legacy parameter-state load (``save_parameter_state``'s file), inside
+        the same loading scopes as :meth:`load_state_dict`."""
+        with self._loading(self._new_stats()):
+            self.inner.load_parameter_state(filename, **kwargs)
 
     def _extra_repr(self) -> str:
         return (

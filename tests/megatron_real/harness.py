@@ -42,10 +42,15 @@ def megatron_session() -> Iterator[None]:
             parallel_state.destroy_model_parallel()
 
 
-def build(name: str, seed: int = 0, weights: dict[str, Any] | None = None) -> tuple[Any, Any]:
+def build(
+    name: str, seed: int = 0, weights: dict[str, Any] | None = None, *, setup: bool = False
+) -> tuple[Any, Any]:
     """``(ddp_model, optimizer)`` for config ``name``; inside :func:`megatron_session`.
 
     ``weights`` (a model state dict) is loaded into the model before the optimizer is built.
+    ``setup``: the optimizer comes from :func:`wrapped_optim.integrations.bridge.setup_optimizer`
+    (Megatron's standard param-group overrides, the derived stack) instead of a bare
+    ``get_megatron_optimizer`` call.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -86,12 +91,21 @@ def build(name: str, seed: int = 0, weights: dict[str, Any] | None = None) -> tu
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=1e-2,
+        min_lr=1e-2,
         weight_decay=0.01,
         use_distributed_optimizer=distributed,
         bf16=bf16,
         clip_grad=0.0,
         **options,
     )
+    if setup:
+        from wrapped_optim.integrations.bridge import SchedulerConfig, setup_optimizer
+
+        schedule = SchedulerConfig(lr_decay_style="constant").with_steps(
+            train_iters=100, global_batch_size=1
+        )
+        optimizer, _ = setup_optimizer(optimizer_config, schedule, [model])
+        return model, optimizer
     return model, get_megatron_optimizer(optimizer_config, [model])
 
 

@@ -209,9 +209,10 @@ def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return name, runs
 
 
-def test_compat_hybrid_state_loading_resumes(resumed: Any, request: pytest.FixtureRequest) -> None:
-    name, runs = resumed
-    _expect_shared_step_failure(name, request)
+def test_compat_hybrid_state_loading_resumes(resumed: Any) -> None:
+    # Its Megatron load repairs give each param its own step again (the bare stack below
+    # keeps the shared one).
+    _, runs = resumed
     uninterrupted, continued = runs["compat"]
     assert "error" not in continued, continued.get("error")
     assert mismatches(uninterrupted["weights"], continued["weights"]) == []

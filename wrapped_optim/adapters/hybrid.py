@@ -20,7 +20,6 @@ Two kinds of optimizer are understood, by structure only (nothing is imported):
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -28,7 +27,6 @@ import torch
 
 from wrapped_optim.adapters.precision import is_precision_aware_holder
 from wrapped_optim.adapters.walk import LeafContext, walk_leaves
-from wrapped_optim.patching import patch_attribute
 
 __all__ = [
     "HybridOffloadHolder",
@@ -36,9 +34,10 @@ __all__ = [
     "find_hybrid_offload",
     "hybrid_master_copies",
     "is_hybrid_offload",
+    "is_megatron_hdo",
     "keeps_per_param_step",
+    "push_state_to_sub_optimizers",
     "restore_omitted_state",
-    "restoring_omitted_megatron_state",
 ]
 
 _HDO_ATTRIBUTES = (
@@ -159,7 +158,14 @@ class HybridOffloadHolder(Protocol):
         ...
 
 
-def _is_megatron_hdo(obj: Any) -> bool:
+def is_megatron_hdo(obj: Any) -> bool:
+    """Whether ``obj`` looks like megatron-core's HybridDeviceOptimizer (by its attributes).
+
+    Example:
+        >>> import torch
+        >>> is_megatron_hdo(torch.optim.SGD([torch.ones(1)], lr=1))
+        False
+    """
     return isinstance(obj, torch.optim.Optimizer) and all(
         hasattr(obj, name) for name in _HDO_ATTRIBUTES
     )
@@ -181,7 +187,7 @@ def is_hybrid_offload(obj: Any) -> bool:
         return False
     if isinstance(obj, HybridOffloadHolder) and callable(getattr(obj, "master_copies", None)):
         return True
-    return _is_megatron_hdo(obj)
+    return is_megatron_hdo(obj)
 
 
 def _hybrid_leaves(stack: Any) -> Iterator[LeafContext]:
@@ -307,7 +313,7 @@ def push_state_to_sub_optimizers(stack: Any) -> None:
     """
     for leaf in _hybrid_leaves(stack):
         hdo = leaf.optimizer
-        if not _is_megatron_hdo(hdo):
+        if not is_megatron_hdo(hdo):
             continue
         orig_of = getattr(hdo, "inner_param_to_orig_param", {})
         for sub in hdo.sub_optimizers:
@@ -377,8 +383,8 @@ def restore_omitted_state(state_dict: Any, *, per_param_step: bool = True) -> An
 
     Returns a new dict (shallow copies where something changed); the caller's dict and tensors
     are never modified. Other formats (Megatron's nested dicts, ChainedOptimizer lists) are
-    returned as they are: Megatron's own loaders are handled by
-    :func:`restoring_omitted_megatron_state`.
+    returned as they are: Megatron's own loaders are repaired by
+    :func:`wrapped_optim.adapters.megatron_checkpoint.megatron_load_repairs`.
 
     Example:
         >>> import torch
@@ -422,89 +428,3 @@ def restore_omitted_state(state_dict: Any, *, per_param_step: bool = True) -> An
         restored[index] = fixed
     result["state"] = restored
     return result
-
-
-def _supplying_setter(container: Any, original: Any) -> Any:
-    """A ``_set_main_param_and_optimizer_states`` that first supplies omitted entries."""
-
-    def set_main_param_and_optimizer_states(model_param: Any, tensors: Any) -> Any:
-        tensors = dict(tensors)
-        group_index, group_order = container.model_param_group_index_map[model_param]
-        inner = container.optimizer
-        target_param = inner.param_groups[group_index]["params"][group_order]
-        target = inner.state.get(target_param) or {}
-        if "master_param" in target and "master_param" not in tensors and "param" in tensors:
-            tensors["master_param"] = tensors["param"]
-        if "step" in target and "step" not in tensors:
-            # DistributedOptimizer.load_state_dict has already written the saved group step
-            # into every per-parameter state; the payload's per-parameter loop skips it.
-            tensors["step"] = target["step"].detach().clone()
-        return original(model_param, tensors)
-
-    return set_main_param_and_optimizer_states
-
-
-def _tolerant_fp32_update(hdo: Any) -> Any:
-    """HybridDeviceOptimizer's post-load ``_update_fp32_params_by_new_state`` for FP32 params.
-
-    megatron-core 0.16.1 looks every param up in ``param_to_fp32_param``, which only holds the
-    16-bit ones: under a DistributedOptimizer (FP32 main shards) every load raised
-    ``KeyError``. A param without an FP32 working copy is skipped here; its restored master
-    reaches its copies through the full-state push that follows the load.
-    """
-
-    def update_fp32_params_by_new_state() -> None:
-        if not hdo.param_update_in_fp32:
-            return
-        for param, value in hdo.state.items():
-            fp32_param = hdo.param_to_fp32_param.get(param)
-            if fp32_param is not None:
-                fp32_param.data.copy_(value["master_param"])
-
-    return update_fp32_params_by_new_state
-
-
-@contextmanager
-def restoring_omitted_megatron_state(stack: Any) -> Iterator[int]:
-    """While active, Megatron DistributedOptimizers holding a hybrid optimizer accept payloads
-    that omit per-parameter ``step`` and ``master_param``.
-
-    Their parameter-state loaders copy into *every* existing state tensor, including the
-    ``step`` torch's Adam keeps and the ``master_param`` alias the hybrid optimizer exposes,
-    which the payloads do not carry. The instance's ``_set_main_param_and_optimizer_states``
-    is patched (through :func:`wrapped_optim.patching.patch_attribute`) to supply them: the
-    group step and the checkpoint's FP32 param. A Megatron HybridDeviceOptimizer's post-load
-    FP32 update is patched to skip params that have no FP32 working copy (see
-    :func:`_tolerant_fp32_update`). Yields how many containers were patched.
-
-    Example:
-        >>> import torch
-        >>> with restoring_omitted_megatron_state(torch.optim.SGD([torch.ones(1)], lr=1)) as n:
-        ...     n
-        0
-    """
-    with ExitStack() as patches:
-        count = 0
-        for leaf in _hybrid_leaves(stack):
-            hybrid = leaf.optimizer
-            if _is_megatron_hdo(hybrid) and callable(
-                getattr(hybrid, "_update_fp32_params_by_new_state", None)
-            ):
-                patches.enter_context(
-                    patch_attribute(
-                        hybrid, "_update_fp32_params_by_new_state", _tolerant_fp32_update(hybrid)
-                    )
-                )
-            container = leaf.container
-            original = getattr(container, "_set_main_param_and_optimizer_states", None)
-            if container is None or original is None:
-                continue
-            patches.enter_context(
-                patch_attribute(
-                    container,
-                    "_set_main_param_and_optimizer_states",
-                    _supplying_setter(container, original),
-                )
-            )
-            count += 1
-        yield count
