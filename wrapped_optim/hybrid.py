@@ -289,14 +289,14 @@ class HybridSyncOptimizer(OptimizerWrapper):
             result = inner_method(model_sharded_state_dict, is_loading, **kwargs)
         classes = tuple(allowed_optimizer_classes(self.inner))
         if classes:
-            torch.serialization.add_safe_globals(list(classes))
+            torch.serialization.add_safe_globals(list[Any](classes))
             self._allowed_for_load = classes
         return result
 
     def _end_load(self) -> None:
         classes, self._allowed_for_load = self._allowed_for_load, ()
         if classes:
-            torch.serialization.safe_globals(list(classes)).__exit__(None, None, None)
+            torch.serialization.safe_globals(list[Any](classes)).__exit__(None, None, None)
 
     def load_parameter_state(self, filename: str, **kwargs: Any) -> None:
         """Megatron's legacy parameter-state load (``save_parameter_state``'s file): the

@@ -269,7 +269,7 @@ def megatron_load_repairs(stack: Any) -> Iterator[int]:
                 count += 1
         classes = allowed_optimizer_classes(stack)
         if classes:
-            patches.enter_context(torch.serialization.safe_globals(classes))
+            patches.enter_context(torch.serialization.safe_globals(list[Any](classes)))
             count += 1
         yield count
     if seen:
