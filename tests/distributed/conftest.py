@@ -85,9 +85,12 @@ class Launcher:
     Returns the per-rank return values (anything ``torch.save`` can write), rank order.
     """
 
-    def __init__(self, tmp_path: Path, cuda_shim: bool) -> None:
+    def __init__(
+        self, tmp_path: Path, cuda_shim: bool, timeout_s: float = WORKER_TIMEOUT_S
+    ) -> None:
         self.tmp_path = tmp_path
         self.cuda_shim = cuda_shim
+        self.timeout_s = timeout_s
         self.runs = 0
 
     def __call__(self, fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
@@ -101,7 +104,7 @@ class Launcher:
             join=False,
             start_method="spawn",
         )
-        deadline = time.monotonic() + WORKER_TIMEOUT_S + 30
+        deadline = time.monotonic() + self.timeout_s + 30
         try:
             while not context.join(timeout=1):
                 if time.monotonic() > deadline:

@@ -58,10 +58,14 @@ def save(model: Any, optimizer: Any, directory: Path, fmt: str) -> None:
     if fmt == "legacy":
         (directory / "model").mkdir(exist_ok=True)
         dist_checkpointing.save({"model": model_sd}, str(directory / "model"))
-        rank = torch.distributed.get_rank()
-        torch.save(optimizer.state_dict(), directory / f"optimizer_common_{rank}.pt")
+        # Megatron-LM's legacy files: the common state (the same on every data-parallel
+        # rank) written by rank 0, the parameter state gathered to rank 0.
+        common = optimizer.state_dict()
+        if torch.distributed.get_rank() == 0:
+            torch.save(common, directory / "optimizer_common.pt")
         if _distributed(optimizer):
             optimizer.save_parameter_state(str(directory / "param_state.pt"))
+        torch.distributed.barrier()
         return
     state = {
         "model": model_sd,
@@ -84,9 +88,8 @@ def _load_optimizer(model: Any, optimizer: Any, directory: Path, fmt: str) -> No
     if fmt == "legacy":
         loaded = dist_checkpointing.load({"model": model_sd}, str(directory / "model"))
         model.module.load_state_dict(loaded["model"])
-        rank = torch.distributed.get_rank()
         # Megatron's HybridDeviceOptimizer keeps its sub-optimizer classes in its groups.
-        common = torch.load(directory / f"optimizer_common_{rank}.pt", weights_only=False)
+        common = torch.load(directory / "optimizer_common.pt", weights_only=False)
         with torch.no_grad():
             optimizer.load_state_dict(common)
             if _distributed(optimizer):

@@ -62,8 +62,8 @@ def _error(error: BaseException) -> str:
 
 def _save_phase(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for writer in WRITERS:
-        with megatron_session():
+    with megatron_session():  # one model-parallel state for every stack of the phase
+        for writer in WRITERS:
             model, optimizer = _build(name, writer, seed=0)
             train(model, optimizer, range(SAVE_AT), rank)
             errors = {}
@@ -78,14 +78,13 @@ def _save_phase(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
 
 
 def _load_cell(rank: int, name: str, root: str, route: str, fmt: str, writer: str) -> Any:
-    with megatron_session():
-        model, optimizer = _build(name, route, seed=1)
-        try:
-            load(model, optimizer, Path(root, writer, fmt), fmt, route)
-        except Exception as error:
-            return {"error": _error(error)}
-        train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE), rank)
-        return {"snapshot": snapshot(model, optimizer)}
+    model, optimizer = _build(name, route, seed=1)
+    try:
+        load(model, optimizer, Path(root, writer, fmt), fmt, route)
+    except Exception as error:
+        return {"error": _error(error)}
+    train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE), rank)
+    return {"snapshot": snapshot(model, optimizer)}
 
 
 # Checkpoints move between routes: the wrapped stack reads bare Megatron's checkpoint, and
@@ -95,12 +94,13 @@ CROSS = (("wrap", "bare"), ("compat", "wrap"))
 
 def _load_phase(rank: int, world: int, name: str, root: str, saved: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for fmt in _formats(name):
-        cells = [(route, _writer_of(route)) for route in ROUTES] + list(CROSS)
-        for route, writer in cells:
-            if fmt in saved[writer]["save_errors"]:
-                continue
-            out[f"{route}<{writer}/{fmt}"] = _load_cell(rank, name, root, route, fmt, writer)
+    with megatron_session():
+        for fmt in _formats(name):
+            cells = [(route, _writer_of(route)) for route in ROUTES] + list(CROSS)
+            for route, writer in cells:
+                if fmt in saved[writer]["save_errors"]:
+                    continue
+                out[f"{route}<{writer}/{fmt}"] = _load_cell(rank, name, root, route, fmt, writer)
     return out
 
 
@@ -197,22 +197,20 @@ MODEL_ONLY_FORMATS = ("dp_reshardable", "legacy")
 
 
 def _model_only_phase(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     with megatron_session():
         model, optimizer = build(name)
         train(model, optimizer, range(SAVE_AT), rank)
         for fmt in (*MODEL_ONLY_FORMATS, "fully_reshardable"):
             save(model, optimizer, Path(root, fmt), fmt)
         pretrained = model.state_dict()
-    out: dict[str, Any] = {}
-    for setup in (False, True):  # setup_optimizer's param groups differ (no decay on biases)
-        with megatron_session():
+        for setup in (False, True):  # setup_optimizer's param groups differ (no decay on biases)
             # The reference: an optimizer built after the weights were loaded.
             model, optimizer = build(name, seed=1, weights=pretrained, setup=setup)
             train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE), rank)
             out["reference", setup] = weights(model)
-    for fmt in (*MODEL_ONLY_FORMATS, "fully_reshardable"):
-        for route in ROUTES:
-            with megatron_session():
+        for fmt in (*MODEL_ONLY_FORMATS, "fully_reshardable"):
+            for route in ROUTES:
                 model, optimizer = _build(name, route, seed=1)
                 try:
                     load_model_only(model, optimizer, Path(root, fmt), fmt, route)

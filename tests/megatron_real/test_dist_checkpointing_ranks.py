@@ -1,0 +1,156 @@
+"""Megatron's distributed checkpoints on two gloo ranks, resumed in fresh processes, and
+resharded: saved on 2 ranks and resumed on 1, saved on 1 and resumed on 2.
+
+A resharded resume is exact when every parameter's main param, moments and ``step`` after the
+load are the saved ones (put together from each rank's slice, in model space), and the run
+then continues identically by every format and route: a run from the same state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.dist_checkpointing")
+
+from tests.distributed.conftest import Launcher, mismatches
+from tests.megatron_real.dist_ckpt import (
+    load,
+    model_space_state,
+    route_optimizer,
+    save,
+    snapshot,
+)
+from tests.megatron_real.harness import build, megatron_session, train
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("megatron_real")]
+
+SAVE_AT, MORE = 3, 3
+CONFIGS = ("distributed", "offload_half")
+# The formats Core declares reshardable (dp_reshardable: along data parallelism).
+FORMATS = ("dp_reshardable", "fully_reshardable", "legacy")
+ROUTES = ("compat", "wrap")
+
+
+def _writer(route: str) -> str:
+    return "bare" if route == "compat" else route
+
+
+def _save(rank: int, world: int, root: str) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    with megatron_session():  # one model-parallel state for every stack of the phase
+        for name in CONFIGS:
+            for writer in ("bare", "wrap"):
+                model, optimizer = build(name)
+                optimizer = route_optimizer(optimizer, writer)
+                train(model, optimizer, range(SAVE_AT), rank)
+                for fmt in FORMATS:
+                    save(model, optimizer, Path(root, f"world{world}", name, writer, fmt), fmt)
+                space = model_space_state(model, optimizer)
+                train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE), rank)
+                out[name, writer] = {"snapshot": snapshot(model, optimizer), "space": space}
+    return out
+
+
+def _load(rank: int, world: int, root: str, saved_on: int) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    with megatron_session():
+        for name in CONFIGS:
+            for fmt in FORMATS:
+                for route in ROUTES:
+                    directory = Path(root, f"world{saved_on}", name, _writer(route), fmt)
+                    model, optimizer = build(name, seed=1)
+                    optimizer = route_optimizer(optimizer, route)
+                    try:
+                        load(model, optimizer, directory, fmt, route)
+                    except Exception as error:  # reported to the tests, which decide
+                        out[name, fmt, route] = {"error": f"{type(error).__name__}: {error}"}
+                        continue
+                    space = model_space_state(model, optimizer)
+                    train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE), rank)
+                    out[name, fmt, route] = {"snapshot": snapshot(model, optimizer), "space": space}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("dist_ckpt_ranks")
+    launch = Launcher(root, cuda_shim=False, timeout_s=600)
+    return {
+        "saved2": launch(_save, 2, str(root)),
+        "saved1": launch(_save, 1, str(root)),
+        "2to2": launch(_load, 2, str(root), 2),  # fresh processes, fresh group
+        "2to1": launch(_load, 1, str(root), 2),
+        "1to2": launch(_load, 2, str(root), 1),
+    }
+
+
+def _whole(spaces: list[dict[str, tuple[int, int, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Each parameter's state in model space, put together from every rank's slice."""
+    parts: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    for space in spaces:
+        for key, part in space.items():
+            parts.setdefault(key, []).append(part)
+    whole = {}
+    for key, slices in parts.items():
+        if key.endswith("/step"):
+            values = {float(value) for _, _, value in slices}
+            assert len(values) == 1, (key, values)  # every rank counts the same steps
+            whole[key] = slices[0][2]
+            continue
+        slices.sort(key=lambda part: part[0])
+        assert [s for s, _, _ in slices] == [0, *[e for _, e, _ in slices[:-1]]], key
+        whole[key] = torch.cat([values for _, _, values in slices])
+    return whole
+
+
+CELLS = [(name, fmt, route) for name in CONFIGS for fmt in FORMATS for route in ROUTES]
+
+
+@pytest.mark.parametrize(("name", "fmt", "route"), CELLS)
+def test_two_rank_resume_in_fresh_processes_is_bitwise(
+    runs: dict[str, Any], name: str, fmt: str, route: str
+) -> None:
+    for rank in range(2):
+        cell = runs["2to2"][rank][name, fmt, route]
+        assert "error" not in cell, cell.get("error")
+        uninterrupted = runs["saved2"][rank][name, _writer(route)]["snapshot"]
+        assert mismatches(uninterrupted, cell["snapshot"]) == []
+
+
+@pytest.mark.parametrize(("name", "fmt", "route"), CELLS)
+@pytest.mark.parametrize(
+    ("direction", "saved", "ranks_after"), [("2to1", "saved2", 1), ("1to2", "saved1", 2)]
+)
+def test_resharded_resume_restores_the_saved_state(
+    runs: dict[str, Any],
+    name: str,
+    fmt: str,
+    route: str,
+    direction: str,
+    saved: str,
+    ranks_after: int,
+) -> None:
+    cells = [runs[direction][rank][name, fmt, route] for rank in range(ranks_after)]
+    for cell in cells:
+        assert "error" not in cell, cell.get("error")
+    before = _whole([rank[name, _writer(route)]["space"] for rank in runs[saved]])
+    after = _whole([cell["space"] for cell in cells])
+    assert before.keys() == after.keys()
+    assert mismatches(before, after) == []
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("direction", ["2to1", "1to2"])
+def test_resharded_runs_continue_as_one_run_from_the_same_state(
+    runs: dict[str, Any], name: str, direction: str
+) -> None:
+    # The same state, loaded by every format and route, continues to the same weights.
+    for rank_results in runs[direction]:
+        first = rank_results[name, FORMATS[0], ROUTES[0]]["snapshot"]
+        for fmt in FORMATS:
+            for route in ROUTES:
+                assert mismatches(first, rank_results[name, fmt, route]["snapshot"]) == []
