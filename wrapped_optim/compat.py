@@ -80,6 +80,12 @@ def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[in
     on exit (also on error), after which the CUDA allocator cache is released if anything was
     adopted.
 
+    Bridge wraps its whole checkpoint load in this context, so the block also carries the
+    repairs megatron-core's distributed checkpoint loaders need for an exact resume
+    (:func:`wrapped_optim.adapters.megatron_checkpoint.megatron_load_repairs`: loading
+    scaffold of a fresh optimizer, per-parameter steps, HybridDeviceOptimizer's FP32 update,
+    its optimizer classes for the weights-only read).
+
     Example:
         >>> import torch
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
