@@ -16,8 +16,12 @@ from pathlib import Path
 from types import ModuleType
 
 from setuptools import Extension, setup
-from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1 (pyproject asks for newer; --no-build-isolation may not)
+    from wheel.bdist_wheel import bdist_wheel  # type: ignore[no-redef]
 
 _HERE = Path(__file__).resolve().parent
 _KERNEL = "wrapped_optim.optimizers._adamw_cpu_kernel"
