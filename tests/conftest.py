@@ -30,8 +30,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(1)
 
-# The compiled CPU AdamW kernel is built afresh for each test run (about a second), so a stale
-# build in the user's cache can never stand in for the source under test.
+# The compiled CPU AdamW kernel comes from the package build (`pip install -e .`; its name
+# carries the hash of the C sources, so a stale one is never loaded), else it is built afresh
+# for each test run into a private cache, so a build in the user's cache never stands in for
+# the source under test.
 if "WRAPPED_OPTIM_KERNEL_CACHE" not in os.environ:
     _kernel_cache = tempfile.mkdtemp(prefix="wrapped-optim-kernel-")
     os.environ["WRAPPED_OPTIM_KERNEL_CACHE"] = _kernel_cache

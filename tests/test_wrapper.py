@@ -260,3 +260,22 @@ def test_state_loaded_notifies_every_layer_innermost_first() -> None:
     stack = Noting(OptimizerWrapper(Noting(sgd, "inner")), "outer")
     stack.state_loaded()
     assert seen == ["inner", "outer"]
+
+
+def test_a_layer_of_the_package_stacked_twice_by_hand_is_refused() -> None:
+    from wrapped_optim import StagedCheckpointOptimizer, find_layer, layers
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    staged = StagedCheckpointOptimizer(sgd)
+    with pytest.raises(
+        ValueError,
+        match=r"StagedCheckpointOptimizer is already in this "
+        r"optimizer's stack \(StagedCheckpointOptimizer -> SGD\); wrap it once",
+    ):
+        StagedCheckpointOptimizer(staged)
+    with pytest.raises(ValueError, match="already in this optimizer's stack"):
+        StagedCheckpointOptimizer(OptimizerWrapper(staged))  # also below another layer
+    assert layers(staged) == [staged, sgd]
+    assert find_layer(staged, StagedCheckpointOptimizer) is staged
+    # the pass-through base may repeat (users' own wrappers too)
+    assert layers(OptimizerWrapper(OptimizerWrapper(sgd)))[-1] is sgd

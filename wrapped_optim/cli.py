@@ -1,13 +1,21 @@
-"""The ``wrapped-optim`` command: ``demo``, ``bench`` and ``inspect``."""
+"""The ``wrapped-optim`` command: ``demo``, ``bench``, ``inspect`` and ``env``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "run_demo", "run_inspect"]
+__all__ = ["main", "run_demo", "run_env", "run_inspect"]
+
+_DESCRIPTION = (
+    "Composable wrappers that make large-model optimizers cheap to checkpoint, offload and "
+    "shard. Commands: demo (a one-minute tour that checks every claim), bench (the "
+    "benchmarks), inspect (what an optimizer checkpoint holds), env (versions and the CPU "
+    "kernel's status, for bug reports)."
+)
 
 
 def run_demo(
@@ -51,14 +59,38 @@ def run_inspect(path: str, *, per_param: bool = True, trusted: bool = False) -> 
     return 0
 
 
-def _add_bench_command(commands: Any) -> None:
-    from wrapped_optim.bench.report import add_arguments
+def run_env() -> int:
+    """``wrapped-optim env``: prints the versions and kernel status a bug report needs; 0.
 
+    Example:
+        >>> import contextlib, io
+        >>> from wrapped_optim.cli import run_env
+        >>> out = io.StringIO()
+        >>> with contextlib.redirect_stdout(out):
+        ...     code = run_env()
+        >>> code, "CPU kernel" in out.getvalue()
+        (0, True)
+    """
+    from wrapped_optim.env_report import collect, format_rows
+
+    print(format_rows(collect()))
+    return 0
+
+
+def _add_bench_command(commands: Any) -> None:
+    from wrapped_optim.bench.report import add_arguments, topic_summaries
+
+    topics = "\n".join(
+        textwrap.fill(summary, 79, initial_indent=f"  {name:<16}", subsequent_indent=" " * 18)
+        for name, summary in topic_summaries()
+    )
     bench = commands.add_parser(
         "bench",
         help="run the benchmarks, write docs/benchmarks.md and its figures",
-        description="Runs every wrapped_optim.bench topic and writes <out>/benchmarks.md "
-        "(plus PNG figures in <out>/img/ when matplotlib is installed).",
+        description="Runs the wrapped_optim.bench topics (all, or those named) and writes "
+        "<out>/benchmarks.md (plus PNG figures in <out>/img/ when matplotlib is installed).",
+        epilog=f"topics:\n{topics}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(bench)
 
@@ -90,7 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["inspect", "/no/such/checkpoint"])
         2
     """
-    parser = argparse.ArgumentParser(prog="wrapped-optim", description=__doc__)
+    from wrapped_optim import __version__
+
+    parser = argparse.ArgumentParser(prog="wrapped-optim", description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"wrapped-optim {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo",
@@ -108,6 +143,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_bench_command(commands)
     _add_inspect_command(commands)
+    commands.add_parser(
+        "env",
+        help="print versions and the CPU kernel's status (for bug reports)",
+        description="Prints the versions of wrapped-optim, Python, torch, CUDA and the "
+        "optional frameworks (megatron-core, Transformer Engine, Triton, ...), and the CPU "
+        "AdamW kernel's status, vector loops, library and cache directory.",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         if args.steps < 4:
@@ -121,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_from_args(args)
     if args.command == "inspect":
         return run_inspect(args.path, per_param=not args.summary, trusted=args.trust)
+    if args.command == "env":
+        return run_env()
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -98,6 +98,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
                 f"{type(self).__name__} wraps optimizers (objects with step and state_dict); "
                 f"got {type(inner).__name__}"
             )
+        _refuse_a_second(type(self), inner)
         self.__dict__["inner"] = inner
         self._init_hook_registries()
 
@@ -384,6 +385,22 @@ def _chain(optimizer: Any) -> Iterator[Any]:
         yield layer
         layer = layer.inner
     yield layer
+
+
+def _refuse_a_second(cls: type, inner: Any) -> None:
+    """Each of this package's layers (staged, hybrid sync, FSDP-aware) appears once per
+    stack: a second one would stage, sync or cast the same optimizer twice. The pass-through
+    base and users' own subclasses may repeat."""
+    if cls is OptimizerWrapper or not cls.__module__.startswith("wrapped_optim."):
+        return
+    if any(type(layer) is cls for layer in _chain(inner)):
+        chain = " -> ".join(type(layer).__name__ for layer in _chain(inner))
+        raise ValueError(
+            f"{cls.__name__} is already in this optimizer's stack ({chain}); wrap it once. "
+            "wrapped_optim.wrap(optimizer, config) builds or updates a stack without "
+            f"doubling a layer, and find_layer(optimizer, {cls.__name__}) returns the one "
+            "there"
+        )
 
 
 def layers(optimizer: Any) -> list[Any]:

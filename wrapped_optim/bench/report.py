@@ -18,6 +18,8 @@ Run it as ``wrapped-optim bench`` or ``python -m wrapped_optim.bench.report``.
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import datetime
 import gc
 import importlib
@@ -27,8 +29,9 @@ import pkgutil
 import platform
 import re
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -138,6 +141,31 @@ def discover_topics(package: str = PACKAGE) -> list[str]:
     )
 
 
+def topic_summaries(package: str = PACKAGE) -> list[tuple[str, str]]:
+    """``(topic, first line of its docstring)`` for every topic, read without importing it.
+
+    Example:
+        >>> from wrapped_optim.bench.report import topic_summaries
+        >>> dict(topic_summaries())["staged"].startswith("Benchmark: extra device memory")
+        True
+    """
+    summaries = []
+    for topic in discover_topics(package):
+        name = f"{package}.{topic}"
+        doc = sys.modules[name].__doc__ if name in sys.modules else _docstring_on_disk(name)
+        paragraph = " ".join((doc or "").split("\n\n")[0].split())
+        sentence = re.split(r"(?<=[.?!])\s", paragraph)[0]
+        summaries.append((topic, sentence.replace("``", "")))
+    return summaries
+
+
+def _docstring_on_disk(module: str) -> str | None:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None
+    return ast.get_docstring(ast.parse(Path(spec.origin).read_text()))
+
+
 def _is_topic_name(name: str) -> bool:
     return name != "report" and not name.startswith(("gpu_", "_"))
 
@@ -190,6 +218,33 @@ def _load_topic(package: str, topic: str, known: Sequence[str]) -> ModuleType:
     if not callable(getattr(module, "run", None)):
         raise UnknownTopicError(f"{name} has no run(quick) function\navailable: {available}")
     return module
+
+
+#: Seconds between the "still running" lines of a long topic.
+HEARTBEAT_SECONDS = 20.0
+
+
+@contextlib.contextmanager
+def _heartbeat(topic: str, echo: Callable[[str], None] | None) -> Iterator[None]:
+    """While the body runs, echo a line every :data:`HEARTBEAT_SECONDS`: a topic may measure
+    for minutes, and silence reads as a hang."""
+    if echo is None:
+        yield
+        return
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_SECONDS):
+            echo(f"  {topic}: still running ({time.perf_counter() - start:.0f} s)")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _run_topic(topic: str, module: ModuleType, quick: bool, image_dir: Path | None) -> TopicResult:
@@ -430,7 +485,8 @@ def run_benchmarks(
     for topic, module in modules:
         if echo is not None:
             echo(f"running {topic} ...")
-        result = _run_topic(topic, module, quick, image_dir if draw else None)
+        with _heartbeat(topic, echo):
+            result = _run_topic(topic, module, quick, image_dir if draw else None)
         if echo is not None:
             status = "ok" if result.ok else f"FAILED ({result.error})"
             echo(f"  {topic}: {status} in {result.seconds:.1f} s")

@@ -2,5 +2,16 @@
 
 from wrapped_optim.optimizers.hybrid_offload import HybridOffloadOptimizer
 from wrapped_optim.optimizers.precision_adam import PrecisionAwareAdamW
+from wrapped_optim.optimizers.torch_adam_format import (
+    TorchAdamFormatError,
+    from_torch_adam,
+    to_torch_adam,
+)
 
-__all__ = ["HybridOffloadOptimizer", "PrecisionAwareAdamW"]
+__all__ = [
+    "HybridOffloadOptimizer",
+    "PrecisionAwareAdamW",
+    "TorchAdamFormatError",
+    "from_torch_adam",
+    "to_torch_adam",
+]

@@ -6,13 +6,18 @@ would otherwise be expanded to FP32, updated and re-encoded in separate passes, 
 costs 2-3x torch's fused step. The loop in ``_adamw_cpu.c`` reads each element once in its
 stored format, applies Transformer Engine's FusedAdam update in FP32 and writes it back.
 
-The C file is compiled at first use with the system C compiler (``$CC``, else ``cc``,
-``gcc`` or ``clang``) into a cache directory (``$WRAPPED_OPTIM_KERNEL_CACHE``, else
-``$XDG_CACHE_HOME/wrapped_optim`` or ``~/.cache/wrapped_optim``) and loaded with
-:mod:`ctypes`: no torch headers, about half a minute of CPU to build, one build per source,
-compiler and flags. ``WRAPPED_OPTIM_CPU_KERNEL=0`` turns it off. When it cannot be built,
-:func:`status` says why and :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` keeps its
-pure-torch path.
+The library is built with the package (``pip install``, wheels: ``setup.py`` compiles it
+beside this module as ``_adamw_cpu-<hash of the sources>.so``) and loaded with :mod:`ctypes`;
+no torch headers. A source tree without that library (or whose sources changed since) builds
+it at first use instead, saying so once through :mod:`logging` (40 s to 2 min on 2 cores), with
+the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a per-user cache
+(``$WRAPPED_OPTIM_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/wrapped_optim``,
+``~/.cache/wrapped_optim`` or ``<tempdir>/wrapped_optim-<uid>``): created with mode 0700, and
+used only when owned by the current user and writable by nobody else (a library there is
+checked the same way before it is loaded). One build per source, compiler and flags.
+``WRAPPED_OPTIM_CPU_KERNEL=0`` turns the kernel off. When it cannot be had, :func:`status`
+says why, a one-time :class:`RuntimeWarning` names the reason, the cost and the fix, and
+:class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` keeps its pure-torch path.
 
 It is built with ``-fopenmp`` when the compiler supports it (else without, one thread):
 the library then names ``libgomp.so.1``, which the loader resolves to the OpenMP runtime
@@ -31,12 +36,14 @@ denormals kept (MXCSR's flush-to-zero and denormals-are-zero off, then restored)
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import logging
 import os
-import shutil
+import stat
 import subprocess
 import tempfile
 import threading
+import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,24 +54,10 @@ from torch import Tensor
 from torch.autograd.graph import increment_version
 
 from wrapped_optim import codecs
+from wrapped_optim.optimizers import _kernel_build
 
-__all__ = ["KernelStatus", "adamw_step_", "available", "status"]
+__all__ = ["KernelStatus", "adamw_step_", "available", "cache_dir_candidates", "status"]
 
-_SOURCE = Path(__file__).with_name("_adamw_cpu.c")
-# Every file the build reads (the formats and the AVX-512 loops are included by _adamw_cpu.c).
-_SOURCES = (
-    _SOURCE,
-    _SOURCE.with_name("_adamw_cpu_formats.h"),
-    _SOURCE.with_name("_adamw_cpu_avx512.h"),
-)
-# -fno-trapping-math lets the fp16/FP8 selects vectorize (values are unchanged: only FP flags,
-# which nothing reads, may differ); 512-bit vectors in the AVX-512 clone.
-_FLAGS = (
-    "-O3", "-std=c11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-    "-ffp-contract=off", "-mprefer-vector-width=512",
-)  # fmt: skip
-_OPENMP_FLAGS = ("-fopenmp",)
-_NO_AVX512 = "-DWO_NO_AVX512"
 _ABI_VERSION = 8
 _DISABLE_ENV = "WRAPPED_OPTIM_CPU_KERNEL"
 _CACHE_ENV = "WRAPPED_OPTIM_KERNEL_CACHE"
@@ -136,6 +129,7 @@ class KernelStatus:
     vector_loops: bool = False
 
 
+_log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: tuple[KernelStatus, ctypes.CDLL | None] | None = None
 _loaded_in_pid = 0  # the process that loaded the library (and may use its OpenMP threads)
@@ -186,7 +180,9 @@ def _load() -> tuple[KernelStatus, ctypes.CDLL | None]:
             try:
                 _loaded = _build_and_open()
             except Exception as exc:  # any failure means: use the pure-torch path
-                _loaded = (KernelStatus(False, reason=f"{type(exc).__name__}: {exc}"), None)
+                reason = f"{type(exc).__name__}: {exc}"
+                _loaded = (KernelStatus(False, reason=reason), None)
+                _warn_unavailable(reason)
         return _loaded
 
 
@@ -194,52 +190,103 @@ def _build_and_open() -> tuple[KernelStatus, ctypes.CDLL | None]:
     setting = os.environ.get(_DISABLE_ENV, "")
     if setting.strip().lower() in ("0", "false", "off", "no"):
         return KernelStatus(False, reason=f"disabled by {_DISABLE_ENV}={setting}"), None
-    compiler = _find_compiler()
+    failures = []
+    packaged = _packaged_library()
+    if packaged.exists():
+        try:
+            _check_not_writable_by_others(packaged)
+            return _opened(packaged)
+        except (OSError, RuntimeError) as exc:
+            failures.append(f"the packaged {packaged.name}: {exc}")
+    try:
+        return _build_into_cache()
+    except _Unavailable as exc:
+        failures.append(str(exc))
+    except Exception as exc:  # any failure means: use the pure-torch path
+        failures.append(f"{type(exc).__name__}: {exc}")
+    status = KernelStatus(False, reason="; ".join(failures))
+    _warn_unavailable(status.reason or "")
+    return status, None
+
+
+def _packaged_library() -> Path:
+    """Where the package build put the library of these very sources (it may be absent)."""
+    return _kernel_build.SOURCE_DIR / _kernel_build.packaged_name()
+
+
+def _opened(library: Path) -> tuple[KernelStatus, ctypes.CDLL]:
+    lib = _open(library)
+    return KernelStatus(
+        True,
+        library=library,
+        parallel=bool(lib.wo_parallel()),
+        vector_loops=bool(lib.wo_vector_loops()),
+    ), lib
+
+
+def _build_into_cache() -> tuple[KernelStatus, ctypes.CDLL | None]:
+    """The fallback of a source tree without a built library: build (once) into the cache."""
+    compiler = _kernel_build.find_compiler()
     if compiler is None:
-        return KernelStatus(
-            False, reason="no C compiler found (install gcc or clang, or set CC to one)"
-        ), None
+        raise _Unavailable("no C compiler found (install gcc or clang, or set CC to one)")
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=60, check=True
     ).stdout.splitlines()[:1]
     directory = _cache_dir()
     failures = []
-    # OpenMP first (threads); a compiler or runtime without it still gets the one-thread build.
-    # Each without the AVX-512 loops next, for a compiler that cannot build their intrinsics
-    # (the portable loops give the same bits).
-    attempts = (_OPENMP_FLAGS, (*_OPENMP_FLAGS, _NO_AVX512), (), (_NO_AVX512,))
-    for extra in attempts:
+    for extra in _kernel_build.ATTEMPTS:
         try:
             library = _cached_build(compiler, version, directory, extra)
-            lib = _open(library)
+            return _opened(library)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             failures.append(f"{' '.join(extra) or 'without OpenMP'}: {exc}")
-            continue
-        return KernelStatus(
-            True,
-            library=library,
-            parallel=bool(lib.wo_parallel()),
-            vector_loops=bool(lib.wo_vector_loops()),
-        ), lib
     raise RuntimeError("; ".join(failures))
 
 
+class _Unavailable(RuntimeError):
+    """A reason the kernel cannot be had, said as it is (no exception type in front)."""
+
+
+def _warn_unavailable(reason: str) -> None:
+    warnings.warn(
+        f"wrapped_optim: the compiled CPU AdamW kernel is unavailable ({reason}). "
+        "PrecisionAwareAdamW and the fused host step run their pure-torch path instead, "
+        "several times slower than torch's fused AdamW step (about 3x with bf16 moments, "
+        "more than 10x with FP8 ones). To fix it, install a C compiler (gcc or clang; or set "
+        "CC) and reinstall wrapped-optim, or install a wheel that carries the kernel; "
+        "`wrapped-optim env` shows its status, WRAPPED_OPTIM_CPU_KERNEL=0 silences this.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 def _cached_build(compiler: str, version: list[str], directory: Path, extra: Sequence[str]) -> Path:
-    flags = " ".join((*_FLAGS, *extra))
-    key = hashlib.sha256(
-        b"\0".join(
-            [
-                *(path.read_bytes() for path in _SOURCES),
-                flags.encode(),
-                compiler.encode(),
-                *map(str.encode, version),
-            ]
-        )
-    ).hexdigest()[:16]
-    library = directory / f"adamw_cpu-{key}.so"
+    library = directory / _cache_name(compiler, version, extra)
     if not library.exists():
-        _compile(compiler, directory, library, extra)
+        _log.warning(
+            "wrapped_optim: building the CPU AdamW kernel into %s (once; %s). Installing "
+            "the package (pip install) builds it ahead of time.",
+            directory,
+            _kernel_build.TYPICAL_BUILD,
+        )
+        started = time.monotonic()
+        _compile(compiler, library, extra)
+        _log.info("wrapped_optim: built %s in %.0f s", library.name, time.monotonic() - started)
+    _check_private(directory)
+    _check_private(library)
     return library
+
+
+def _cache_name(compiler: str, version: list[str], extra: Sequence[str]) -> str:
+    """The cached library's name: its sources, flags, compiler and compiler version."""
+    key = _kernel_build.source_digest(
+        extra=[" ".join(extra).encode(), compiler.encode(), *map(str.encode, version)]
+    )
+    return f"adamw_cpu-{key}.so"
+
+
+# The build (a name of this module, so tests can replace it).
+_compile = _kernel_build.compile_library
 
 
 def _open(library: Path) -> ctypes.CDLL:
@@ -261,58 +308,66 @@ def _open(library: Path) -> ctypes.CDLL:
     return lib
 
 
-def _find_compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name:
-            found = shutil.which(name)
-            if found:
-                return found
-    return None
+def cache_dir_candidates() -> list[Path]:
+    """Where the run-time build may put the library, in order of preference: the one
+    directory ``$WRAPPED_OPTIM_KERNEL_CACHE`` names, else the user's cache and a per-user
+    directory in the temporary directory (never one shared by all users).
+
+    Example:
+        >>> from pathlib import Path
+        >>> from wrapped_optim.optimizers import cpu_kernel
+        >>> all(isinstance(d, Path) for d in cpu_kernel.cache_dir_candidates())
+        True
+    """
+    explicit = os.environ.get(_CACHE_ENV)
+    if explicit:
+        return [Path(explicit)]
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return [base / "wrapped_optim", Path(tempfile.gettempdir()) / f"wrapped_optim-{_uid()}"]
+
+
+def _uid() -> int:
+    return os.getuid() if hasattr(os, "getuid") else 0
+
+
+def _check_not_writable_by_others(path: Path) -> os.stat_result:
+    info = os.stat(path)
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _Unavailable(
+            f"{path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}); "
+            "it is not loaded from"
+        )
+    return info
+
+
+def _check_private(path: Path) -> None:
+    """``path`` must be owned by the current user and writable by nobody else."""
+    info = _check_not_writable_by_others(path)
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise _Unavailable(
+            f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}); "
+            "it is not loaded from"
+        )
 
 
 def _cache_dir() -> Path:
-    explicit = os.environ.get(_CACHE_ENV)
-    if explicit:
-        candidates = [Path(explicit)]
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = Path(xdg) if xdg else Path.home() / ".cache"
-        candidates = [base / "wrapped_optim", Path(tempfile.gettempdir()) / "wrapped_optim"]
     errors = []
-    for directory in candidates:
+    for directory in cache_dir_candidates():
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            if os.access(directory, os.W_OK):
-                return directory
-            errors.append(f"{directory} is not writable")
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _check_private(directory)
+            if not os.access(directory, os.W_OK):
+                raise _Unavailable(f"{directory} is not writable")
+            return directory
         except OSError as exc:
             errors.append(str(exc))
-    raise OSError(
-        "no writable kernel cache directory (set WRAPPED_OPTIM_KERNEL_CACHE to one): "
-        + "; ".join(errors)
+        except _Unavailable as exc:
+            errors.append(str(exc))
+    raise _Unavailable(
+        "no private writable kernel cache directory (set WRAPPED_OPTIM_KERNEL_CACHE to a "
+        "directory you own that no one else can write): " + "; ".join(errors)
     )
-
-
-def _compile(
-    compiler: str, directory: Path, library: Path, extra_flags: Sequence[str] = ()
-) -> None:
-    # Built under a private name and renamed into place: processes starting together (one per
-    # rank) may all build, and none ever loads a half-written file.
-    fd, tmp = tempfile.mkstemp(prefix=library.stem + ".", suffix=".so.tmp", dir=directory)
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [compiler, *_FLAGS, *extra_flags, "-o", tmp, str(_SOURCE)],
-            capture_output=True,
-            text=True,
-            timeout=900,  # a loaded machine (several ranks building at once) is slow
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed to build {_SOURCE.name}:\n{result.stderr}")
-        os.replace(tmp, library)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _check_operand(name: str, t: Tensor, numel: int, dtypes: tuple[torch.dtype, ...]) -> None:

@@ -22,6 +22,7 @@ from wrapped_optim.adapters.dtensor import like_param, local_tensor
 from wrapped_optim.optimizers import cpu_kernel as _cpu_kernel
 from wrapped_optim.optimizers import precision_loading as _loading
 from wrapped_optim.optimizers import precision_paths as _paths
+from wrapped_optim.optimizers import torch_adam_format as _torch_format
 from wrapped_optim.optimizers import torch_step as _torch_step
 from wrapped_optim.rollback import OptimizerSnapshot
 from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
@@ -30,32 +31,38 @@ __all__ = ["PrecisionAwareAdamW"]
 
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 _MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
+_FP8_ALIASES = {torch.float8_e4m3fn: torch.uint8}
 
 
 class PrecisionAwareAdamW(torch.optim.Optimizer):
     """AdamW whose state may be stored in bf16, fp16 or FP8, compatible with TE's FusedAdam.
 
-    Constructor keywords, their validation and errors follow ``te.optimizers.FusedAdam``:
-    ``master_weights`` keeps an FP32 (or fp16) copy of low-precision parameters,
-    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` pick the moment storage (``torch.uint8`` means
-    FP8 E4M3), ``store_param_remainders`` keeps only the low 16 bits of an FP32 master beside
-    a bf16 parameter, ``use_decoupled_grad`` reads ``param.decoupled_grad`` instead of
-    ``param.grad``. Ours: ``chunk_numel`` is how many elements the step expands to FP32 at
-    once; ``fused`` picks the FP32 update: torch's fused AdamW kernel (``None``: where torch
-    has one) or TE's elementwise formula (``False``); ``cpu_kernel`` updates CPU parameters
-    whose state needs conversion (bf16, fp16 or FP8 moments beside FP32 params, or beside a
-    bf16 param with an FP32 master or remainder) in one pass (two with fp16/FP8 moments) with
-    the compiled kernel of :mod:`~wrapped_optim.optimizers.cpu_kernel`, dispatched by
-    :mod:`~wrapped_optim.optimizers.kernel_step` (TE's formula; ``None``: when it can be built
-    and ``fused`` is not ``True``, ``True``: required, ``False``: never); ``atomic_step=True``
-    makes a step all or nothing (a copy of what it changes is kept during the step and put
-    back if it raises).
+    ``lr``, ``betas``, ``eps`` and ``weight_decay`` default to ``torch.optim.AdamW``'s values
+    (``weight_decay=0.01``; TE's FusedAdam defaults to 0), so swapping torch's class for this
+    one keeps the training recipe. The other constructor keywords, their validation and errors
+    follow ``te.optimizers.FusedAdam``: ``master_weights`` keeps an FP32 (or fp16) copy of low-
+    precision parameters, ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` pick the moment storage (FP8
+    E4M3 is ``torch.uint8``, TE's marker, or ``torch.float8_e4m3fn``: both mean the same and are
+    stored as ``torch.uint8``), ``store_param_remainders`` keeps only the low 16 bits of an FP32
+    master beside a bf16 parameter, ``use_decoupled_grad`` reads ``param.decoupled_grad``
+    instead of ``param.grad``. Ours: ``chunk_numel`` is how many elements the step expands to
+    FP32 at once; ``fused`` picks the FP32 update: torch's fused AdamW kernel (``None``: where
+    torch has one) or TE's elementwise formula (``False``); ``cpu_kernel`` updates CPU
+    parameters whose state needs conversion (bf16, fp16 or FP8 moments beside FP32 params, or
+    beside a bf16 param with an FP32 master or remainder) in one pass (two with fp16/FP8
+    moments) with the compiled kernel of :mod:`~wrapped_optim.optimizers.cpu_kernel`, dispatched
+    by :mod:`~wrapped_optim.optimizers.kernel_step` (TE's formula; ``None``: when it can be
+    built and ``fused`` is not ``True``, ``True``: required, ``False``: never);
+    ``atomic_step=True`` makes a step all or nothing (a copy of what it changes is kept during
+    the step and put back if it raises).
 
     The update is TE's: with ``adam_w_mode`` (default) ``p -= lr * (m_hat / (sqrt(v_hat) +
     eps) + weight_decay * p)``; otherwise L2 mode adds ``weight_decay * p`` to the gradient.
     ``lr`` may be a tensor. The step count lives in each param group (``group["step"]``).
     ``state_dict()`` is FusedAdam's portable format: FP32 expansions of every state (the raw
-    int16 remainder for a remainder master), no scales.
+    int16 remainder for a remainder master), no scales. ``load_state_dict`` also takes a
+    ``torch.optim.AdamW`` / ``Adam`` checkpoint; :func:`~wrapped_optim.optimizers.to_torch_adam`
+    turns this optimizer's checkpoint into one torch's AdamW loads.
 
     Example:
         >>> import torch
@@ -77,7 +84,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         amsgrad: bool = False,
         *,
         bias_correction: bool = True,
@@ -101,6 +108,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 f"master_weight_dtype must be torch.float32 or torch.float16, got "
                 f"{master_weight_dtype} (bf16 masters are rejected, as in FusedAdam)."
             )
+        # torch.float8_e4m3fn names FP8 E4M3 as torch.uint8 (TE's marker) does.
+        exp_avg_dtype = _FP8_ALIASES.get(exp_avg_dtype, exp_avg_dtype)
+        exp_avg_sq_dtype = _FP8_ALIASES.get(exp_avg_sq_dtype, exp_avg_sq_dtype)
         for name, dtype in (
             ("exp_avg_dtype", exp_avg_dtype),
             ("exp_avg_sq_dtype", exp_avg_sq_dtype),
@@ -108,7 +118,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if dtype not in _MOMENT_DTYPES:
                 raise RuntimeError(
                     f"{name} must be one of torch.float32, torch.float16, torch.bfloat16 or "
-                    f"torch.uint8 (FP8 E4M3), got {dtype}."
+                    f"FP8 E4M3 (torch.uint8 or torch.float8_e4m3fn), got {dtype}."
                 )
         if capturable:
             raise RuntimeError(
@@ -553,7 +563,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         return state_dict_with_hooks(self, lambda: _loading.portable_state_dict(self))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load FusedAdam's portable format, validating everything before the first write.
+        """Load FusedAdam's portable format (or torch's Adam/AdamW layout, converted by
+        :func:`~wrapped_optim.optimizers.from_torch_adam`), validating everything before the
+        first write.
 
         Every problem (group or parameter count, shapes, remainder vs FP32 master, a missing
         master, unknown state names, non-finite values) raises ``ValueError`` naming the
@@ -574,4 +586,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             >>> opt.state[p]["exp_avg"].dtype, opt.param_groups[0]["step"]
             (torch.bfloat16, 3)
         """
-        load_state_dict_with_hooks(self, state_dict, lambda sd: _loading.load_portable(self, sd))
+        load_state_dict_with_hooks(self, state_dict, self._load_either_layout)
+
+    def _load_either_layout(self, state_dict: dict[str, Any]) -> None:
+        if _torch_format.is_torch_adam_layout(state_dict):
+            state_dict = _torch_format.from_torch_adam(
+                state_dict, adam_w_mode=bool(self.adam_w_mode)
+            )
+        _loading.load_portable(self, state_dict)

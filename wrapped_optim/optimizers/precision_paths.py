@@ -75,7 +75,8 @@ def step_groups(opt: PrecisionAwareAdamW) -> None:
         >>> import torch
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> p, frozen = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
-        >>> opt = PrecisionAwareAdamW([p, frozen], lr=0.5, exp_avg_dtype=torch.bfloat16)
+        >>> opt = PrecisionAwareAdamW([p, frozen], lr=0.5, weight_decay=0.0,
+        ...                           exp_avg_dtype=torch.bfloat16)
         >>> p.grad = torch.ones(2)  # frozen has none: it gets no state and does not move
         >>> step_groups(opt)
         >>> p.data.tolist(), len(opt.state), opt.param_groups[0]["step"]

@@ -3,6 +3,7 @@
 Run by tests/frameworks/test_accelerate.py with every recipe of ``stacks.py``.
 """
 
+# --8<-- [start:imports]
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -13,6 +14,8 @@ import torch
 from accelerate import Accelerator
 
 from docs.guides.examples.toy import build_model, make_loader
+
+# --8<-- [end:imports]
 
 __all__ = ["train"]
 

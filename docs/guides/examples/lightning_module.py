@@ -3,6 +3,7 @@
 Run by tests/frameworks/test_lightning.py with every recipe of ``stacks.py``.
 """
 
+# --8<-- [start:imports]
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -13,6 +14,8 @@ import lightning as L
 import torch
 
 from docs.guides.examples.toy import build_model, make_loader
+
+# --8<-- [end:imports]
 
 __all__ = ["ManualRegressor", "Regressor", "train"]
 

@@ -5,6 +5,7 @@ Each recipe builds a wrapped_optim stack (``wrapped=True``) or the bare optimize
 drive both alike (tests/frameworks/).
 """
 
+# --8<-- [start:imports]
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,6 +15,8 @@ import torch
 
 import wrapped_optim
 from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+# --8<-- [end:imports]
 
 __all__ = ["RECIPES", "fsdp_aware", "hybrid_offload", "precision_adamw"]
 

@@ -4,6 +4,7 @@ Run by tests/frameworks/test_transformers.py with every recipe of ``stacks.py``.
 built from a config (random weights, nothing downloaded).
 """
 
+# --8<-- [start:imports]
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -13,8 +14,11 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
+# --8<-- [end:imports]
+
 __all__ = ["TokenData", "build_causal_lm", "train"]
 
+# --8<-- [start:data]
 BATCH_SIZE = 4
 
 
@@ -45,6 +49,7 @@ class TokenData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
+        # --8<-- [end:data]
 
 
 # --8<-- [start:trainer]

@@ -1,0 +1,34 @@
+"""The source distribution carries a runnable test suite, and the metadata is current."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_sdist_carries_the_suite_and_no_built_library(tmp_path: Path) -> None:
+    code = (
+        "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    name = result.stdout.strip().splitlines()[-1]
+    with tarfile.open(tmp_path / name) as archive:
+        members = {m.split("/", 1)[1] for m in archive.getnames() if "/" in m}
+    in_repo = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("*.py")
+               if "__pycache__" not in p.parts}  # fmt: skip
+    assert in_repo <= members, sorted(in_repo - members)  # conftest, subfolders, helpers
+    assert {"setup.py", "mkdocs.yml", "README.md", "docs/index.md"} <= members
+    assert not [m for m in members if m.endswith(".so")]
+
+
+def test_the_license_is_an_spdx_expression() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
