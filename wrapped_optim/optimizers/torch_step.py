@@ -77,6 +77,31 @@ class StepScratch:
         return (StepScratch, ())  # pickle and copy.deepcopy start with an empty workspace
 
 
+class StepLock:
+    """Serialises one optimizer's steps: a step updates moments together with their shared
+    scales (fp16, FP8), which two threads stepping at once would mix into non-finite values.
+    Never saved: copies and unpickled optimizers get a lock of their own.
+
+    Example:
+        >>> lock = StepLock()
+        >>> with lock:
+        ...     with lock:  # re-entrant: a closure may step again
+        ...         pass
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def __reduce__(self) -> tuple[type[StepLock], tuple[()]]:
+        return (StepLock, ())
+
+
 def step_tensor(step: int | float | Tensor, device: torch.device) -> Tensor:
     """The step count as a float32 0-d tensor on ``device``, without a host-to-device copy.
 
