@@ -510,7 +510,7 @@ def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[st
                 values["master_param"], p_flat[s:e], flat["master_param"][s:e],
                 scratch=bits_buf[: e - s],
             )  # fmt: skip
-        elif not fp32_param:
+        elif not fp32_param and master != "scaled":
             p_flat[s:e].copy_(values["master_param"])  # round-to-nearest-even
         for name, kind in (
             ("exp_avg", m_mode),
@@ -522,6 +522,17 @@ def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[st
                     values[name], flat[name][s:e], dtypes[name], new_scale.get(name),
                     overwrite_x=True, multiplier=encode_mult.get(name),
                 )  # fmt: skip
+        if master == "scaled" and not fp32_param:
+            # The parameter is the rounding of the master *as stored* (fp16 with its new
+            # scale), not of the FP32 value before encoding: the next step starts from the
+            # stored master, so a step that changes nothing (lr=0) leaves the weights alone.
+            stored = values["master_param"]  # its FP32 values were consumed by the encode
+            dtype = dtypes["master_param"]
+            codecs.decode_into(
+                flat["master_param"][s:e], stored, dtype, None,
+                multiplier=codecs.decode_multiplier(new_scale["master_param"], dtype),
+            )  # fmt: skip
+            p_flat[s:e].copy_(stored)
 
     for name in scaled:
         opt._scales[param][name].copy_(new_scale[name])
