@@ -109,3 +109,42 @@ def test_repeated_patches_leave_no_trace(times: int) -> None:
         with patch_attribute(obj, "read", i):
             assert obj.read == i
     assert vars(obj) == {}
+
+
+def test_a_second_thread_patching_the_same_attribute_fails_at_once() -> None:
+    """Issue 27: interleaved patches from two threads restored each other's values and left
+    one on the instance for good. Now the second thread is refused before it changes
+    anything; the first one's patch unwinds normally."""
+    import threading
+
+    from wrapped_optim.patching import ConcurrentPatchError
+
+    obj = Foreign()
+    inside, release = threading.Event(), threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def first() -> None:
+        with patch_attribute(obj, "read", lambda: "first"):
+            inside.set()
+            assert release.wait(30)
+
+    holder = threading.Thread(target=first)
+    holder.start()
+    assert inside.wait(30)
+    try:
+        with patch_attribute(obj, "read", lambda: "second"):
+            outcome.append(None)
+    except ConcurrentPatchError as error:
+        outcome.append(error)
+    assert obj.read() == "first"  # the first patch is untouched
+    release.set()
+    holder.join(30)
+    assert isinstance(outcome[0], ConcurrentPatchError) and "inside a scoped patch" in str(
+        outcome[0]
+    )
+    assert "read" not in vars(obj)
+    with patch_attribute(obj, "read", lambda: "again"):  # free again once released
+        with patch_attribute(obj, "read", lambda: "nested"):  # nesting in one thread
+            assert obj.read() == "nested"
+        assert obj.read() == "again"
+    assert "read" not in vars(obj)

@@ -41,7 +41,8 @@ def run_demo(
 def run_inspect(path: str, *, per_param: bool = True, trusted: bool = False) -> int:
     """``wrapped-optim inspect PATH``: prints what an optimizer checkpoint holds.
 
-    Returns 0, or 2 (with the reason on stderr) when the path is not an optimizer checkpoint.
+    Returns 0, or 2 with the reason on one line of stderr (no traceback) when the path is not
+    an optimizer checkpoint or cannot be read safely.
 
     Example:
         >>> from wrapped_optim.cli import run_inspect
@@ -52,10 +53,19 @@ def run_inspect(path: str, *, per_param: bool = True, trusted: bool = False) -> 
 
     try:
         report = inspect_checkpoint(path, trusted=trusted)
+        text = format_report(report, per_param=per_param)
     except InspectError as error:
         print(f"wrapped-optim inspect: error: {error}", file=sys.stderr)
         return 2
-    print(format_report(report, per_param=per_param))
+    except (Exception, RecursionError) as error:  # any other failure: one line, no traceback
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        print(
+            f"wrapped-optim inspect: error: {path}: cannot be inspected "
+            f"({type(error).__name__}: {first})",
+            file=sys.stderr,
+        )
+        return 2
+    print(text)
     return 0
 
 

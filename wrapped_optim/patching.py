@@ -5,17 +5,58 @@ TE's ``get_unscaled_state`` while a Megatron DistributedOptimizer builds its sta
 :func:`patch_attribute` does that on the instance only, for the length of a ``with`` block,
 and puts the instance back exactly as it was: a previous instance attribute is restored, an
 attribute that was only on the class is removed from the instance again.
+
+A scoped patch belongs to the thread that made it. Patches of one attribute nest within a
+thread; another thread that tries to patch the same attribute of the same object while one is
+active gets :class:`ConcurrentPatchError` at once (two threads checkpointing one optimizer, for
+example), since interleaved patches would restore each other's values and leave one behind.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["patch_attribute"]
+__all__ = ["ConcurrentPatchError", "patch_attribute"]
 
 _MISSING = object()
+
+_lock = threading.Lock()
+# (id(obj), name) -> [obj, owning thread, depth]; obj is held so that its id is not reused.
+_active: dict[tuple[int, str], list[Any]] = {}
+
+
+class ConcurrentPatchError(RuntimeError):
+    """Another thread holds a scoped patch of the same attribute of the same object."""
+
+
+def _claim(obj: Any, name: str) -> tuple[int, str]:
+    key = (id(obj), name)
+    me = threading.get_ident()
+    with _lock:
+        entry = _active.get(key)
+        if entry is None:
+            _active[key] = [obj, me, 1]
+        elif entry[1] == me:
+            entry[2] += 1
+        else:
+            owner = next((t.name for t in threading.enumerate() if t.ident == entry[1]), "?")
+            raise ConcurrentPatchError(
+                f"cannot patch {name!r} on a {type(obj).__name__}: thread {owner!r} is inside a "
+                "scoped patch of it (e.g. two threads checkpointing or staging one optimizer at "
+                "once); run those calls one after the other"
+            )
+    return key
+
+
+def _release(key: tuple[int, str]) -> None:
+    with _lock:
+        entry = _active[key]
+        entry[2] -= 1
+        if entry[2] == 0:
+            del _active[key]
 
 
 def _instance_dict(obj: Any, name: str) -> dict[str, Any]:
@@ -41,8 +82,9 @@ def patch_attribute(obj: Any, name: str, value: Any) -> Iterator[Any]:
 
     The instance ``__dict__`` is written directly (the object's own ``__setattr__`` is
     bypassed) and restored on exit, also when the block raises. Nested and repeated patches
-    of the same attribute unwind in order. Yields the value that was visible before the patch
-    (handy for delegating to it).
+    of the same attribute unwind in order; a patch of an attribute that another thread holds
+    patched raises :class:`ConcurrentPatchError` before changing anything. Yields the value
+    that was visible before the patch (handy for delegating to it).
 
     Example:
         >>> class Holder:
@@ -56,13 +98,17 @@ def patch_attribute(obj: Any, name: str, value: Any) -> Iterator[Any]:
         False
     """
     namespace = _instance_dict(obj, name)
-    previous_visible = getattr(obj, name, None)
-    previous = namespace.get(name, _MISSING)
-    namespace[name] = value
+    key = _claim(obj, name)
     try:
-        yield previous_visible
+        previous_visible = getattr(obj, name, None)
+        previous = namespace.get(name, _MISSING)
+        namespace[name] = value
+        try:
+            yield previous_visible
+        finally:
+            if previous is _MISSING:
+                namespace.pop(name, None)
+            else:
+                namespace[name] = previous
     finally:
-        if previous is _MISSING:
-            namespace.pop(name, None)
-        else:
-            namespace[name] = previous
+        _release(key)

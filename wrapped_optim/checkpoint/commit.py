@@ -8,13 +8,20 @@ rank of a shared filesystem) and, once DCP has finished (all ranks wrote, the co
 ``.metadata``), the coordinator commits:
 
 1. files in the target that are not part of a DCP checkpoint (``.metadata``, ``*.distcp``)
-   are moved into the staging directory, so nothing saved beside the checkpoint is lost;
-2. the target is renamed aside (``.<name>.old``), the staging directory renamed to the
-   target, and the old one removed.
+   are *linked* into the staging directory (hard links; a copy where the filesystem refuses
+   them): the originals stay where they are, so the staging directory never holds the only
+   copy of a user's file;
+2. the target is renamed aside (``.<name>.old``) and the staging directory renamed to the
+   target (two ``rename`` calls, no I/O between them);
+3. anything that appeared in the old directory meanwhile is moved across, and the old one is
+   removed.
 
-A save that raises removes the staging directory and leaves the target as it was. A process
-killed between the two renames of step 2 (two ``rename`` calls, no I/O between them) leaves
-the old checkpoint complete under ``.<name>.old``; the next save restores it before it starts.
+The states a crash can leave on disk, and what the next save (:meth:`CheckpointCommit.prepare`)
+and load (:func:`committed_directory`) do in each, are listed in docs/checkpoint.md ("Commit
+protocol"). The target is resolved once, at the call (``os.path.realpath``: a symlink to a
+checkpoint directory names that directory; ``..`` after a symlink is taken after resolving
+it). Symlinks or files at the two reserved names are never followed, moved or deleted: the
+save refuses them with a clear error.
 """
 
 from __future__ import annotations
@@ -26,10 +33,50 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CheckpointCommit"]
+__all__ = ["CheckpointCommit", "committed_directory", "resolve_checkpoint_path"]
 
 _STAGING = ".{}.saving"
 _OLD = ".{}.old"
+
+
+def resolve_checkpoint_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` made absolute with every symlink resolved, as the save and load use it.
+
+    Resolved once, at the call: an ``os.chdir`` or a symlink changed afterwards does not move
+    the checkpoint, and ``link/..`` is the parent of the link's target, as the kernel sees it.
+
+    Example:
+        >>> import os, tempfile
+        >>> from pathlib import Path
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     (Path(tmp) / "step_100").mkdir()
+        ...     os.symlink("step_100", Path(tmp) / "latest")
+        ...     resolve_checkpoint_path(Path(tmp) / "latest").name
+        'step_100'
+    """
+    return Path(os.path.realpath(os.fspath(path)))
+
+
+def committed_directory(path: str | os.PathLike[str]) -> Path:
+    """The directory holding the committed checkpoint of ``path`` (resolved), for a load.
+
+    That is ``path`` itself, except after a save killed between the two renames of its
+    commit: then the target is missing and the old checkpoint is whole under ``.<name>.old``,
+    which is read (and not moved: the next save puts it back).
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     (Path(tmp) / ".ckpt.old").mkdir()
+        ...     committed_directory(Path(tmp) / "ckpt").name
+        '.ckpt.old'
+    """
+    target = resolve_checkpoint_path(path)
+    old = target.parent / _OLD.format(target.name)
+    if not os.path.lexists(target) and old.is_dir() and not old.is_symlink():
+        return old
+    return target
 
 
 def _is_dcp_file(path: Path) -> bool:
@@ -51,6 +98,55 @@ def _barrier(process_group: Any) -> None:
         dist.barrier(group=process_group)
 
 
+def _refuse_planted(path: Path) -> None:
+    """A reserved name that is a symlink or not a directory is refused, never followed."""
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+        kind = "a symlink" if path.is_symlink() else "not a directory"
+        raise FileExistsError(
+            f"{path}: is {kind}, at a name save_optimizer reserves for its own staging "
+            "directories; remove it (the save never follows, moves or deletes it)"
+        )
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination, follow_symlinks=False)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(source, destination, follow_symlinks=False)
+
+
+def _link_side_files(target: Path, staging: Path) -> None:
+    """Step 1: every non-DCP entry of ``target`` linked (or copied) into ``staging``."""
+    for entry in target.iterdir():
+        destination = staging / entry.name
+        if _is_dcp_file(entry) or os.path.lexists(destination):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), destination)
+        elif entry.is_dir():
+            shutil.copytree(entry, destination, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(entry), str(destination))
+
+
+def _rename(source: Path, destination: Path) -> None:
+    """Steps 2a and 2b (one ``rename`` each)."""
+    source.rename(destination)
+
+
+def _rescue_side_files(old: Path, target: Path) -> None:
+    """Step 3a: non-DCP entries of ``old`` that ``target`` lacks are moved into it."""
+    for entry in old.iterdir():
+        if not _is_dcp_file(entry) and not os.path.lexists(target / entry.name):
+            entry.rename(target / entry.name)
+
+
+def _remove(directory: Path) -> None:
+    """Step 3b, and clearing a stale staging directory: only real directories of ours."""
+    if directory.is_dir() and not directory.is_symlink():
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 class CheckpointCommit:
     """The staging directory of one save into ``target`` and its commit.
 
@@ -67,7 +163,7 @@ class CheckpointCommit:
     """
 
     def __init__(self, target: str | os.PathLike[str], process_group: Any) -> None:
-        self.target = Path(os.path.abspath(target))  # "ckpt/" and "./ckpt" name "ckpt"
+        self.target = resolve_checkpoint_path(target)
         self.staging = self.target.parent / _STAGING.format(self.target.name)
         self.old = self.target.parent / _OLD.format(self.target.name)
         self.process_group = process_group
@@ -75,30 +171,38 @@ class CheckpointCommit:
     def prepare(self) -> None:
         """Recovers an interrupted commit, clears stale staging files; all ranks wait for it."""
         if _is_coordinator(self.process_group):
-            if self.old.exists() and not self.target.exists():
-                self.old.rename(self.target)  # killed between the renames: the old one is whole
-            shutil.rmtree(self.old, ignore_errors=True)
-            shutil.rmtree(self.staging, ignore_errors=True)
+            _refuse_planted(self.old)
+            _refuse_planted(self.staging)
+            if self.old.is_dir():
+                if not os.path.lexists(self.target):
+                    _rename(self.old, self.target)  # killed between the renames: roll back
+                else:  # killed after them: the new checkpoint is in place
+                    _rescue_side_files(self.old, self.target)
+                    _remove(self.old)
+            _remove(self.staging)
             self.staging.mkdir(parents=True)
         _barrier(self.process_group)
 
     def commit(self) -> None:
         """Puts the staged checkpoint in place of the target (coordinator), then all ranks wait."""
         if _is_coordinator(self.process_group):
-            if self.target.exists():
-                if not self.target.is_dir():
-                    raise NotADirectoryError(f"{self.target}: not a directory")
-                for entry in self.target.iterdir():
-                    if not _is_dcp_file(entry) and not (self.staging / entry.name).exists():
-                        entry.rename(self.staging / entry.name)
-                self.target.rename(self.old)
-                self.staging.rename(self.target)
-                shutil.rmtree(self.old, ignore_errors=True)
+            if os.path.lexists(self.target):
+                if self.target.is_symlink() or not self.target.is_dir():
+                    raise NotADirectoryError(
+                        f"{self.target}: not a directory (or replaced by a symlink during the "
+                        "save); the checkpoint stays in the staging directory "
+                        f"{self.staging.name} until the next save"
+                    )
+                _link_side_files(self.target, self.staging)
+                _rename(self.target, self.old)
+                _rename(self.staging, self.target)
+                _rescue_side_files(self.old, self.target)
+                _remove(self.old)
             else:
-                self.staging.rename(self.target)
+                _rename(self.staging, self.target)
         _barrier(self.process_group)
 
     def abort(self) -> None:
         """Removes the staging directory (after a failed save); the target is untouched."""
         if _is_coordinator(self.process_group):
-            shutil.rmtree(self.staging, ignore_errors=True)
+            _remove(self.staging)

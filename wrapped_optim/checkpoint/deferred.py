@@ -158,8 +158,9 @@ def _staged_contents(
     A precision-aware holder is copied as it stores its state (compressed moments stay
     compressed, with their scales, and the params a remainder master needs) into a frozen
     twin, which is then expanded chunk by chunk like the live one; any other optimizer's
-    ``state_dict()`` is copied (for a hybrid with precision-aware sub-optimizers, that is the
-    FP32 expansion its ``state_dict`` produces).
+    ``state_dict()`` is copied where it aliases live tensors, and its param groups always
+    (for a hybrid with precision-aware sub-optimizers, that is the FP32 expansion its
+    ``state_dict`` produces).
     """
     if _compressed_names(leaf) and not getattr(leaf, "sub_optimizers", None):
         return _placeholder_state_dict(_frozen_twin(leaf))
@@ -182,7 +183,10 @@ def _staged_contents(
             return type(value)(copied(v) for v in value)
         return value
 
-    return copied(state_dict), {}
+    # Group options are small and schedulers update tensor ones in place (a tensor ``lr``):
+    # all of them are copied, whatever they alias.
+    staged = {k: deep_clone(v) if k == "param_groups" else copied(v) for k, v in state_dict.items()}
+    return staged, {}
 
 
 @torch.no_grad()

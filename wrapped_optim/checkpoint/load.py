@@ -14,7 +14,6 @@ import attrs
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
@@ -41,6 +40,7 @@ from wrapped_optim.checkpoint.common import (
     _raise_ours,
 )
 from wrapped_optim.checkpoint.deferred import _uses_remainder
+from wrapped_optim.checkpoint.snapshot import snapshot_reader
 from wrapped_optim.checkpoint.undo import _Undo
 from wrapped_optim.wrapper import OptimizerWrapper
 
@@ -534,18 +534,26 @@ def load_optimizer(
     if checkpoint_id is None and storage_reader is None:
         raise ValueError("load_optimizer needs a checkpoint_id or a storage_reader")
     leaf = _leaf_of(optimizer)
+    # One metadata snapshot for both reads, over a pinned directory (checkpoint/snapshot.py).
+    with snapshot_reader(checkpoint_id, storage_reader) as reader:
+        _load(optimizer, leaf, reader, process_group, chunk_bytes, atomic)
 
-    def reader() -> StorageReader:
-        return storage_reader if storage_reader is not None else FileSystemReader(checkpoint_id)  # type: ignore[arg-type]
 
+def _load(
+    optimizer: Any,
+    leaf: torch.optim.Optimizer,
+    reader: StorageReader,
+    process_group: Any,
+    chunk_bytes: int,
+    atomic: bool,
+) -> None:
     objects_planner = _ObjectsLoadPlanner()
     flat: dict[str, Any] = {}
     try:
         with _quiet_no_dist():
             dcp.load(
                 flat,
-                checkpoint_id=checkpoint_id,
-                storage_reader=reader(),
+                storage_reader=reader,
                 planner=objects_planner,
                 process_group=process_group,
             )
@@ -562,8 +570,7 @@ def load_optimizer(
             with _quiet_no_dist():
                 dcp.load(
                     {},
-                    checkpoint_id=checkpoint_id,
-                    storage_reader=reader(),
+                    storage_reader=reader,
                     planner=planner,
                     process_group=process_group,
                 )

@@ -320,14 +320,21 @@ def save_optimizer(
     if checkpoint_id is None and storage_writer is None:
         raise ValueError("save_optimizer needs a checkpoint_id or a storage_writer")
     leaf = _leaf_of(optimizer)
+    # The directory is resolved here, in the calling thread: a later os.chdir or a changed
+    # symlink does not move an asynchronous save.
+    writer = storage_writer if storage_writer is not None else FileSystemWriter(checkpoint_id)  # type: ignore[arg-type]
+    commit: CheckpointCommit | None = None
+    if isinstance(writer, FileSystemWriter):
+        commit = CheckpointCommit(checkpoint_id or writer.path, process_group)
+        checkpoint_id = commit.staging
     if not async_:
         contents = _placeholder_state_dict(leaf)
-        return _save(contents, checkpoint_id, storage_writer, process_group, chunk_bytes)
+        return _save(contents, checkpoint_id, writer, commit, process_group, chunk_bytes)
     contents = _staged_contents(leaf)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wrapped_optim-save")
     try:
         return executor.submit(
-            _save, contents, checkpoint_id, storage_writer, process_group, chunk_bytes
+            _save, contents, checkpoint_id, writer, commit, process_group, chunk_bytes
         )
     finally:
         executor.shutdown(wait=False)
@@ -336,16 +343,12 @@ def save_optimizer(
 def _save(
     contents: tuple[dict[str, Any], dict[tuple[int, str], DeferredState]],
     checkpoint_id: str | os.PathLike[str] | None,
-    storage_writer: StorageWriter | None,
+    writer: StorageWriter,
+    commit: CheckpointCommit | None,
     process_group: Any,
     chunk_bytes: int | None,
 ) -> Metadata:
     state_dict, deferred = contents
-    writer = storage_writer if storage_writer is not None else FileSystemWriter(checkpoint_id)  # type: ignore[arg-type]
-    commit: CheckpointCommit | None = None
-    if isinstance(writer, FileSystemWriter):
-        commit = CheckpointCommit(checkpoint_id or writer.path, process_group)
-        checkpoint_id = commit.staging
     deferred_by_key = {f"state.{index}.{name}": d for (index, name), d in deferred.items()}
     with _serial_writer(writer) as release:
         planner = StreamingSavePlanner(

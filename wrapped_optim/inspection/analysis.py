@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -70,7 +71,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, trusted: bool = False) -
     kind: Literal["torch.save", "dcp"]
     if path.is_dir():
         tree, fetch, kind = _read_dcp(path, trusted), _dcp_fetcher(path, trusted), "dcp"
-        file_bytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        file_bytes = _regular_file_bytes(path)
     elif path.is_file():
         tree, fetch, kind = _read_torch_save(path, trusted), _no_fetch, "torch.save"
         file_bytes = path.stat().st_size
@@ -86,6 +87,16 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, trusted: bool = False) -
     _resolve_needed_values(found, fetch)
     optimizers = tuple(_analyse(location, osd) for location, osd in found)
     return CheckpointReport(path=path, kind=kind, file_bytes=file_bytes, optimizers=optimizers)
+
+
+def _regular_file_bytes(directory: Path) -> int:
+    """The bytes of the regular files under ``directory`` (symlinks are not followed)."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            st = os.lstat(os.path.join(root, name))
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 def _is_optimizer_state_dict(node: Any) -> bool:

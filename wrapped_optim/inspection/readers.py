@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
+import stat
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,11 +15,65 @@ import torch
 
 from wrapped_optim.inspection.model import Fetch, InspectError, _Pending, _TensorInfo
 
+MAX_DEPTH = 200
+"""The deepest nesting inspection follows (containers in a file, parts of a DCP route)."""
+
+
+def _check_depth(node: Any, where: str, limit: int = MAX_DEPTH) -> None:
+    """Refuses containers nested deeper than ``limit`` (walked without recursion)."""
+    stack: list[tuple[Any, int]] = [(node, 0)]
+    seen: set[int] = set()
+    while stack:
+        value, depth = stack.pop()
+        if not isinstance(value, (dict, list, tuple)) or id(value) in seen:
+            continue
+        if depth >= limit:
+            raise InspectError(
+                f"{where}: holds containers nested more than {limit} levels deep; no "
+                "optimizer checkpoint does (a crafted file?)"
+            )
+        seen.add(id(value))
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _require_regular(path: Path, *, confine_to: Path | None = None) -> None:
+    """``path`` must be a regular file (never a FIFO, device or socket, which could block or
+    never end), inside ``confine_to`` when given; checked with a non-blocking open."""
+    if confine_to is not None:
+        inside = os.path.realpath(path)
+        if os.path.commonpath([inside, os.path.realpath(confine_to)]) != os.path.realpath(
+            confine_to
+        ):
+            raise InspectError(
+                f"{path}: outside the checkpoint directory {confine_to}; inspection reads no "
+                "file outside it unless told the checkpoint is trusted (--trust)"
+            )
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return  # not hostile, only missing: the reader says which values it could not read
+    except OSError as error:
+        raise InspectError(f"{path}: cannot be opened ({error.strerror})") from error
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    if not regular:
+        raise InspectError(f"{path}: not a regular file (a FIFO, device or socket?)")
+
 
 def _read_torch_save(path: Path, trusted: bool) -> Any:
     def load(mmap: bool) -> Any:
         return torch.load(path, map_location="cpu", weights_only=not trusted, mmap=mmap)
 
+    _require_regular(path)
+    tree = _load_torch_save(path, load)
+    _check_depth(tree, str(path))
+    return tree
+
+
+def _load_torch_save(path: Path, load: Any) -> Any:
     try:
         try:
             return load(mmap=True)
@@ -54,6 +110,7 @@ def _read_dcp(path: Path, trusted: bool = False) -> Any:
             f"{path}: a directory but not a torch.distributed.checkpoint checkpoint "
             "(no .metadata file)"
         )
+    _require_regular(path / ".metadata", confine_to=None if trusted else path)
     metadata = _reader(path, trusted).read_metadata()
 
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
@@ -61,6 +118,11 @@ def _read_dcp(path: Path, trusted: bool = False) -> Any:
     for key, entry in metadata.state_dict_metadata.items():
         route = planner_data.get(key)
         route = tuple(route) if isinstance(route, (tuple, list)) and route else (key,)
+        if len(route) > MAX_DEPTH:
+            raise InspectError(
+                f"{path}: .metadata routes {str(key)[:60]!r} through {len(route)} levels (more "
+                f"than {MAX_DEPTH}); no optimizer checkpoint does (a crafted file?)"
+            )
         if isinstance(entry, TensorStorageMetadata):
             leaf: Any = _TensorInfo(entry.properties.dtype, tuple(entry.size), key)
         else:
@@ -107,6 +169,7 @@ def _dcp_fetcher(path: Path, trusted: bool) -> Fetch:
 
         reader = _reader(path, trusted)
         metadata = reader.read_metadata()
+        _check_storage_files(path, metadata, keys, trusted)
         target: dict[str, Any] = {}
         for key in keys:
             entry = metadata.state_dict_metadata[key]
@@ -128,10 +191,31 @@ def _dcp_fetcher(path: Path, trusted: bool) -> Fetch:
             raise InspectError(
                 f"{path}: could not read values {list(keys)[:3]}: {_one_line(error)}"
             ) from error
+        for key, value in read_objects.items():
+            _check_depth(value, f"{path}: value {key!r}")
         target.update(read_objects)
         return target
 
     return fetch
+
+
+def _check_storage_files(path: Path, metadata: Any, keys: Sequence[str], trusted: bool) -> None:
+    """The data files that hold ``keys``: regular files, inside ``path`` unless trusted."""
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    wanted = set(keys)
+    files = {
+        str(getattr(info, "relative_path", ""))
+        for index, info in storage.items()
+        if getattr(index, "fqn", None) in wanted
+    }
+    for relative in sorted(files):
+        if not trusted and (Path(relative).is_absolute() or ".." in Path(relative).parts):
+            raise InspectError(
+                f"{path}: .metadata names the data file {relative!r}, outside the checkpoint "
+                "directory; inspection reads no file outside it unless told the checkpoint is "
+                "trusted (--trust)"
+            )
+        _require_regular(path / relative, confine_to=None if trusted else path)
 
 
 # DCP pickles its .metadata (FileSystemReader.read_metadata is a plain pickle.load): without

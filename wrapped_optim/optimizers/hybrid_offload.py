@@ -37,6 +37,19 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _TRANSFER_OPTIONS = ("pin_cpu_grads", "pin_cpu_params", "overlap_cpu_optimizer_d2h_h2d")
 
 
+_NOT_ADOPTED = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
+_ABSENT = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    try:
+        return bool(a == b)
+    except Exception:  # values without a plain comparison: not adopted
+        return False
+
+
 class HybridOffloadOptimizer(torch.optim.Optimizer):
     """Steps part of the parameters on the host and the rest on their device.
 
@@ -143,8 +156,10 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         self._fused_params = frozenset()
         self._shared_grads = set()  # host copies whose .grad is their param's own grad
         self._built = False
+        self._keywords = dict(defaults)  # the sub-optimizers' constructor keywords
         super().__init__(params, defaults)
         self._build()
+        self._adopt_sub_defaults()
 
     # ------------------------------------------------------------------------------------
     # Layout
@@ -219,13 +234,15 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             if device_params:
                 device_groups.append({**options, "params": device_params})
                 device_group_index.append(group_index)
-        # The defaults also go in as constructor keywords, as Megatron's HybridDeviceOptimizer
-        # does: options such as PrecisionAwareAdamW's exp_avg_dtype are constructor-only.
+        # The caller's keywords also go in as constructor keywords, as Megatron's
+        # HybridDeviceOptimizer does: options such as PrecisionAwareAdamW's exp_avg_dtype are
+        # constructor-only. (Not our defaults: those gain the sub-optimizers' own defaults,
+        # some of which their constructors do not take, e.g. AdamW's decoupled_weight_decay.)
         cpu_optimizers: list[torch.optim.Optimizer] = (
             [self.cpu_optimizer_cls(host_groups, **self._host_options())] if host_groups else []
         )
         gpu_optimizer: torch.optim.Optimizer | None = (
-            self.gpu_optimizer_cls(device_groups, **self.defaults) if device_groups else None
+            self.gpu_optimizer_cls(device_groups, **self._keywords) if device_groups else None
         )
         return {
             "gpu_params_map_cpu_copy": gpu_params_map_cpu_copy,
@@ -239,11 +256,36 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             "gpu_optimizer": gpu_optimizer,
         }
 
+    def _adopt_sub_defaults(self) -> None:
+        """Our ``defaults`` and groups gain the hyper-parameters the sub-optimizers filled in
+        (``betas``, ``eps``, ``weight_decay``, ...) and agree on, as a torch optimizer's hold
+        all of them: schedulers that read or cycle them (``OneCycleLR`` with
+        ``cycle_momentum``) see them, and :meth:`step` passes changes on. Implementation
+        switches (``fused``, ``foreach``, ...) stay the caller's."""
+        subs = self._sub_optimizers_with_groups()
+        if not subs:
+            return
+        common = set.intersection(*(set(sub.defaults) for sub, _ in subs)) - _NOT_ADOPTED
+        for key in sorted(common - set(self.defaults)):
+            values = [sub.defaults[key] for sub, _ in subs]
+            if all(_same(v, values[0]) for v in values):
+                self.defaults[key] = values[0]
+        for group_index, group in enumerate(self.param_groups):
+            found: dict[str, list[Any]] = {}
+            for sub, group_indices in subs:
+                if group_index in group_indices:
+                    sub_group = sub.param_groups[group_indices.index(group_index)]
+                    for key in common - set(group):
+                        found.setdefault(key, []).append(sub_group.get(key, _ABSENT))
+            for key, values in sorted(found.items()):
+                if values[0] is not _ABSENT and all(_same(v, values[0]) for v in values):
+                    group[key] = values[0]
+
     def _host_options(self) -> dict[str, Any]:
         """The host sub-optimizer's keywords: torch's AdamW (the default) gets its fused CPU
         kernel (one pass over the copies, ~7x its default per-tensor loop on a CPU) unless
         the caller chose ``fused`` or ``foreach`` themselves."""
-        options = dict(self.defaults)
+        options = dict(self._keywords)
         if self.cpu_optimizer_cls is torch.optim.AdamW and not self._implementation_chosen():
             options["fused"] = True
         return options
@@ -252,10 +294,24 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         """Whether the caller picked torch's AdamW implementation (a ``fused`` or ``foreach``
         keyword) for the host sub-optimizer, or, given ``group_index``, for that group: then
         they get exactly it (no fused CPU default, no fused host step)."""
-        options = set(self.defaults)
+        options = set(self._keywords)
         if group_index is not None:
             options |= set(self.param_groups[group_index])
         return bool(options & {"fused", "foreach"})
+
+    @property
+    def sub_optimizer_keywords(self) -> dict[str, Any]:
+        """The keyword arguments the sub-optimizers are constructed with: the caller's
+        (``lr``, ``exp_avg_dtype``, ...), without the defaults :attr:`defaults` gains from
+        the sub-optimizers (a copy).
+
+        Example:
+            >>> import torch
+            >>> opt = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+            >>> opt.sub_optimizer_keywords, opt.defaults["betas"]
+            ({'lr': 0.1}, (0.9, 0.999))
+        """
+        return dict(self._keywords)
 
     @property
     def sub_optimizers(self) -> list[torch.optim.Optimizer]:

@@ -116,7 +116,7 @@ class References:
         probe = torch.zeros(2, dtype=inner.dtype, device=inner.device, requires_grad=True)
         probe.grad = torch.zeros_like(probe)
         try:
-            twin = factory([{**options, "params": [probe]}], **owner.defaults)
+            twin = factory([{**options, "params": [probe]}], **owner.sub_optimizer_keywords)
             twin.step()
             state = dict(twin.state.get(probe) or {})
         except Exception:

@@ -179,6 +179,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self.atomic_step = bool(atomic_step)
         self._scales: dict[Tensor, dict[str, Tensor]] = {}
         self._scratch = _torch_step.StepScratch()  # per-thread step workspace, never saved
+        self._step_lock = _torch_step.StepLock()  # one step at a time, never saved
         self._pack_small = True  # small parameters share fused calls (tests turn it off)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -186,6 +187,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         # scales are part of the optimizer too (copy.deepcopy and pickle must keep them).
         state = self.__dict__.copy()
         state["_scratch"] = _torch_step.StepScratch()
+        state["_step_lock"] = _torch_step.StepLock()
         return state
 
     # ------------------------------------------------------------------ format helpers
@@ -502,9 +504,14 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with self._step_lock:  # a second thread's step waits: scales and moments go together
+            self._locked_step()
+        return loss
+
+    def _locked_step(self) -> None:
         if not self.atomic_step:
             self._step_groups()
-            return loss
+            return
         # What a step may change: group counters, params with a grad, their state and scales.
         stepped = [
             p
@@ -518,7 +525,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         except BaseException:
             snapshot.restore()
             raise
-        return loss
 
     def _step_groups(self) -> None:
         _paths.step_groups(self)  # the path of each parameter: optimizers/precision_paths.py

@@ -77,6 +77,31 @@ class StepScratch:
         return (StepScratch, ())  # pickle and copy.deepcopy start with an empty workspace
 
 
+class StepLock:
+    """Serialises one optimizer's steps: a step updates moments together with their shared
+    scales (fp16, FP8), which two threads stepping at once would mix into non-finite values.
+    Never saved: copies and unpickled optimizers get a lock of their own.
+
+    Example:
+        >>> lock = StepLock()
+        >>> with lock:
+        ...     with lock:  # re-entrant: a closure may step again
+        ...         pass
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def __reduce__(self) -> tuple[type[StepLock], tuple[()]]:
+        return (StepLock, ())
+
+
 def step_tensor(step: int | float | Tensor, device: torch.device) -> Tensor:
     """The step count as a float32 0-d tensor on ``device``, without a host-to-device copy.
 
@@ -485,7 +510,7 @@ def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[st
                 values["master_param"], p_flat[s:e], flat["master_param"][s:e],
                 scratch=bits_buf[: e - s],
             )  # fmt: skip
-        elif not fp32_param:
+        elif not fp32_param and master != "scaled":
             p_flat[s:e].copy_(values["master_param"])  # round-to-nearest-even
         for name, kind in (
             ("exp_avg", m_mode),
@@ -497,6 +522,17 @@ def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[st
                     values[name], flat[name][s:e], dtypes[name], new_scale.get(name),
                     overwrite_x=True, multiplier=encode_mult.get(name),
                 )  # fmt: skip
+        if master == "scaled" and not fp32_param:
+            # The parameter is the rounding of the master *as stored* (fp16 with its new
+            # scale), not of the FP32 value before encoding: the next step starts from the
+            # stored master, so a step that changes nothing (lr=0) leaves the weights alone.
+            stored = values["master_param"]  # its FP32 values were consumed by the encode
+            dtype = dtypes["master_param"]
+            codecs.decode_into(
+                flat["master_param"][s:e], stored, dtype, None,
+                multiplier=codecs.decode_multiplier(new_scale["master_param"], dtype),
+            )  # fmt: skip
+            p_flat[s:e].copy_(stored)
 
     for name in scaled:
         opt._scales[param][name].copy_(new_scale[name])
