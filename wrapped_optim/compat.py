@@ -1,11 +1,22 @@
 """The seed systems' own entry points, on wrapped_optim's machinery.
 
-Code written against Megatron-Bridge (``megatron.bridge.training.optim`` /
-``checkpointing``) or Megatron-FSDP (``megatron_fsdp.experimental``) switches by changing an
-import::
+Code written against Megatron-Bridge (``megatron.bridge.training.optim``) or Megatron-FSDP
+(``megatron_fsdp.experimental``) switches by changing an import::
 
     # from megatron.bridge.training.optim import memory_efficient_fp32_optimizer_state_loading
     from wrapped_optim.compat import memory_efficient_fp32_optimizer_state_loading
+
+Whose specification each function follows (the signatures match the release named;
+``tests/test_bridge_parity.py`` pins them):
+
+* Megatron-Bridge 0.6.2: :func:`memory_efficient_fp32_optimizer_state_loading`,
+  :func:`sync_hybrid_device_optimizer_fp32_master_copies`;
+* Megatron-FSDP 0.6.1: :func:`fully_shard_optimizer`;
+* the newer Bridge specification, in no Bridge release up to 0.6.2:
+  :func:`memory_efficient_precision_aware_optimizer_state_checkpointing`,
+  :func:`hybrid_optimizer_state_loading`, and calling the model-only sync after model-only
+  loads only (Bridge 0.6.2 calls it after every load, a full resume too);
+* this project's own: :func:`init_optimizer_state`.
 
 Each function runs the engine the corresponding wrapper uses (the staging engine of
 :class:`~wrapped_optim.staged.StagedCheckpointOptimizer`, the master-copy adapter of
@@ -44,7 +55,9 @@ __all__ = [
 def memory_efficient_precision_aware_optimizer_state_checkpointing(
     optimizer: Any, *, enabled: bool, chunk_bytes: int = 64 << 20
 ) -> Iterator[int]:
-    """Bridge's save staging: expanded precision-aware state goes to the host as it is read.
+    """Save staging: expanded precision-aware state goes to the host as it is read.
+
+    Follows the newer Bridge specification; not in Megatron-Bridge 0.6.2.
 
     Wrap ``state_dict()`` / ``sharded_state_dict(...)`` / ``load_state_dict(...)`` in it.
     Yields the number of precision-aware holders staged (0 when ``enabled`` is false, the
@@ -71,7 +84,7 @@ def memory_efficient_precision_aware_optimizer_state_checkpointing(
 
 @contextmanager
 def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
-    """Bridge's FP32 no-copy load: distributed FP32 Adams adopt the loader's tensors.
+    """Megatron-Bridge 0.6.2's FP32 no-copy load: distributed FP32 Adams adopt the loader's tensors.
 
     Yields the number of eligible optimizers (a distributed optimizer's standard FusedAdam-like
     leaf with FP32 moments and params, not precision-aware, not offloaded, not Megatron-FSDP).
@@ -99,7 +112,11 @@ def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[in
 
 @contextmanager
 def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
-    """Bridge's hybrid state loading: payloads may omit per-parameter ``step``/``master_param``.
+    """Hybrid state loading: payloads may omit per-parameter ``step``/``master_param``.
+
+    Follows the newer Bridge specification; not in Megatron-Bridge 0.6.2 (whose loads leave
+    the hybrid optimizer's copies as they were and then rebuild every master from the model's
+    weights, see :func:`sync_hybrid_device_optimizer_fp32_master_copies`).
 
     Inside the block, hybrid offload optimizers load checkpoints that keep Adam's step in the
     group metadata only, or drop the ``master_param`` alias (fully reshardable payloads):
@@ -159,7 +176,7 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
 
 
 def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
-    """Bridge's model-only sync: every FP32 master level takes the model weights' value.
+    """Megatron-Bridge 0.6.2's model-only sync: every FP32 master level takes the weights' value.
 
     After loading *weights only* into a model trained with a hybrid offload optimizer
     (Megatron's HybridDeviceOptimizer, alone or under a DistributedOptimizer/ChainedOptimizer,
@@ -167,7 +184,9 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
     clones and the FP32 working copies still hold the old values; the first step would write
     them into the model. Returns ``True`` when the stack has a hybrid offload optimizer
     (synced), ``False`` (doing nothing) otherwise or for ``None``. Do not call it after a full
-    optimizer-state resume: that would drop the restored masters' low bits.
+    optimizer-state resume: that would drop the restored masters' low bits. Here this project
+    follows the newer specification: Bridge 0.6.2's ``setup`` calls the sync after every
+    checkpoint load, a full resume included.
 
     Example:
         >>> import torch
@@ -193,7 +212,7 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
 
 
 def fully_shard_optimizer(optimizer: Any, *, precision_aware: bool = False) -> Any:
-    """Megatron-FSDP's optimizer adapter, as a decorating wrapper: use the returned optimizer.
+    """Megatron-FSDP 0.6.1's optimizer adapter, as a decorating wrapper: use the returned one.
 
     The result steps sharded parameters whose grad dtype differs from their data dtype (grads
     cast for the step unless ``precision_aware``, originals put back afterwards, also when the
@@ -233,7 +252,8 @@ def fully_shard_optimizer(optimizer: Any, *, precision_aware: bool = False) -> A
 def init_optimizer_state(optimizer: Any) -> bool:
     """Creates the state a DCP load fills, without touching weights, grads or hyper-parameters.
 
-    See :func:`wrapped_optim.fsdp.init_optimizer_state`; returns ``True`` when it created state.
+    This project's own (neither Bridge nor Megatron-FSDP has it). See
+    :func:`wrapped_optim.fsdp.init_optimizer_state`; returns ``True`` when it created state.
 
     Example:
         >>> import torch
