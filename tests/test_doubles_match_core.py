@@ -13,11 +13,11 @@ import ast
 import dataclasses
 import inspect
 import textwrap
+from importlib.metadata import version
 
 import pytest
 
 pytest.importorskip("megatron.core.optimizer")
-import megatron.core
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import ChainedOptimizer
@@ -25,7 +25,8 @@ from packaging.version import Version
 
 from tests.doubles.distributed import CORE_DEFAULTS, FIELDS_SINCE, ddp_config, megatron_config
 
-CORE_VERSION = megatron.core.__version__
+# Not megatron.core.__version__: that one carries the current directory's git hash.
+CORE_VERSION = version("megatron-core")
 CORE_RELEASE = Version(CORE_VERSION).release[:2]
 
 
