@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -38,3 +39,37 @@ if "WRAPPED_OPTIM_KERNEL_CACHE" not in os.environ:
     _kernel_cache = tempfile.mkdtemp(prefix="wrapped-optim-kernel-")
     os.environ["WRAPPED_OPTIM_KERNEL_CACHE"] = _kernel_cache
     atexit.register(shutil.rmtree, _kernel_cache, ignore_errors=True)
+
+
+# The Megatron-facing tests: every module that drives megatron-core or megatron-fsdp (real
+# classes or the doubles checked against them), and the doctests that need megatron-core.
+# `pytest -m megatron` runs them against whichever Core is installed; .ci/megatron_env builds
+# an environment with another Core release and runs exactly these.
+MEGATRON_FACING = (
+    "tests/megatron_real/",
+    "tests/distributed/test_megatron_fsdp.py",
+    "tests/test_adapters.py",
+    "tests/test_compat.py",
+    "tests/test_config.py",
+    "tests/test_doubles_match_core.py",
+    "tests/test_bridge_parity.py",
+    "tests/test_factory.py",
+    "tests/test_fsdp.py",
+    "tests/test_hybrid_precision.py",
+    "tests/test_hybrid_sync.py",
+    "tests/test_megatron_wrapping.py",
+    "tests/test_schedulers.py",
+    "tests/test_stack.py",
+    "tests/test_staged.py",
+    "wrapped_optim/compat.py",
+    "wrapped_optim/integrations/bridge.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the Megatron-facing tests ``megatron`` (see ``MEGATRON_FACING``)."""
+    root = config.rootpath
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        if path.startswith(MEGATRON_FACING):
+            item.add_marker(pytest.mark.megatron)

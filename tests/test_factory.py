@@ -130,7 +130,7 @@ def test_setup_optimizer_calls_megatron_builder_and_scheduler_with_bridge_argume
     assert call == {
         "config": optimizer_config,
         "model_chunks": chunks,
-        "use_gloo_process_groups": True,
+        "use_gloo_process_groups": False,  # Bridge's default
         "pg_collection": pg,
     }
     # Bridge's default provider: megatron-core's standard overrides (no wd on biases / 1-D).
@@ -291,7 +291,7 @@ def test_muon_and_soap_use_the_muon_builder(
     (call,) = builder.calls
     assert call["layer_wise_distributed_optimizer"] is layer_wise
     assert call["config"] is optimizer_config
-    assert call["use_gloo_process_groups"] is True
+    assert call["use_gloo_process_groups"] is False
     assert call["pg_collection"] == "pg"
 
 

@@ -1,11 +1,23 @@
 """The seed systems' own entry points, on wrapped_optim's machinery.
 
-Code written against Megatron-Bridge (``megatron.bridge.training.optim`` /
-``checkpointing``) or Megatron-FSDP (``megatron_fsdp.experimental``) switches by changing an
-import::
+Code written against Megatron-Bridge (``megatron.bridge.training.optim``) or Megatron-FSDP
+(``megatron_fsdp.experimental``) switches by changing an import::
 
     # from megatron.bridge.training.optim import memory_efficient_fp32_optimizer_state_loading
     from wrapped_optim.compat import memory_efficient_fp32_optimizer_state_loading
+
+Whose specification each function follows (the signatures match the release named;
+``tests/test_bridge_parity.py`` pins them):
+
+* Megatron-Bridge 0.6.2: :func:`memory_efficient_fp32_optimizer_state_loading`,
+  :func:`sync_hybrid_device_optimizer_fp32_master_copies`;
+* Megatron-FSDP 0.6.1: :func:`fully_shard_optimizer`;
+* the newer Bridge specification, in no Bridge release up to 0.6.2:
+  :func:`memory_efficient_precision_aware_optimizer_state_checkpointing`,
+  :func:`hybrid_optimizer_state_loading`, and a post-load sync that keeps restored masters
+  after a full resume (Bridge 0.6.2 calls the sync after every load and rebuilds them from
+  the weights);
+* this project's own: :func:`init_optimizer_state`.
 
 Each function runs the engine the corresponding wrapper uses (the staging engine of
 :class:`~wrapped_optim.staged.StagedCheckpointOptimizer`, the master-copy adapter of
@@ -44,7 +56,9 @@ __all__ = [
 def memory_efficient_precision_aware_optimizer_state_checkpointing(
     optimizer: Any, *, enabled: bool, chunk_bytes: int = 64 << 20
 ) -> Iterator[int]:
-    """Bridge's save staging: expanded precision-aware state goes to the host as it is read.
+    """Save staging: expanded precision-aware state goes to the host as it is read.
+
+    Follows the newer Bridge specification; not in Megatron-Bridge 0.6.2.
 
     Wrap ``state_dict()`` / ``sharded_state_dict(...)`` / ``load_state_dict(...)`` in it.
     Yields the number of precision-aware holders staged (0 when ``enabled`` is false, the
@@ -71,7 +85,7 @@ def memory_efficient_precision_aware_optimizer_state_checkpointing(
 
 @contextmanager
 def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
-    """Bridge's FP32 no-copy load: distributed FP32 Adams adopt the loader's tensors.
+    """Megatron-Bridge 0.6.2's FP32 no-copy load: distributed FP32 Adams adopt the loader's tensors.
 
     Yields the number of eligible optimizers (a distributed optimizer's standard FusedAdam-like
     leaf with FP32 moments and params, not precision-aware, not offloaded, not Megatron-FSDP).
@@ -106,7 +120,11 @@ def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[in
 
 @contextmanager
 def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
-    """Bridge's hybrid state loading: payloads may omit per-parameter ``step``/``master_param``.
+    """Hybrid state loading: payloads may omit per-parameter ``step``/``master_param``.
+
+    Follows the newer Bridge specification; not in Megatron-Bridge 0.6.2 (whose loads leave
+    the hybrid optimizer's copies as they were and then rebuild every master from the model's
+    weights, see :func:`sync_hybrid_device_optimizer_fp32_master_copies`).
 
     Inside the block, hybrid offload optimizers load checkpoints that keep Adam's step in the
     group metadata only, or drop the ``master_param`` alias (fully reshardable payloads):
@@ -188,9 +206,9 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
       copies that a loader replaced without refreshing) and the restored state is handed to
       the sub-optimizers that step it.
 
-    Megatron-Bridge 0.6.2 refreshes every level from the weights unconditionally, which drops
-    the restored masters' low bits after a full resume; this follows the specification
-    instead. Returns ``True`` when the stack has a hybrid offload optimizer (synced),
+    Source: Megatron-Bridge 0.6.2's helper of the same name and signature, which refreshes
+    every level from the weights unconditionally -- after a full resume that drops the
+    restored masters' low bits; this follows the newer specification instead. Returns ``True`` when the stack has a hybrid offload optimizer (synced),
     ``False`` (doing nothing) otherwise or for ``None``.
 
     Example:
@@ -228,7 +246,7 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
 
 
 def fully_shard_optimizer(optimizer: Any, *, precision_aware: bool = False) -> Any:
-    """Megatron-FSDP's optimizer adapter, as a decorating wrapper: use the returned optimizer.
+    """Megatron-FSDP 0.6.1's optimizer adapter, as a decorating wrapper: use the returned one.
 
     The result steps sharded parameters whose grad dtype differs from their data dtype (grads
     cast for the step unless ``precision_aware``, originals put back afterwards, also when the
@@ -268,7 +286,8 @@ def fully_shard_optimizer(optimizer: Any, *, precision_aware: bool = False) -> A
 def init_optimizer_state(optimizer: Any) -> bool:
     """Creates the state a DCP load fills, without touching weights, grads or hyper-parameters.
 
-    See :func:`wrapped_optim.fsdp.init_optimizer_state`; returns ``True`` when it created state.
+    This project's own (neither Bridge nor Megatron-FSDP has it). See
+    :func:`wrapped_optim.fsdp.init_optimizer_state`; returns ``True`` when it created state.
 
     Example:
         >>> import torch

@@ -1,4 +1,4 @@
-"""Test doubles of megatron-core 0.16.1 / TE classes, kept only where the real class cannot serve.
+"""Test doubles of megatron-core (0.16.1-0.19.2) / TE classes, kept where no real class serves.
 
 The real stacks that ``get_megatron_optimizer`` builds (FP32Optimizer,
 Float16OptimizerWithFloat16Params, DistributedOptimizer around torch's AdamW,

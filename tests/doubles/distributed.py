@@ -1,4 +1,4 @@
-"""The one double of megatron-core 0.16.1's ``DistributedOptimizer`` (``distrib_optimizer.py``).
+"""The one double of megatron-core's DistributedOptimizer (distrib_optimizer.py, 0.16.1-0.19.2).
 
 Why it stays: the real class asserts its inner optimizer is ``Adam`` (TE's or Apex's FusedAdam,
 else torch's AdamW), ``torch.optim.AdamW`` or ``HybridDeviceOptimizer``
@@ -41,14 +41,39 @@ param), the one-object checkpoint a Bridge save writes.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
 
-__all__ = ["DistributedOptimizerDouble", "Range", "ddp_config", "megatron_config"]
+__all__ = [
+    "CORE_DEFAULTS",
+    "FIELDS_SINCE",
+    "DistributedOptimizerDouble",
+    "Range",
+    "ddp_config",
+    "megatron_config",
+]
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+# OptimizerConfig fields the double leaves at megatron-core's defaults: the real
+# ChainedOptimizer around it reads them (tests/test_doubles_match_core.py checks both lists
+# against the installed Core's OptimizerConfig and ChainedOptimizer source).
+CORE_DEFAULTS: dict[str, Any] = {
+    "fp16": False,
+    "log_num_zeros_in_grad": False,
+    "overlap_param_gather_with_optimizer_step": False,
+    "overlap_param_gather": False,
+    "reuse_grad_buf_for_mxfp8_param_ag": False,
+    "barrier_with_L1_time": False,
+    "timers": None,
+    "grad_norm_skip_threshold": math.inf,
+}
+# Fields of CORE_DEFAULTS that only newer supported Cores have: name -> first release.
+FIELDS_SINCE: dict[str, tuple[int, int]] = {"grad_norm_skip_threshold": (0, 19)}
 
 
 def megatron_config(
@@ -69,10 +94,8 @@ def megatron_config(
         main_params_dtype=main_params_dtype,
         store_param_remainders=False,
         bf16=True,
-        fp16=False,
         clip_grad=0.0,
-        log_num_zeros_in_grad=False,
-        overlap_param_gather_with_optimizer_step=False,
+        **CORE_DEFAULTS,
     )
 
 

@@ -305,7 +305,7 @@ def setup_optimizer(
     optimizer_config: Any,
     scheduler_config: Any,
     model: Any,
-    use_gloo_process_groups: bool = True,
+    use_gloo_process_groups: bool = False,
     pg_collection: Any = None,
     optimizer_config_override_provider: Any = None,
     *,
