@@ -104,7 +104,11 @@ def build(
         schedule = SchedulerConfig(lr_decay_style="constant").with_steps(
             train_iters=100, global_batch_size=1
         )
-        optimizer, _ = setup_optimizer(optimizer_config, schedule, [model])
+        # Gloo groups, as get_megatron_optimizer's default: the legacy save_parameter_state
+        # gathers over them (megatron-core 0.19 asserts they exist).
+        optimizer, _ = setup_optimizer(
+            optimizer_config, schedule, [model], use_gloo_process_groups=True
+        )
         return model, optimizer
     return model, get_megatron_optimizer(optimizer_config, [model])
 
