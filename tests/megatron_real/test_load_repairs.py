@@ -25,6 +25,7 @@ from tests.megatron_real.harness import build, leaf, megatron_session, train
 from wrapped_optim import compat
 from wrapped_optim.adapters.megatron_checkpoint import (
     _fp32_update_requires_every_param,
+    _scaffold_needs_state,
     _setter_reads_payload_step,
     megatron_load_repairs,
 )
@@ -62,11 +63,14 @@ def test_probes_see_the_defects_of_the_installed_core() -> None:
     # which is the signal to drop that repair.
     assert _setter_reads_payload_step(getattr(DistributedOptimizer, SETTER)) is True
     assert _fp32_update_requires_every_param(getattr(HybridDeviceOptimizer, UPDATE)) is True
+    assert _scaffold_needs_state(DistributedOptimizer.state_dict) is True
 
 
 def test_probes_turn_off_for_a_fixed_core() -> None:
     assert _setter_reads_payload_step(_fixed_setter) is False
     assert _fp32_update_requires_every_param(_fixed_update) is False
+    # A scaffold that reads the step from the group metadata (Core with TE or Apex installed)
+    assert _scaffold_needs_state(lambda self: {"optimizer": self.optimizer.state_dict()}) is False
 
 
 def _scoping_worker(rank: int, world: int, fixed: bool) -> dict[str, Any]:

@@ -18,9 +18,9 @@ no patch.
   looks FP32 params up in ``param_to_fp32_param``, which holds only 16-bit ones
   (``KeyError: <tensor>`` under a DistributedOptimizer, whose main params are FP32).
 * :func:`_scaffold_with_state` — ``DistributedOptimizer.state_dict`` asserts one ``step`` across
-  the states, so an optimizer that has none (a fresh build) cannot build its loading scaffold;
-  Core creates state only for Megatron-FSDP. The state is created first (without touching
-  weights or hyper-parameters).
+  the states (torch's Adam inside, TE and Apex absent), so an optimizer that has none (a fresh
+  build) cannot build its loading scaffold; Core creates state only for Megatron-FSDP. The
+  state is created first (without touching weights or hyper-parameters).
 * :func:`wrapped_optim.adapters.megatron.unshare_steps`, after a load that did not raise —
   ``DistributedOptimizer.load_state_dict`` gives every parameter one shared ``step`` tensor,
   which torch's Adam then increments once per parameter per step.
@@ -108,6 +108,20 @@ def _fp32_update_requires_every_param(update: Callable[..., Any]) -> bool:
     try:
         update(stand_in)
     except Exception:  # KeyError: the defect; anything else: not shown to be fixed
+        return True
+    return False
+
+
+@functools.cache
+def _scaffold_needs_state(state_dict: Callable[..., Any]) -> bool:
+    """Whether Core's ``DistributedOptimizer.state_dict`` (the loading scaffold) fails for a
+    torch Adam without state (0.16.1, 0.19.2: it asserts one step across the states; with TE
+    or Apex installed it reads the group step and does not), run on a stand-in."""
+    adam = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    stand_in = SimpleNamespace(optimizer=adam, grad_scaler=None)
+    try:
+        state_dict(stand_in)
+    except Exception:  # AssertionError: the defect; anything else: not shown to be fixed
         return True
     return False
 
@@ -241,7 +255,9 @@ def megatron_load_repairs(stack: Any) -> Iterator[int]:
                 continue
             seen.add(id(container))
             original_scaffold = getattr(container, "sharded_state_dict", None)
-            if callable(original_scaffold):
+            if callable(original_scaffold) and _scaffold_needs_state(
+                _function_of(container, "state_dict")
+            ):
                 patches.enter_context(
                     patch_attribute(
                         container,
