@@ -294,7 +294,8 @@ class HybridSyncOptimizer(OptimizerWrapper):
         return result
 
     def _end_load(self) -> None:
-        classes, self._allowed_for_load = self._allowed_for_load, ()
+        # The instance attribute exists only while a load is in progress (the class holds ()).
+        classes = self.__dict__.pop("_allowed_for_load", ())
         if classes:
             torch.serialization.safe_globals(list[Any](classes)).__exit__(None, None, None)
 
