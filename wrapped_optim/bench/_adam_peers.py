@@ -150,7 +150,7 @@ def quality_loss(factory: Factory, dtype: torch.dtype, steps: int = QUALITY_STEP
     ]
     optimizer = factory(params)
     rates = {float(group["lr"]) for group in optimizer.param_groups}
-    if rates != {_LR}:
+    if not all(math.isclose(rate, _LR, rel_tol=1e-6) for rate in rates):
         raise ValueError(f"the quality problem runs at lr {_LR}; the factory set {sorted(rates)}")
     w1, b1, w2, b2 = params
     inputs = x.to(dtype)
