@@ -16,7 +16,8 @@
  * - an FP8 code decoded in 16-bit lanes into the fp16 bits of its magnitude, then F16C: a
  *   normal E4M3 code c is the fp16 (c << 7) + 0x2000 (the exponent re-biased from 7 to 15);
  *   the eight subnormal ones (c < 8, multiples of 2^-9, all normal in fp16) come from a
- *   byte-shuffle table of their high bytes (their low bytes are zero); 0x7F is NaN. Exact,
+ *   byte-shuffle table of their high bytes (their low bytes are zero); 0x7F is the quiet
+ *   NaN 0x7E00 (FP32 0x7FC00000 after the conversion, the portable decode's NaN). Exact,
  *   and no subnormal fp16 or FP32 operand anywhere (Intel CPUs take a microcode assist for
  *   an instruction that reads one);
  * - an FP8 code encoded as in the AVX-512 loops: the saturated magnitude rounded by the FP32
@@ -71,9 +72,10 @@ WO_AVX2_INLINE void w_decode16(const void *base, int kind, __m256 mult, __m256 o
             _mm256_load_si256((const __m256i *)wo_e4m3_sub_high), index);
         __m256i h = _mm256_blendv_epi8(normal, sub,
                                        _mm256_cmpgt_epi16(_mm256_set1_epi16(8), mag));
-        /* 0x7F: (0x7F << 7) + 0x2000 | 0x7E00 has the fp16 exponent all ones: a NaN */
-        __m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F));
-        h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)));
+        /* 0x7F: the quiet NaN 0x7E00, as the portable decode (the same NaN bits reach the
+         * amax, and so the scale) */
+        h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7E00),
+                               _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F)));
         h = _mm256_or_si256(
             h, _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8)); /* sign */
         out[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), mult);
