@@ -289,3 +289,20 @@ def test_one_call_for_many_tensors_gives_each_tensors_own_bits() -> None:
             exp_avg_scales=[ms1], exp_avg_sq_scales=[vs1],
         )  # fmt: skip
         assert_same_bits(alone, [t[i] for t in (param, g, m, v, master, m_scale, v_scale)])
+
+
+@needs_kernel
+@needs_vector_loops
+@each_family
+def test_a_nan_code_gives_the_same_scale_bits_in_every_family(family: str) -> None:
+    """An FP8 NaN code (0x7F, 0xFF) decodes to the portable loops' quiet NaN, so the amax and
+    the new scale, NaN payload included, are bit for bit the portable loops' (the comparisons
+    above leave NaN payloads out)."""
+    n = 256 * 3 + 5
+    codes = torch.arange(n).remainder(256).to(torch.uint8)
+    columns = [torch.randn(n), torch.randn(n) * 1e-3, codes.clone(), codes.flip(0).clone(),
+               None, torch.tensor([0.01]), torch.tensor([1e-4])]  # fmt: skip
+    portable, vector = step_both_ways(columns, True, family)
+    for index in (5, 6):  # the new scales
+        assert bool(torch.isnan(portable[index]).all())
+        assert torch.equal(raw(portable[index]), raw(vector[index]))
