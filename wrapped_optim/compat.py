@@ -208,8 +208,9 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
 
     Source: Megatron-Bridge 0.6.2's helper of the same name and signature, which refreshes
     every level from the weights unconditionally -- after a full resume that drops the
-    restored masters' low bits; this follows the newer specification instead. Returns ``True`` when the stack has a hybrid offload optimizer (synced),
-    ``False`` (doing nothing) otherwise or for ``None``.
+    restored masters' low bits; this follows the newer specification instead. Returns ``True``
+    when the stack has a hybrid offload optimizer (synced), ``False`` (doing nothing) otherwise
+    or for ``None``.
 
     Example:
         >>> import torch
