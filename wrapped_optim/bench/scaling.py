@@ -169,9 +169,10 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def _exponent(rows: list[dict[str, Any]], key: str) -> float:
-    """The log-log slope of ``key`` against the size over the larger half of the sizes
-    (1: linear; above 1: superlinear)."""
-    tail = rows[len(rows) // 2 :] if len(rows) > 2 else rows
+    """The log-log least-squares slope of ``key`` against the size, over every size but the
+    smallest (whose fixed costs dominate) when there are three or more (1: linear; above 1:
+    superlinear)."""
+    tail = rows[1:] if len(rows) > 2 else rows
     if len(tail) < 2:
         return math.nan
     return _fit([math.log(r["params"]) for r in tail], [math.log(r[key]) for r in tail])[1]
@@ -232,7 +233,8 @@ def run(quick: bool = False) -> str:
         "and grad, two bf16 moments). The save's and the load's peak growth do not grow with "
         "the model: they are bounded by the largest tensor and the chunk size.",
         "",
-        f"Growth exponents (log-log slope over the larger half of the sizes; 1 = linear): "
+        "Growth exponents (log-log least-squares slope over every size but the smallest; "
+        f"1 = linear): "
         f"{exponents}.",
         "",
     ]

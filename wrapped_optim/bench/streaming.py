@@ -121,6 +121,7 @@ def _child(scenario: str, root: Path, n_tensors: int, numel: int, chunk_bytes: i
     gc.collect()
     reset_peak()
     base = proc_status("VmRSS")
+    cpu_start = time.process_time()  # every thread of the process (the journal's worker too)
     start = time.perf_counter()
     if scenario == "plain_save":
         sd = opt.state_dict()
@@ -143,8 +144,9 @@ def _child(scenario: str, root: Path, n_tensors: int, numel: int, chunk_bytes: i
     else:
         raise ValueError(scenario)
     seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start
     peak = proc_status("VmHWM") - base
-    print(json.dumps({"seconds": seconds, "peak_growth": peak, "digest": _digest(opt)}))
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_growth": peak, "digest": _digest(opt)}))
 
 
 def _run_child(
@@ -202,6 +204,7 @@ def run(quick: bool = False, rounds: int | None = None) -> str:
                 again = _run_child(scenario, root, n_tensors, numel, chunk_bytes)
                 best = results[scenario]
                 best["seconds"] = min(best["seconds"], again["seconds"])
+                best["cpu"] = min(best["cpu"], again["cpu"])
                 best["peak_growth"] = max(best["peak_growth"], again["peak_growth"])
                 if again["digest"] != best["digest"]:
                     best["digest"] = None
@@ -223,24 +226,25 @@ def run(quick: bool = False, rounds: int | None = None) -> str:
         f"streaming-checkpoint loads ran {rounds} times, interleaved: fastest time, largest "
         "growth.",
         "",
-        "| call | seconds | GB/s (expanded) | peak RSS growth MiB | x largest tensor "
-        "| state correct |",
-        "|---|---:|---:|---:|---:|:---:|",
+        "| call | seconds | CPU seconds | GB/s (expanded) | peak RSS growth MiB "
+        "| x largest tensor | state correct |",
+        "|---|---:|---:|---:|---:|---:|:---:|",
     ]
     for scenario in SCENARIOS:
         r = results[scenario]
         ok = "yes" if r["digest"] == saved else "NO"
         lines.append(
-            f"| {_LABELS[scenario]} | {r['seconds']:.2f} | {expanded / r['seconds'] / 1e9:.2f} "
+            f"| {_LABELS[scenario]} | {r['seconds']:.2f} | {r['cpu']:.2f} "
+            f"| {expanded / r['seconds'] / 1e9:.2f} "
             f"| {_mib(r['peak_growth'])} | {r['peak_growth'] / largest:.2f} | {ok} |"
         )
     growth = {name: r["peak_growth"] for name, r in results.items()}
     budget = 1.5 * largest + chunk_bytes  # target: 1.5x largest tensor + one chunk buffer
     save_ratio = results["stream_save"]["seconds"] / results["plain_save"]["seconds"]
     load_ratio = results["stream_load_stream_ckpt"]["seconds"] / results["plain_load"]["seconds"]
-    undo_ratio = (
-        results["stream_load_stream_ckpt"]["seconds"] / results["stream_load_not_atomic"]["seconds"]
-    )
+    atomic, not_atomic = results["stream_load_stream_ckpt"], results["stream_load_not_atomic"]
+    undo_ratio = atomic["seconds"] / not_atomic["seconds"]
+    undo_cpu = atomic["cpu"] / not_atomic["cpu"]
 
     def verdict(ok: bool) -> str:
         return "met" if ok else "NOT met"
@@ -260,7 +264,8 @@ def run(quick: bool = False, rounds: int | None = None) -> str:
         f"{_mib(growth['stream_load_not_atomic'])} MiB "
         f"({verdict(growth['stream_load_not_atomic'] <= budget)})",
         f"- the atomic load's undo journal: time {undo_ratio:.2f}x the same load with "
-        f"`atomic=False` ({verdict(undo_ratio <= 1.1)} for the 1.1x target)",
+        f"`atomic=False` ({verdict(undo_ratio <= 1.1)} for the 1.1x target); CPU time (all "
+        f"threads) {undo_cpu:.2f}x: the journal's worker needs a free core to overlap the reader",
         "",
         "Reading the numbers: the default streaming load is atomic: just before each read "
         "overwrites a region of the state, the region's bytes as stored (here bf16 moments, "
