@@ -622,10 +622,10 @@ def _read_and_apply(
     """Reads the state (``read()``) and installs it, all or nothing.
 
     Reading writes in place (FP32 state into the live tensors, compressed state quantized into
-    the holder's storage), so what the load may change is kept first (one copy of the leaf's
-    state as stored, its param-keyed tables and its params; the rollback utility's snapshot)
-    and put back if anything raises. A hybrid's state is read into new tensors and installed
-    by its own loader, which is all or nothing itself.
+    the holder's storage), so each region is journaled to disk just before it is written
+    (``planner.undo``, taken while planning) and the journal is replayed if anything raises;
+    it is closed (its file freed) either way. A hybrid's state is read into new tensors and
+    installed by its own loader, which is all or nothing itself.
     """
     try:
         read()
