@@ -297,9 +297,14 @@ def _damage_then_fail(
 
 def _flip_data_bytes(fd: int) -> None:
     size = os.fstat(fd).st_size
-    for offset in range(40, size, 97):  # past the first header: record data everywhere
-        byte = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
+    plain = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # the journal may use O_DIRECT
+    try:
+        for offset in range(40, size, 97):  # headers and record data everywhere
+            byte = os.pread(plain, 1, offset)
+            os.pwrite(plain, bytes([byte[0] ^ 0xFF]), offset)
+        os.fsync(plain)
+    finally:
+        os.close(plain)
 
 
 DAMAGE = {

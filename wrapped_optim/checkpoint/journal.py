@@ -22,6 +22,7 @@ file, at most ``piece_bytes`` at a time, and copied back if the load fails:
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import struct
 import tempfile
@@ -40,6 +41,8 @@ __all__ = ["UndoJournal"]
 _HEADER = struct.Struct("<8sQQI")  # magic, sequence number, byte count, CRC-32
 _MAGIC = b"WOUNDO01"
 _PENDING, _BUSY, _DONE, _FAILED = range(4)
+_ALIGN = 4096  # O_DIRECT transfers: offsets, lengths and buffers in whole blocks
+_BOUNCE = 8 << 20  # bytes of one O_DIRECT transfer (one aligned buffer per thread)
 
 
 @attrs.define(eq=False)
@@ -110,7 +113,7 @@ class UndoJournal:
         try:
             private = tempfile.mkdtemp(prefix=".wrapped_optim_undo_", dir=parent)
             try:
-                self._file = tempfile.TemporaryFile(dir=private, buffering=0)  # noqa: SIM115
+                self._fd, self._align = _open_nameless(private)
             finally:
                 os.rmdir(private)
         except OSError as exc:
@@ -119,7 +122,7 @@ class UndoJournal:
                 f"cannot create the atomic load's undo journal in {parent!r} ({exc}); pass "
                 "journal_dir= a writable local directory, or atomic=False",
             ) from exc
-        self._fd = self._file.fileno()
+        self._bounce = threading.local()  # per thread: an aligned buffer for O_DIRECT
         self._cond = threading.Condition()
         self._end = 0  # where the next record goes
         self._seq = 0
@@ -235,15 +238,61 @@ class UndoJournal:
             host = host.to("cpu")  # one piece of host memory
         host = host.contiguous()
         data = _host_bytes(host)
-        crc = zlib.crc32(data)
+        head = self._aligned(_HEADER.size)
         with self._cond:
             offset, seq = self._end, self._seq
-            self._end += _HEADER.size + len(data)
+            self._end += head + self._aligned(len(data))
             self._seq += 1
             self.written += len(data)
-        _pwrite_all(self._fd, _HEADER.pack(_MAGIC, seq, len(data), crc), offset)
-        _pwrite_all(self._fd, data, offset + _HEADER.size)
+        crc = self._put(data, offset + head)
+        header = _HEADER.pack(_MAGIC, seq, len(data), crc)
+        self._put(memoryview(header), offset)
         return _Record(piece, offset, len(data), crc, seq)
+
+    def _aligned(self, n: int) -> int:
+        return -(-n // self._align) * self._align
+
+    def _buffer(self) -> mmap.mmap:
+        """This thread's bounce buffer (page aligned) for O_DIRECT transfers."""
+        found: mmap.mmap | None = getattr(self._bounce, "buffer", None)
+        if found is None:
+            found = self._bounce.buffer = mmap.mmap(
+                -1, min(_BOUNCE, self._aligned(self.piece_bytes))
+            )
+        return found
+
+    def _put(self, data: memoryview, offset: int) -> int:
+        """Writes ``data`` at ``offset`` (through the bounce buffer, padded, under O_DIRECT);
+        returns its CRC-32."""
+        if self._align == 1:
+            _pwrite_all(self._fd, data, offset)
+            return zlib.crc32(data)
+        buffer, crc = self._buffer(), 0
+        view = memoryview(buffer)
+        for start in range(0, max(1, len(data)), len(buffer)):
+            part = data[start : start + len(buffer)]
+            view[: len(part)] = part
+            crc = zlib.crc32(view[: len(part)], crc)
+            view[len(part) : self._aligned(len(part))] = bytes(self._aligned(len(part)) - len(part))
+            _pwrite_all(self._fd, view[: self._aligned(len(part))], offset + start)
+        return crc
+
+    def _get(self, data: memoryview, offset: int) -> tuple[int, int]:
+        """Reads ``len(data)`` bytes at ``offset`` into ``data``: (bytes read, their CRC-32)."""
+        if self._align == 1:
+            got = os.preadv(self._fd, [data], offset) if len(data) else 0
+            return got, zlib.crc32(data)
+        buffer, crc, got = self._buffer(), 0, 0
+        view = memoryview(buffer)
+        for start in range(0, len(data), len(buffer)):
+            want = min(len(buffer), len(data) - start)
+            n = min(os.preadv(self._fd, [view[: self._aligned(want)]], offset + start), want)
+            data[start : start + n] = view[:n]
+            crc = zlib.crc32(view[:n], crc)
+            got += n
+            if n < want:
+                break
+        return got, crc
 
     # -- ending --------------------------------------------------------------------------
     def _halt(self) -> None:
@@ -272,8 +321,8 @@ class UndoJournal:
             )
 
     def _replay(self, record: _Record) -> None:
-        header = os.pread(self._fd, _HEADER.size, record.offset)
-        if len(header) != _HEADER.size:
+        header = bytearray(_HEADER.size)
+        if self._get(memoryview(header), record.offset)[0] != _HEADER.size:
             raise ValueError("missing (the journal is shorter than written)")
         magic, seq, nbytes, crc = _HEADER.unpack(header)
         if magic != _MAGIC or seq != record.seq or nbytes != record.nbytes or crc != record.crc:
@@ -282,9 +331,10 @@ class UndoJournal:
         direct = target.device.type == "cpu" and target.is_contiguous()
         host = target if direct else torch.empty(target.shape, dtype=target.dtype)
         data = _host_bytes(host)
-        if len(data) and os.preadv(self._fd, [data], record.offset + _HEADER.size) != nbytes:
+        got, found = self._get(data, record.offset + self._aligned(_HEADER.size))
+        if got != nbytes:
             raise ValueError("missing bytes (the journal is shorter than written)")
-        if zlib.crc32(data) != crc:
+        if found != crc:
             raise ValueError("checksum mismatch")
         if not direct:
             target.copy_(host)
@@ -296,13 +346,40 @@ class UndoJournal:
     def close(self) -> None:
         """Stops the worker and closes the file, which frees its blocks (it has no name)."""
         self._halt()
-        self._file.close()
+        self._bounce = threading.local()  # this thread's buffer goes (the worker's went)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> UndoJournal:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _open_nameless(directory: str) -> tuple[int, int]:
+    """A read-write file in ``directory`` that has no name (mode 0600), and the alignment its
+    transfers need: ``O_DIRECT`` where the filesystem takes it (no page cache: the kernel
+    neither copies the journal nor reclaims pages for it), else 1 (buffered)."""
+    flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+    tmpfile, direct = getattr(os, "O_TMPFILE", 0), getattr(os, "O_DIRECT", 0)
+    for extra, align in ((direct, _ALIGN), (0, 1)):
+        if align > 1 and not direct:
+            continue
+        try:
+            if tmpfile:
+                return os.open(directory, flags | tmpfile | extra, 0o600), align
+            fd, path = tempfile.mkstemp(dir=directory)
+            os.unlink(path)
+            if extra:
+                os.close(fd)
+                raise OSError(errno.EINVAL, "O_DIRECT needs O_TMPFILE here")
+            return fd, align
+        except OSError as exc:
+            if not extra or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EISDIR):
+                raise
+    raise OSError(errno.EINVAL, "cannot open a nameless file")  # unreachable
 
 
 def _free_bytes(fd: int) -> int:
