@@ -15,8 +15,11 @@ file, at most ``piece_bytes`` at a time, and copied back if the load fails:
 * each record carries a header (magic, sequence number, length) and the CRC-32 of its bytes,
   checked when it is replayed: a journal that cannot be replayed exactly raises
   :class:`~wrapped_optim.errors.RollbackError` rather than restoring wrong values silently;
-* CPU tensors are written from, and replayed into, their own memory (no host copy); device
-  tensors go through one host piece at a time.
+* where the filesystem takes ``O_DIRECT`` (local disks), the file bypasses the page cache:
+  each thread moves its pieces through one page-aligned 8 MiB buffer of its own, so the kernel
+  neither copies the journal nor reclaims page-cache pages for it; elsewhere (tmpfs) CPU
+  tensors are written from, and replayed into, their own memory. Device tensors go through
+  one host piece at a time.
 """
 
 from __future__ import annotations

@@ -543,7 +543,8 @@ def load_optimizer(
     optimizer back exactly as it was. For that, the bytes each read overwrites in place are
     first written to an undo journal on local disk (a nameless file in a private directory
     under ``journal_dir``, freed when the load ends, however it ends), so host memory stays at
-    the streaming bound (one tensor being read plus one chunk); the journal takes disk space
+    the streaming bound (one tensor being read plus one chunk, and two 8 MiB transfer
+    buffers); the journal takes disk space
     for the leaf optimizer's state as stored (plus its params under a wrapper). Too little
     room raises :class:`~wrapped_optim.errors.UndoJournalError` before the first read.
     ``atomic=False`` keeps no journal: the checks before the first read still apply, but a
