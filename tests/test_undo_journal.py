@@ -432,3 +432,27 @@ def test_the_default_atomic_load_keeps_no_copy_in_memory(
     monkeypatch.setattr(torch.Tensor, "clone", spying)
     load_module.load_optimizer(opt, tmp_path / "ckpt", chunk_bytes=CHUNK, journal_dir=tmp_path)
     assert cloned == []
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_journal_works_with_and_without_o_direct(
+    direct: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """O_DIRECT (bounce buffers, whole blocks) where the filesystem takes it, buffered
+    writes elsewhere (tmpfs, other systems): both put back the same bits, over pieces larger
+    than one bounce buffer and records that are not a whole number of blocks."""
+    if not direct:
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    monkeypatch.setattr(journal_module, "_BOUNCE", 8192)
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(5000, generator=g), torch.randn(7, 3, generator=g).t()]
+    before = [_bits(t) for t in tensors]
+    with UndoJournal(tmp_path, piece_bytes=12_000) as journal:
+        assert journal.direct == (direct and hasattr(os, "O_DIRECT"))
+        for t in tensors:
+            journal.keep_now(t)
+            t.zero_()
+        journal.rollback()
+    for t, old in zip(tensors, before, strict=True):
+        assert torch.equal(_bits(t), old)
+    assert list(tmp_path.iterdir()) == []

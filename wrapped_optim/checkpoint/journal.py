@@ -342,6 +342,11 @@ class UndoJournal:
         if not direct:
             target.copy_(host)
 
+    @property
+    def direct(self) -> bool:
+        """Whether the file is written with ``O_DIRECT`` (bypassing the page cache)."""
+        return self._align > 1
+
     def fileno(self) -> int:
         """The journal file's descriptor (it has no path)."""
         return self._fd
