@@ -1,9 +1,11 @@
 """What the tests of the compiled CPU kernel (and of what runs on it) share: the skip mark
-(one definition, so every file skips for the same, stated reason) and the operand builder
-for each master kind."""
+(one definition, so every file skips for the same, stated reason), the operand builder for
+each master kind and the loop families to run."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,3 +31,18 @@ def param_and_master(values: torch.Tensor, master: str) -> tuple[torch.Tensor, A
         return values.clone(), values.clone(), values
     param, remainder = codecs.split_master(values)
     return param, remainder, codecs.join_master(param, remainder)
+
+
+#: The fp16/FP8 moment loop families this CPU runs, fastest first (the portable loops at
+#: least): the tests that check those loops run each of them.
+CPU_FAMILIES = cpu_kernel.status().loop_families if cpu_kernel.available() else ("portable",)
+
+
+@contextlib.contextmanager
+def running(family: str) -> Iterator[None]:
+    """The kernel's fp16/FP8 moments run ``family`` inside; the fastest family afterwards."""
+    assert cpu_kernel.use_loops(family) == family
+    try:
+        yield
+    finally:
+        cpu_kernel.use_loops()

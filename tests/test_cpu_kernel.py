@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.kernel_support import needs_kernel, param_and_master
+from tests.kernel_support import CPU_FAMILIES, needs_kernel, param_and_master, running
 from wrapped_optim import codecs
 from wrapped_optim.optimizers import PrecisionAwareAdamW, _kernel_build, cpu_kernel
 
@@ -527,6 +527,31 @@ def test_disabled_by_environment(fresh_kernel: Path, monkeypatch: pytest.MonkeyP
     assert list(fresh_kernel.iterdir()) == []
 
 
+@needs_kernel
+def test_loop_family_chosen_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WRAPPED_OPTIM_CPU_LOOPS, read when the library is loaded (the cached build is reused):
+    each family this CPU has runs and status() says so; ``auto`` is the fastest; a family it
+    lacks, or an unknown name, leaves the kernel unavailable with the reason and the fix."""
+    missing = [f for f in cpu_kernel.LOOP_FAMILIES if f not in CPU_FAMILIES]
+    try:
+        for family in (*CPU_FAMILIES, "auto"):
+            monkeypatch.setenv("WRAPPED_OPTIM_CPU_LOOPS", f" {family.upper()} ")
+            cpu_kernel._reset_for_tests()
+            want = CPU_FAMILIES[0] if family == "auto" else family
+            assert cpu_kernel.status().loops == want
+        for bad in (*missing, "sse9"):
+            monkeypatch.setenv("WRAPPED_OPTIM_CPU_LOOPS", bad)
+            cpu_kernel._reset_for_tests()
+            s = cpu_kernel.status()
+            assert not s.available and s.reason is not None
+            assert s.reason.startswith(f"RuntimeError: WRAPPED_OPTIM_CPU_LOOPS={bad}: ")
+            assert "unset it or set it to auto or one of " + ", ".join(CPU_FAMILIES) in s.reason
+    finally:
+        monkeypatch.undo()
+        cpu_kernel._reset_for_tests()
+    assert cpu_kernel.status().loops == CPU_FAMILIES[0]
+
+
 def test_without_a_compiler(fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(fresh_kernel))
     monkeypatch.delenv("CC", raising=False)
@@ -553,18 +578,18 @@ def test_a_failing_compiler_leaves_no_files(
 
 @needs_kernel
 @pytest.mark.slow
-def test_a_compiler_without_the_avx512_intrinsics_gets_the_portable_loops(
+def test_a_compiler_without_the_vector_intrinsics_gets_the_portable_loops(
     fresh_kernel: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A compiler that cannot build the AVX-512 section still gets a kernel: the build is
-    retried without it (-DWO_NO_AVX512), and its steps give the same bits."""
+    """A compiler that cannot build the hand-written vector loops still gets a kernel: the
+    build is retried without them (-DWO_NO_VECTOR_LOOPS), and its steps give the same bits."""
     real = _kernel_build.find_compiler()
     assert real is not None
     bin_dir = tmp_path_factory.mktemp("bin")
-    fake = bin_dir / "no-avx512-cc"
+    fake = bin_dir / "no-vector-cc"
     fake.write_text(
-        "#!/bin/sh\ncase \" $* \" in *' -DWO_NO_AVX512 '*|*' --version '*) "
-        f'exec {real} "$@";; esac\necho "error: no AVX-512 intrinsics here" >&2\nexit 1\n'
+        "#!/bin/sh\ncase \" $* \" in *' -DWO_NO_VECTOR_LOOPS '*|*' --version '*) "
+        f'exec {real} "$@";; esac\necho "error: no vector intrinsics here" >&2\nexit 1\n'
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     columns = random_operands([3000], [("none", FP32, torch.float16, codecs.FP8_E4M3)], seed=3)
@@ -577,7 +602,7 @@ def test_a_compiler_without_the_avx512_intrinsics_gets_the_portable_loops(
     monkeypatch.setenv("CC", str(fake))
     cpu_kernel._reset_for_tests()
     s = cpu_kernel.status()
-    assert s.available and not s.vector_loops
+    assert s.available and s.loops == "portable" and s.loop_families == ("portable",)
     assert s.library is not None and s.library.parent == fresh_kernel
     cpu_kernel.adamw_step_(*columns, **hyper, exp_avg_scales=scales[0],
                            exp_avg_sq_scales=scales[1])  # fmt: skip
@@ -827,6 +852,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @needs_kernel
+@pytest.mark.parametrize("family", CPU_FAMILIES)
 @given(
     n=st.integers(1, 1500),
     master=st.sampled_from(MASTERS),
@@ -841,6 +867,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     seed=st.integers(0, 2**16),
 )
 def test_scaled_moments_equal_reference_and_codecs_bitwise(
+    family: str,
     n: int,
     master: str,
     grad_dtype: torch.dtype,
@@ -856,7 +883,8 @@ def test_scaled_moments_equal_reference_and_codecs_bitwise(
     """fp16/FP8 moments: decoded with the old scale, updated by the single-op reference,
     re-encoded with the scale of the new amax exactly as the codecs do it (amax, scale,
     multiplier, rounding, FP8 saturation), across subnormal, huge and non-finite values and
-    thread splits; the new scales are written into the scale tensors."""
+    thread splits; the new scales are written into the scale tensors. Each loop family this
+    CPU runs (the hand-written AVX-512 and AVX2 ones, the portable ones) on its own."""
     gen = torch.Generator().manual_seed(seed)
     values = torch.randn(n, generator=gen) * 3
     g32 = torch.randn(n, generator=gen) * magnitude
@@ -876,7 +904,7 @@ def test_scaled_moments_equal_reference_and_codecs_bitwise(
     )  # fmt: skip
     want_m_stored, want_m_scale = reference_moment(want_m, m_dtype)
     want_v_stored, want_v_scale = reference_moment(want_v, v_dtype)
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, running(family):
         mp.setattr(cpu_kernel, "_MIN_ELEMENTS_PER_THREAD", 1)
         mp.setattr(cpu_kernel, "_BLOCK_ELEMENTS", 64)
         cpu_kernel.adamw_step_(
@@ -902,12 +930,21 @@ def test_scaled_moments_equal_reference_and_codecs_bitwise(
 
 
 @needs_kernel
+@pytest.mark.parametrize("family", CPU_FAMILIES)
 @pytest.mark.parametrize("dtype", [FP16, FP8])
-def test_fp16_and_fp8_conversions_match_the_codecs_for_every_code(dtype: torch.dtype) -> None:
+def test_fp16_and_fp8_conversions_match_the_codecs_for_every_code(
+    dtype: torch.dtype, family: str
+) -> None:
     """lr = 0, beta1 = 0, beta2 = 1: the new exp_avg is the gradient, encoded under scale 1
     (its amax is the format's range): every finite code, every midpoint between neighbours
     (ties round to even) and points just off them, below the smallest subnormal and past the
-    range. The new exp_avg_sq is every finite code decoded with a scale, then re-encoded."""
+    range. The new exp_avg_sq is every finite code decoded with a scale, then re-encoded. In
+    each loop family this CPU runs."""
+    with running(family):
+        _check_every_code(dtype)
+
+
+def _check_every_code(dtype: torch.dtype) -> None:
     if dtype == FP16:
         codes = torch.arange(-(2**15), 2**15).to(torch.int16).view(FP16)
     else:

@@ -1,6 +1,8 @@
-"""The CPU kernel's hand-written AVX-512 loops for fp16/FP8 moments: where they run, and
-that they give the portable loops' bits for every format combination, tail length and
-special value; and that a step's bits do not depend on the caller's denormal flushing."""
+"""The CPU kernel's hand-written vector loops for fp16/FP8 moments (the AVX-512 and the AVX2
+family): which run where, how another is selected, and that each family this CPU has gives
+the portable loops' bits for every format combination, tail length and special value (an
+AVX-512 machine checks both families, an AVX2 one the AVX2 family); and that a step's bits do
+not depend on the caller's denormal flushing."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.kernel_support import needs_kernel, param_and_master
+from tests.kernel_support import CPU_FAMILIES, needs_kernel, param_and_master, running
 from wrapped_optim import codecs
 from wrapped_optim.optimizers import cpu_kernel
 
@@ -26,33 +28,41 @@ SCALED_PAIRS = [
 HYPER: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
                          "bias_correction1": 0.19, "bias_correction2": 0.0975}  # fmt: skip
 
-_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "f16c")
+# The CPU flags each hand-written family needs (/proc/cpuinfo's names).
+_FLAGS = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "f16c"),
+    "avx2": ("avx2", "f16c"),
+}
 
 
-def cpu_has_vector_loops() -> bool:
-    """What /proc/cpuinfo says about the instructions the AVX-512 loops need."""
+def cpu_loop_families() -> tuple[str, ...]:
+    """The families /proc/cpuinfo says this CPU can run, fastest first."""
     cpuinfo = Path("/proc/cpuinfo")
-    if platform.machine() != "x86_64" or not cpuinfo.exists():
-        return False
-    flags = next(
-        (line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
-         if line.startswith("flags")),
-        [],
-    )  # fmt: skip
-    return all(flag in flags for flag in _FLAGS)
+    flags: list[str] = []
+    if platform.machine() == "x86_64" and cpuinfo.exists():
+        flags = next(
+            (line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("flags")),
+            [],
+        )  # fmt: skip
+    return (*(f for f, need in _FLAGS.items() if all(x in flags for x in need)), "portable")
 
 
+#: The hand-written families this CPU runs, each checked against the portable loops.
+VECTOR_FAMILIES = [f for f in CPU_FAMILIES if f != "portable"]
 needs_vector_loops = pytest.mark.skipif(
-    not cpu_has_vector_loops(),
-    reason="this CPU lacks AVX-512 with VBMI and F16C: the portable loops are the only ones",
+    not VECTOR_FAMILIES,
+    reason="this CPU has neither AVX2 with F16C nor AVX-512: the portable loops are the only "
+    "ones (they are checked against torch in test_cpu_kernel.py)",
 )
+each_family = pytest.mark.parametrize("family", VECTOR_FAMILIES or ["none"])
 
 
-@pytest.fixture
-def portable_then_vector() -> Iterator[list[bool]]:
-    """Both loop kinds, portable first; the vector loops are back on afterwards."""
-    yield [False, True]
-    cpu_kernel._use_vector_loops(True)
+@pytest.fixture(autouse=True)
+def _fastest_loops_afterwards() -> Iterator[None]:
+    yield
+    if cpu_kernel.available():
+        cpu_kernel.use_loops()
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -99,19 +109,20 @@ def operands(
     return [param, g.to(g_dtype), m, v, master_t, m_scale, v_scale]
 
 
-def step_both_ways(columns: list[Any], adam_w_mode: bool, threads: int = 1) -> list[list[Any]]:
-    """The same step with the portable loops and with the vector loops, on copies."""
+def step_both_ways(
+    columns: list[Any], adam_w_mode: bool, family: str, threads: int = 1
+) -> list[list[Any]]:
+    """The same step with the portable loops and with ``family``'s, on copies."""
     results = []
-    for vector in (False, True):
-        assert cpu_kernel._use_vector_loops(vector) is vector
+    for loops in ("portable", family):
         ops = [None if t is None else t.clone() for t in columns]
         param, g, m, v, master, m_scale, v_scale = ops
-        cpu_kernel.adamw_step_(
-            [param], [g], [m], [v], [master], **HYPER, adam_w_mode=adam_w_mode,
-            num_threads=threads, exp_avg_scales=[m_scale], exp_avg_sq_scales=[v_scale],
-        )  # fmt: skip
+        with running(loops):
+            cpu_kernel.adamw_step_(
+                [param], [g], [m], [v], [master], **HYPER, adam_w_mode=adam_w_mode,
+                num_threads=threads, exp_avg_scales=[m_scale], exp_avg_sq_scales=[v_scale],
+            )  # fmt: skip
         results.append(ops)
-    cpu_kernel._use_vector_loops(True)
     return results
 
 
@@ -136,18 +147,29 @@ def assert_same_bits(portable: list[Any], vector: list[Any]) -> None:
 
 
 @needs_kernel
-def test_vector_loops_run_where_the_cpu_has_them() -> None:
-    """status() reports the AVX-512 loops exactly where the CPU has what they need, so the
-    comparisons below are not vacuous on such a machine."""
-    expected = cpu_has_vector_loops()
-    assert cpu_kernel.status().vector_loops is expected
-    assert cpu_kernel._use_vector_loops(True) is expected
-    assert cpu_kernel._use_vector_loops(False) is False
-    assert cpu_kernel._use_vector_loops(True) is expected
+def test_each_family_runs_where_the_cpu_has_it_and_can_be_selected() -> None:
+    """status() lists exactly the families the CPU has what they need for (so the comparisons
+    below are not vacuous on such a machine) and runs the fastest; use_loops switches to each
+    of them and back, and refuses one the CPU lacks or that does not exist."""
+    expected = cpu_loop_families()
+    s = cpu_kernel.status()
+    assert s.loop_families == expected
+    assert s.loops == expected[0]
+    for family in reversed(expected):
+        assert cpu_kernel.use_loops(family) == family
+        assert cpu_kernel.status().loops == family
+    assert cpu_kernel.use_loops() == expected[0] == cpu_kernel.status().loops
+    for missing in sorted(set(cpu_kernel.LOOP_FAMILIES) - set(expected)):
+        with pytest.raises(ValueError, match=f"cannot run the {missing} loops"):
+            cpu_kernel.use_loops(missing)
+    with pytest.raises(ValueError, match="unknown loop family 'sse9'; choose one of"):
+        cpu_kernel.use_loops("sse9")
+    assert cpu_kernel.status().loops == expected[0]  # a refusal changes nothing
 
 
 @needs_kernel
 @needs_vector_loops
+@each_family
 @settings(max_examples=150, deadline=None)
 @given(
     n=st.one_of(
@@ -162,22 +184,24 @@ def test_vector_loops_run_where_the_cpu_has_them() -> None:
     seed=st.integers(0, 2**16),
 )
 def test_vector_loops_give_the_portable_loops_bits(
-    n: int, master: str, g_dtype: torch.dtype, moments: tuple[torch.dtype, torch.dtype],
-    magnitude: float, specials: bool, adam_w_mode: bool, seed: int,
+    family: str, n: int, master: str, g_dtype: torch.dtype,
+    moments: tuple[torch.dtype, torch.dtype], magnitude: float, specials: bool,
+    adam_w_mode: bool, seed: int,
 ) -> None:  # fmt: skip
     """Every combination with an fp16/FP8 moment, any length (the masked tails of 16 and 64
     lanes), values from FP32 subnormals to overflow, NaN/inf/-0 gradients, both modes:
     params, masters, moments and new scales bitwise those of the portable loops."""
     columns = operands(n, master, g_dtype, *moments, magnitude, specials, seed)
-    assert_same_bits(*step_both_ways(columns, adam_w_mode))
+    assert_same_bits(*step_both_ways(columns, adam_w_mode, family))
 
 
 @needs_kernel
 @needs_vector_loops
+@each_family
 @pytest.mark.parametrize("dtype", [FP16, FP8])
 @pytest.mark.parametrize("scale", [1.0, 0.37, 3e-7, 2.5e5])
 def test_every_stored_code_decodes_and_encodes_as_in_the_portable_loops(
-    dtype: torch.dtype, scale: float
+    family: str, dtype: torch.dtype, scale: float
 ) -> None:
     """Every fp16 / FP8 bit pattern (NaNs, infinities, subnormals, both zeros) as both stored
     moments, under scales that push the new values over and under the range, with gradients
@@ -193,23 +217,25 @@ def test_every_stored_code_decodes_and_encodes_as_in_the_portable_loops(
     for adam_w_mode in (True, False):
         columns = [torch.randn(n), g, stored.clone(), stored.roll(1).clone(), None,
                    torch.tensor([scale]), torch.tensor([1.0 / scale])]  # fmt: skip
-        assert_same_bits(*step_both_ways(columns, adam_w_mode))
+        assert_same_bits(*step_both_ways(columns, adam_w_mode, family))
 
 
 @needs_kernel
 @needs_vector_loops
-def test_threads_split_the_vector_loops_without_changing_bits() -> None:
+@each_family
+def test_threads_split_the_vector_loops_without_changing_bits(family: str) -> None:
     """Several OpenMP threads over a tensor longer than a block, with an odd tail."""
     columns = operands(3 * 2**16 + 77, "remainder", BF16, FP16, FP8, 1e-3, True, seed=5)
-    portable, vector = step_both_ways(columns, True, threads=2)
+    portable, vector = step_both_ways(columns, True, family, threads=2)
     assert_same_bits(portable, vector)
-    _, one_thread = step_both_ways(columns, True, threads=1)
+    _, one_thread = step_both_ways(columns, True, family, threads=1)
     assert_same_bits(one_thread, vector)
 
 
 @needs_kernel
+@pytest.mark.parametrize("family", CPU_FAMILIES)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_caller_denormal_flushing_changes_no_bits(threads: int) -> None:
+def test_caller_denormal_flushing_changes_no_bits(threads: int, family: str) -> None:
     """torch.set_flush_denormal(True) sets the calling thread's flush-to-zero and
     denormals-are-zero flags; the kernel keeps denormals whatever they are (every subnormal
     operand and intermediate is exact), and restores the caller's flags afterwards. (The
@@ -225,10 +251,11 @@ def test_caller_denormal_flushing_changes_no_bits(threads: int) -> None:
                 pytest.skip("this CPU cannot flush denormals: nothing to check")
             ops = [None if t is None else t.clone() for t in columns]
             param, g, m, v, master, m_scale, v_scale = ops
-            cpu_kernel.adamw_step_(
-                [param], [g], [m], [v], [master], **HYPER, num_threads=threads,
-                exp_avg_scales=[m_scale], exp_avg_sq_scales=[v_scale],
-            )  # fmt: skip
+            with running(family):
+                cpu_kernel.adamw_step_(
+                    [param], [g], [m], [v], [master], **HYPER, num_threads=threads,
+                    exp_avg_scales=[m_scale], exp_avg_sq_scales=[v_scale],
+                )  # fmt: skip
             # The caller's setting is back: torch flushes a subnormal product again.
             tiny = torch.tensor([1e-39]) * torch.tensor([1.0])
             assert (float(tiny) == 0.0) is flush
@@ -262,3 +289,20 @@ def test_one_call_for_many_tensors_gives_each_tensors_own_bits() -> None:
             exp_avg_scales=[ms1], exp_avg_sq_scales=[vs1],
         )  # fmt: skip
         assert_same_bits(alone, [t[i] for t in (param, g, m, v, master, m_scale, v_scale)])
+
+
+@needs_kernel
+@needs_vector_loops
+@each_family
+def test_a_nan_code_gives_the_same_scale_bits_in_every_family(family: str) -> None:
+    """An FP8 NaN code (0x7F, 0xFF) decodes to the portable loops' quiet NaN, so the amax and
+    the new scale, NaN payload included, are bit for bit the portable loops' (the comparisons
+    above leave NaN payloads out)."""
+    n = 256 * 3 + 5
+    codes = torch.arange(n).remainder(256).to(torch.uint8)
+    columns = [torch.randn(n), torch.randn(n) * 1e-3, codes.clone(), codes.flip(0).clone(),
+               None, torch.tensor([0.01]), torch.tensor([1e-4])]  # fmt: skip
+    portable, vector = step_both_ways(columns, True, family)
+    for index in (5, 6):  # the new scales
+        assert bool(torch.isnan(portable[index]).all())
+        assert torch.equal(raw(portable[index]), raw(vector[index]))

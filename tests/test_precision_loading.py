@@ -235,7 +235,8 @@ def test_streaming_load_reads_unscaled_states_straight_into_storage(
     """``load_optimizer`` reads bf16 (and FP32, remainder) states straight into the live
     storage, with no FP32 accumulator of the tensor (there used to be one: 4 bytes per
     element); fp16/FP8 states still gather one (their scale needs the whole tensor's amax).
-    The atomic load adds one copy of the state as stored."""
+    The atomic load adds no host memory: its undo journal is on disk (it used to keep one
+    copy of the state as stored)."""
     from wrapped_optim.checkpoint import load_optimizer, save_optimizer
 
     n, chunk = 4_000_000, 1 << 20
@@ -245,7 +246,7 @@ def test_streaming_load_reads_unscaled_states_straight_into_storage(
     storage = _storage(opt)
     stored = sum(t.numel() * t.element_size() for t in storage.values())
     peak = peak_cpu_bytes(lambda: load_optimizer(opt, tmp_path, chunk_bytes=chunk, atomic=atomic))
-    assert peak <= (stored if atomic else 0) + 3 * chunk, peak  # DCP's read item, ours: none
+    assert peak <= 3 * chunk < stored / 2, peak  # DCP's read item, ours: none, atomic or not
     assert all(opt.state[params[0]][name] is t for (_, name), t in storage.items())
     expected = PrecisionAwareAdamW(
         clone_params(params), lr=1e-2, weight_decay=0.1, **CONFIGS["bf16-moments"]

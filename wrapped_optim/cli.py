@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="print versions and the CPU kernel's status (for bug reports)",
         description="Prints the versions of wrapped-optim, Python, torch, CUDA and the "
         "optional frameworks (megatron-core, Transformer Engine, Triton, ...), and the CPU "
-        "AdamW kernel's status, vector loops, library and cache directory.",
+        "AdamW kernel's status, loop families, library and cache directory.",
     )
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -55,16 +55,12 @@ def _kernel_rows() -> list[tuple[str, str]]:
     status = cpu_kernel.status()
     if status.available:
         state = "available" + (", OpenMP threads" if status.parallel else ", one thread")
-        loops = (
-            "hand-written AVX-512 loops for fp16/FP8 moments"
-            if status.vector_loops
-            else "portable loops (compiler-vectorized)"
-        )
         packaged = status.library is not None and status.library.parent == _kernel_build.SOURCE_DIR
         origin = "built with the package" if packaged else "built at run time into the cache"
         rows = [
             ("CPU kernel", state),
-            ("kernel vector loops", loops),
+            ("kernel loops", f"{status.loops} (fp16/FP8 moments)"),
+            ("kernel loop families", ", ".join(status.loop_families)),
             ("kernel library", f"{status.library} ({origin})"),
         ]
     else:
@@ -79,7 +75,7 @@ def _kernel_rows() -> list[tuple[str, str]]:
 
 def collect() -> list[tuple[str, str]]:
     """``(label, value)`` rows: wrapped-optim, Python, platform, torch and CUDA, the optional
-    frameworks' versions, the CPU kernel's status, vector loops, library and cache. Builds
+    frameworks' versions, the CPU kernel's status, loop families, library and cache. Builds
     (or loads) the kernel as its first use would.
 
     Example:

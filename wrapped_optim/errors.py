@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["OptimizerCheckpointError"]
+__all__ = ["OptimizerCheckpointError", "RollbackError", "UndoJournalError"]
 
 
 class OptimizerCheckpointError(ValueError):
@@ -31,4 +31,32 @@ class OptimizerCheckpointError(ValueError):
         param 0: state 'exp_avg' has shape (4,), the param has (3,)
         >>> len(other.state)  # untouched
         0
+    """
+
+
+class UndoJournalError(OSError):
+    """The atomic streaming load could not write its undo journal (no space, an I/O error).
+
+    Raised by :func:`wrapped_optim.checkpoint.load_optimizer` before the first read when the
+    journal's filesystem has too little room, or when a journal write fails while reading; in
+    both cases the optimizer is left exactly as it was. Pass ``journal_dir=`` a local
+    directory with room, or ``atomic=False``.
+
+    Example:
+        >>> import errno
+        >>> error = UndoJournalError(errno.ENOSPC, "the undo journal needs 4,096 bytes")
+        >>> isinstance(error, OSError), error.errno == errno.ENOSPC
+        (True, True)
+    """
+
+
+class RollbackError(RuntimeError):
+    """A failed load could not be undone: its undo journal was missing or damaged.
+
+    The optimizer is then partly loaded; load a good checkpoint into it before training. The
+    load's own failure is the error's ``__context__``.
+
+    Example:
+        >>> str(RollbackError("record 3: checksum mismatch"))
+        'record 3: checksum mismatch'
     """

@@ -8,13 +8,15 @@ round with torch's fused AdamW on parameters of the same dtype, DeepSpeed's ``De
 bandwidth at that moment; each figure is the best of its rounds, so load from other processes
 hits all of them alike. The floor of a configuration is the bytes it must move per parameter
 (every stored operand read once, every updated one written once) over the triad's bandwidth.
+The peers of :mod:`wrapped_optim.bench._adam_peers` (torchao, bitsandbytes, torch-optimi,
+DeepSpeed; optional) get rows of their own, and every row a quality figure: its training loss
+on a small problem against FP32 AdamW's.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import os
 import platform
 import statistics
@@ -26,9 +28,10 @@ from typing import Any
 import attrs
 import torch
 
+from wrapped_optim.bench._adam_peers import QUALITY_STEPS, peers, quality_loss
 from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
 
-__all__ = ["CONFIGS", "TARGET_CONFIG", "Config", "deepspeed_adam", "run", "state_bytes_per_param"]
+__all__ = ["CONFIGS", "TARGET_CONFIG", "Config", "run", "state_bytes_per_param"]
 
 BF16, FP32, FP8, FP16 = torch.bfloat16, torch.float32, torch.uint8, torch.float16
 #: The configuration the headline target is about (fp32 params, bf16 moments).
@@ -47,7 +50,8 @@ def _ours(**kwargs: Any) -> Factory:
 @attrs.frozen
 class Config:
     """One benchmarked optimizer: its label, parameter dtype, factory, the bytes per parameter
-    a step must move at least (``traffic`` says which) and the x-fused target of issue 16.
+    a step must move at least (``traffic`` says which), the x-fused target (issues 16 and 29),
+    the fp16/FP8 loop family it runs and the class of the summary table it belongs to.
 
     Example:
         >>> from wrapped_optim.bench.precision_adam import CONFIGS
@@ -61,36 +65,54 @@ class Config:
     bytes_moved: float
     traffic: str
     target: float | None = None
-    portable_loops: bool = False  # fp16/FP8 moments without the AVX-512 loops (comparison)
+    # The fp16/FP8 moment loop family to run (cpu_kernel.LOOP_FAMILIES; None: the fastest this
+    # CPU has): the AVX2 rows measure the AVX2 loops on an AVX-512 machine too.
+    loops: str | None = None
+    group: str | None = None
 
 
 _FP32_TRAFFIC = "p 4+4, g 4, m 4+4, v 4+4"
 _SCALED_PARAMS = {"exp_avg_dtype": FP8, "exp_avg_sq_dtype": FP8}
+_FP8_FP32 = "8-bit moments"
+_FP8_BF16 = "bf16 params + remainders + FP8 moments"
+_REMAINDERS = "bf16 params + remainders / FP32 master"
 CONFIGS: list[Config] = [
     Config("torch AdamW foreach", FP32, lambda ps: torch.optim.AdamW(ps, foreach=True), 28,
            _FP32_TRAFFIC),
-    Config("ours fp32 state", FP32, _ours(), 28, _FP32_TRAFFIC),
-    Config(TARGET_CONFIG, FP32, _ours(**_BF16_MOMENTS), 20, "p 4+4, g 4, m 2+2, v 2+2", 0.85),
+    Config("ours fp32 state", FP32, _ours(), 28, _FP32_TRAFFIC, group="FP32 state"),
+    Config(TARGET_CONFIG, FP32, _ours(**_BF16_MOMENTS), 20, "p 4+4, g 4, m 2+2, v 2+2", 0.85,
+           group="bf16 moments, FP32 params"),
     Config("ours bf16 moments, no CPU kernel (cpu_kernel=False)", FP32,
            _ours(**_BF16_MOMENTS, **_NO_KERNEL), 20, "p 4+4, g 4, m 2+2, v 2+2"),
     Config("ours fp16 m + FP8 v", FP32, _ours(exp_avg_dtype=FP16, exp_avg_sq_dtype=FP8), 25,
-           "pass 1: g 4, m 2, v 1; pass 2: p 4+4, g 4, m 2+2, v 1+1", 1.5),
+           "pass 1: g 4, m 2, v 1; pass 2: p 4+4, g 4, m 2+2, v 1+1", 1.3,
+           group="fp16 m + FP8 v"),
+    Config("ours fp16 m + FP8 v, AVX2 loops", FP32,
+           _ours(exp_avg_dtype=FP16, exp_avg_sq_dtype=FP8), 25, "as above", 1.5, loops="avx2",
+           group="fp16 m + FP8 v"),
     Config("ours FP8 moments", FP32, _ours(**_SCALED_PARAMS), 22,
-           "pass 1: g 4, m 1, v 1; pass 2: p 4+4, g 4, m 1+1, v 1+1", 1.5),
-    Config("ours FP8 moments, portable loops (no AVX-512 VBMI)", FP32,
-           _ours(**_SCALED_PARAMS), 22, "as above", portable_loops=True),
+           "pass 1: g 4, m 1, v 1; pass 2: p 4+4, g 4, m 1+1, v 1+1", 1.3, group=_FP8_FP32),
+    Config("ours FP8 moments, AVX2 loops", FP32, _ours(**_SCALED_PARAMS), 22, "as above", 1.5,
+           loops="avx2", group=_FP8_FP32),
+    Config("ours FP8 moments, portable loops", FP32, _ours(**_SCALED_PARAMS), 22, "as above",
+           loops="portable"),
     Config("ours FP8 moments, no CPU kernel (cpu_kernel=False)", FP32,
            _ours(**_SCALED_PARAMS, **_NO_KERNEL), 22, "as above"),
     Config("ours bf16 params + bf16 moments", BF16, _ours(**_BF16_MOMENTS), 14,
-           "p 2+2, g 2, m 2+2, v 2+2"),
+           "p 2+2, g 2, m 2+2, v 2+2", group="bf16 params + bf16 moments"),
     Config("ours bf16 params + remainders + bf16 moments", BF16,
            _ours(**_MASTER, store_param_remainders=True, **_BF16_MOMENTS), 18,
-           "p 2+2, rem 2+2, g 2, m 2+2, v 2+2"),
+           "p 2+2, rem 2+2, g 2, m 2+2, v 2+2", group=_REMAINDERS),
     Config("ours bf16 params + fp32 master + bf16 moments", BF16,
-           _ours(**_MASTER, **_BF16_MOMENTS), 20, "p 2, master 4+4, g 2, m 2+2, v 2+2"),
+           _ours(**_MASTER, **_BF16_MOMENTS), 20, "p 2, master 4+4, g 2, m 2+2, v 2+2",
+           group=_REMAINDERS),
     Config("ours bf16 params + remainders + FP8 moments", BF16,
            _ours(**_MASTER, store_param_remainders=True, **_SCALED_PARAMS), 20,
-           "pass 1: g 2, m 1, v 1; pass 2: p 2+2, rem 2+2, g 2, m 1+1, v 1+1", 1.5),
+           "pass 1: g 2, m 1, v 1; pass 2: p 2+2, rem 2+2, g 2, m 1+1, v 1+1", 1.3,
+           group=_FP8_BF16),
+    Config("ours bf16 params + remainders + FP8 moments, AVX2 loops", BF16,
+           _ours(**_MASTER, store_param_remainders=True, **_SCALED_PARAMS), 20, "as above",
+           1.5, loops="avx2", group=_FP8_BF16),
 ]  # fmt: skip
 
 
@@ -126,35 +148,6 @@ def _model(dtype: torch.dtype, numel: int) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(part, generator=gen).to(dtype)) for _ in range(4)]
 
 
-def deepspeed_adam() -> tuple[Factory | None, str]:
-    """DeepSpeed's ``DeepSpeedCPUAdam`` factory and a description, or None and why not.
-
-    It is imported with ``DS_ACCELERATOR=cpu`` (unless set otherwise), which makes DeepSpeed
-    build its CPU Adam op with the system compiler on first use (``pip install
-    'wrapped-optim[bench]'``).
-
-    Example:
-        >>> from wrapped_optim.bench.precision_adam import deepspeed_adam
-        >>> factory, why = deepspeed_adam()
-        >>> factory is not None or why.startswith("DeepSpeedCPUAdam skipped")
-        True
-    """
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        # Imported by name: deepspeed is an optional extra (``bench``), absent in CI.
-        deepspeed = importlib.import_module("deepspeed")
-        cpu_adam = importlib.import_module("deepspeed.ops.adam").DeepSpeedCPUAdam
-        probe = [torch.nn.Parameter(torch.zeros(64))]
-        probe[0].grad = torch.ones(64)
-        cpu_adam(probe, lr=1e-3, adamw_mode=True).step()  # builds the op
-    except Exception as exc:  # ImportError, a failed build, an unsupported platform
-        return None, f"DeepSpeedCPUAdam skipped: {type(exc).__name__}: {str(exc)[:300]}"
-    return (
-        lambda ps: cpu_adam(ps, lr=1e-3, adamw_mode=True),
-        f"DeepSpeedCPUAdam from deepspeed {deepspeed.__version__} (FP32 params and state)",
-    )
-
-
 def _triad(numel: int) -> Callable[[], float]:
     """A STREAM-like triad ``a = a + s * b`` over two FP32 arrays of ``2 * numel`` elements
     (a working set like the optimizer's, far beyond the caches at the sizes measured); one
@@ -174,7 +167,7 @@ def _triad(numel: int) -> Callable[[], float]:
 @attrs.frozen
 class _Timed:
     best_ms: float
-    median_ms: float
+    median_ms: float  # of the configuration's rounds
     fused_ms: float
     deepspeed_ms: float | None
     bandwidth: float  # best triad bytes per second during the rounds
@@ -206,14 +199,14 @@ def _time_config(
         for k, (opt, params) in enumerate(runs):
             for j, p in enumerate(params):
                 p.grad = grads[p.dtype][(i + j) % 2]
-            portable = k == 0 and config.portable_loops
-            if portable:
-                cpu_kernel._use_vector_loops(False)
+            chosen = k == 0 and config.loops is not None
+            if chosen:
+                cpu_kernel.use_loops(config.loops)
             start = time.perf_counter()
             opt.step()
             elapsed = time.perf_counter() - start
-            if portable:
-                cpu_kernel._use_vector_loops(True)
+            if chosen:
+                cpu_kernel.use_loops()
             if i > 0:  # the first step also allocates the state
                 times[k].append(elapsed)
         bandwidth = max(bandwidth, triad())
@@ -236,9 +229,40 @@ def _cpu_hz() -> float | None:
     return None
 
 
+def _rows() -> tuple[list[Config], list[str]]:
+    """Our configurations this CPU runs (a loop family it lacks is a skip reason) and the
+    peers that run here (the others are skip reasons)."""
+    families = cpu_kernel.status().loop_families
+    rows, skipped = [], []
+    for config in CONFIGS:
+        if config.loops is None or config.loops in families:
+            rows.append(config)
+        else:
+            skipped.append(f"{config.label} skipped: this CPU runs {', '.join(families)}")
+    found, peer_skips = peers()
+    rows += [Config(p.label, p.dtype, p.factory, p.bytes_moved, p.traffic, group=p.group)
+             for p in found]  # fmt: skip
+    return rows, skipped + peer_skips
+
+
+def _quality(config: Config) -> float:
+    if config.loops is None:
+        return quality_loss(config.factory, config.dtype)
+    cpu_kernel.use_loops(config.loops)
+    try:
+        return quality_loss(config.factory, config.dtype)
+    finally:
+        cpu_kernel.use_loops()
+
+
+_DEEPSPEED_FP32 = "DeepSpeedCPUAdam (FP32)"
+# One cell of the measurements: (parameters, threads) -> label -> x torch fused.
+_Cells = dict[tuple[int, int], dict[str, float]]
+
+
 def run(quick: bool = False, sizes: list[int] | None = None) -> str:
-    """Measure every configuration; return a Markdown section with the tables (``sizes``
-    overrides the parameter counts, e.g. for a smoke test).
+    """Measure every configuration and peer; return a Markdown section with the tables
+    (``sizes`` overrides the parameter counts, e.g. for a smoke test).
 
     Example:
         >>> from wrapped_optim.bench.precision_adam import run
@@ -252,19 +276,22 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> str:
     thread_counts = [1, 2] if (os.cpu_count() or 1) >= 2 else [1]
     kernel = cpu_kernel.status()
     loops = (
-        "hand-written AVX-512 loops for fp16/FP8 moments"
-        if kernel.vector_loops
-        else "portable loops for fp16/FP8 moments (this CPU lacks AVX-512 VBMI or F16C)"
+        f"fp16/FP8 moments run the {kernel.loops} loops unless a row names others; this CPU "
+        f"runs {', '.join(kernel.loop_families)}"
     )
     kernel_line = (
         f"CPU kernel: built ({kernel.library.name if kernel.library else '?'}; {loops})."
         if kernel.available
         else f"CPU kernel: unavailable ({kernel.reason}); its rows fall back to torch ops."
     )
-    peer, peer_line = deepspeed_adam()
+    rows, skipped = _rows()
+    deepspeed = next((c.factory for c in rows if c.label == _DEEPSPEED_FP32), None)
+    reference = quality_loss(lambda ps: torch.optim.AdamW(ps, foreach=False), FP32)
+    quality = {c.label: _quality(c) / reference for c in rows}
+    load_before = os.getloadavg()
     hz = _cpu_hz()
     lines = [
-        "## PrecisionAwareAdamW vs torch and DeepSpeed, against the memory-bandwidth floor",
+        "## PrecisionAwareAdamW vs torch and its peers, against the memory-bandwidth floor",
         "",
         f"torch {torch.__version__}, {platform.processor() or platform.machine()}"
         f"{f' at {hz / 1e9:.2f} GHz' if hz else ''}, {' and '.join(map(str, thread_counts))} "
@@ -278,70 +305,51 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> str:
         "step must move per parameter (each stored operand read once, each updated one "
         "written once; fp16/FP8 moments take two passes, the first reading only what the new "
         "amax needs); `x floor` is the best time over `bytes * n / bandwidth`; `cycles` is "
-        "CPU cycles per parameter (best time x clock x threads / n). "
+        "CPU cycles per parameter (best time x clock x threads / n); `loss x FP32` is the "
+        f"training loss after {QUALITY_STEPS} steps (lr 1e-3) of a 64-256-64 tanh network "
+        "fitting a random teacher, with parameters in the row's dtype, over the loss of "
+        "torch's FP32 AdamW on FP32 parameters (1.00: as good; a wrong or imprecise "
+        "optimizer shows here however fast it is). "
         + kernel_line
-        + " "
-        + peer_line
+        + " Peers: "
+        + (", ".join(c.label for c in rows if c.group and not c.label.startswith("ours"))
+           or "none")
         + ".",
         "",
-    ]
+        *[f"- {reason}" for reason in skipped],
+        *([""] if skipped else []),
+    ]  # fmt: skip
     verdicts: list[str] = []
+    cells: _Cells = {}
     try:
         for numel in sizes:
             for t in thread_counts:
                 torch.set_num_threads(t)
                 triad = _triad(numel)
-                results = [(c, _time_config(c, numel, rounds[numel], peer, triad))
-                           for c in CONFIGS]  # fmt: skip
+                results = [(c, _time_config(c, numel, rounds[numel], deepspeed, triad))
+                           for c in rows]  # fmt: skip
                 del triad
                 gc.collect()
-                bandwidth = max(r.bandwidth for _, r in results)
-                ds = [r.deepspeed_ms for _, r in results if r.deepspeed_ms is not None]
-                ds_ms = min(ds) if ds else None
-                fp32_fused = min(r.fused_ms for c, r in results if c.dtype == FP32)
-                lines += [
-                    f"### {numel / 1e6:g}M parameters, {t} thread{'s' if t > 1 else ''}",
-                    "",
-                    f"Triad bandwidth: {bandwidth / 1e9:.2f} GB/s. torch fused AdamW (FP32, "
-                    f"28 bytes): {fp32_fused:.1f} ms, x floor "
-                    f"{fp32_fused / (28 * numel / bandwidth * 1e3):.2f}."
-                    + (
-                        f" DeepSpeedCPUAdam (FP32, 28 bytes): {ds_ms:.1f} ms, x floor "
-                        f"{ds_ms / (28 * numel / bandwidth * 1e3):.2f}."
-                        if ds_ms is not None else ""
-                    ),
-                    "",
-                    "| configuration | param dtype | bytes | best / median ms | x torch fused "
-                    "| x floor | x DeepSpeed | cycles | state B/param |",
-                    "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-                ]  # fmt: skip
-                for config, r in results:
-                    floor_ms = config.bytes_moved * numel / bandwidth * 1e3
-                    x_fused = r.best_ms / r.fused_ms
-                    x_ds = f"{r.best_ms / ds_ms:.2f}" if ds_ms is not None else "n/a"
-                    cycles = f"{r.best_ms * 1e-3 * hz * t / numel:.1f}" if hz else "n/a"
-                    lines.append(
-                        f"| {config.label} | {str(config.dtype).removeprefix('torch.')} | "
-                        f"{config.bytes_moved:g} | {r.best_ms:.1f} / {r.median_ms:.1f} | "
-                        f"{x_fused:.2f} | {r.best_ms / floor_ms:.2f} | {x_ds} | {cycles} | "
-                        f"{r.state_bytes:.2f} |"
-                    )
-                    verdicts.append(
-                        _verdict(config, numel, t, x_fused, r.best_ms / floor_ms, r.best_ms,
-                                 ds_ms)
-                    )  # fmt: skip
-                lines.append("")
+                lines += _size_table(numel, t, results, hz, quality, verdicts)
+                cells[numel, t] = {c.label: r.best_ms / r.fused_ms for c, r in results}
     finally:
         torch.set_num_threads(default_threads)
+    load_after = os.getloadavg()
     lines += [
-        "### Targets (issue 16)",
+        f"Machine load (1-minute load average, {os.cpu_count()} CPUs) at the start and the "
+        f"end: {load_before[0]:.1f} and {load_after[0]:.1f}: other processes shared the "
+        "cores, which the interleaved rounds and best-of-N figures spread over all rows alike.",
+        "",
+        *_class_table(rows, cells),
+        "### Targets (issues 16 and 29)",
         "",
         "bf16 moments: <= 0.85x torch's fused FP32 step and <= 1.2x the floor; fp16/FP8 "
-        "moments: <= 1.5x torch fused; every kernel configuration faster than "
-        "DeepSpeedCPUAdam, or the gap explained by bytes moved.",
+        "moments: <= 1.3x torch fused with the AVX-512 loops, <= 1.5x with the AVX2 loops; "
+        "every kernel configuration faster than DeepSpeedCPUAdam, or the gap explained by "
+        "bytes moved and cycles per parameter.",
         "",
-        "| size | threads | configuration | x fused | x floor | vs DeepSpeed | verdict |",
-        "|---|---:|---|---:|---:|---:|---|",
+        "| size | threads | configuration | x fused | x floor | vs DeepSpeed | cycles | verdict |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
         *[v for v in verdicts if v],
         "",
         "How: torch's fused AdamW needs parameter, gradient and moments in one dtype. The "
@@ -352,31 +360,123 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> str:
         "28 for torch's all-FP32 step. fp16/FP8 moments take two passes: the first computes "
         "the new moments only to find their amax (the new per-tensor scale needs the whole "
         "tensor), the second redoes the same arithmetic and encodes with the new scales, so "
-        "memory stays bounded and the bits equal the codecs'. On a CPU with AVX-512 VBMI and "
-        "F16C those passes run hand-written loops (hardware fp16 conversions, FP8 decoded "
-        "through byte tables, 16 FP32 lanes a vector), bitwise equal to the portable loops "
-        "the `portable loops` row runs. Without the kernel "
-        "(`cpu_kernel=False`, or no C compiler) each slice is expanded to FP32, updated by "
-        "torch's fused kernel and re-encoded: several extra passes.",
+        "memory stays bounded and the bits equal the codecs'. Those passes run hand-written "
+        "loops: AVX-512 (VBMI byte tables, 16 FP32 lanes) or AVX2 (F16C, a byte-shuffle table, "
+        "8 lanes; the `AVX2 loops` rows force them on an AVX-512 machine with "
+        "`cpu_kernel.use_loops`), bitwise equal to the portable loops the `portable loops` "
+        "row runs. Without the kernel (`cpu_kernel=False`, or no C compiler) each slice is "
+        "expanded to FP32, updated by torch's fused kernel and re-encoded: several extra "
+        "passes.",
         "",
         "Reproduce: `wrapped-optim bench precision_adam --out DIR` (`--quick`: 1M parameters "
-        "only) or `python -m wrapped_optim.bench.precision_adam`. DeepSpeed's row needs "
-        "`pip install 'wrapped-optim[bench]'` and a C++ compiler.",
+        "only) or `python -m wrapped_optim.bench.precision_adam`. The peers' rows need "
+        "`pip install 'wrapped-optim[bench]' torch==2.13.0` (torchao, bitsandbytes, "
+        "torch-optimi, deepspeed) and a C++ compiler; a peer that is missing or fails is "
+        "listed as skipped with the reason.",
         "",
     ]
     return "\n".join(lines)
 
 
+def _size_table(
+    numel: int, t: int, results: list[tuple[Config, _Timed]], hz: float | None,
+    quality: dict[str, float], verdicts: list[str],
+) -> list[str]:  # fmt: skip
+    """The table of one size and thread count (appending each row's verdict)."""
+    bandwidth = max(r.bandwidth for _, r in results)
+    ds = [r.deepspeed_ms for _, r in results if r.deepspeed_ms is not None]
+    ds_ms = min(ds) if ds else None
+    fp32_fused = min(r.fused_ms for c, r in results if c.dtype == FP32)
+    lines = [
+        f"### {numel / 1e6:g}M parameters, {t} thread{'s' if t > 1 else ''}",
+        "",
+        f"Triad bandwidth: {bandwidth / 1e9:.2f} GB/s. torch fused AdamW (FP32, 28 bytes): "
+        f"{fp32_fused:.1f} ms, x floor {fp32_fused / (28 * numel / bandwidth * 1e3):.2f}."
+        + (
+            f" DeepSpeedCPUAdam (FP32, 28 bytes): {ds_ms:.1f} ms, x floor "
+            f"{ds_ms / (28 * numel / bandwidth * 1e3):.2f}."
+            if ds_ms is not None else ""
+        ),
+        "",
+        "| configuration | param dtype | bytes | best / median ms | x torch fused | x floor "
+        "| x DeepSpeed | cycles | state B/param | loss x FP32 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for config, r in results:
+        floor_ms = config.bytes_moved * numel / bandwidth * 1e3
+        x_fused = r.best_ms / r.fused_ms
+        x_ds = f"{r.best_ms / ds_ms:.2f}" if ds_ms is not None else "n/a"
+        cycles = r.best_ms * 1e-3 * hz * t / numel if hz else None
+        lines.append(
+            f"| {config.label} | {str(config.dtype).removeprefix('torch.')} | "
+            f"{config.bytes_moved:g} | {r.best_ms:.1f} / {r.median_ms:.1f} | "
+            f"{x_fused:.2f} | {r.best_ms / floor_ms:.2f} | {x_ds} | "
+            f"{'n/a' if cycles is None else f'{cycles:.1f}'} | {r.state_bytes:.2f} | "
+            f"{quality[config.label]:.2f} |"
+        )
+        verdicts.append(
+            _verdict(config, numel, t, x_fused, r.best_ms / floor_ms, r.best_ms, ds_ms, cycles)
+        )
+    return [*lines, ""]
+
+
+def _span(values: list[float]) -> str:
+    if not values:
+        return "-"
+    low, high = min(values), max(values)
+    return f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}"
+
+
+def _class_table(rows: list[Config], cells: _Cells) -> list[str]:
+    """Issue 29's table: per class, ours (each loop family) and the fastest peer, x torch
+    fused on parameters of the same dtype, over every size and thread count measured."""
+    groups = list(dict.fromkeys(c.group for c in rows if c.group))
+    lines = [
+        "### By class: ours and the fastest peer, x torch fused (same param dtype)",
+        "",
+        "Range over the sizes and thread counts above; per cell the best of our rows in the "
+        "class (the AVX2 column: its `AVX2 loops` rows where the class has fp16/FP8 moments, "
+        "else the same rows, which do not depend on the loop family) and the best peer.",
+        "",
+        "| class | ours, AVX-512 loops | ours, AVX2 loops | fastest peer |",
+        "|---|---:|---:|---|",
+    ]
+    for group in groups:
+        members = [c for c in rows if c.group == group]
+        ours = [c for c in members if c.label.startswith("ours")]
+        native = [c.label for c in ours if c.loops is None]
+        avx2 = [c.label for c in ours if c.loops == "avx2"] or native
+        others = [c.label for c in members if not c.label.startswith("ours")]
+        best_peer: list[float] = []
+        names: set[str] = set()
+        for cell in cells.values():
+            if others:
+                name = min(others, key=cell.__getitem__)
+                names.add(name)
+                best_peer.append(cell[name])
+        named = " (" + ", ".join(sorted(names)) + ")" if names else ""
+        lines.append(
+            f"| {group} | {_span([min(cell[x] for x in native) for cell in cells.values()])} | "
+            f"{_span([min(cell[x] for x in avx2) for cell in cells.values()])} | "
+            f"{_span(best_peer)}{named} |"
+        )
+    return [*lines, ""]
+
+
 def _verdict(
     config: Config, numel: int, threads: int, x_fused: float, x_floor: float, best_ms: float,
-    ds_ms: float | None,
+    ds_ms: float | None, cycles: float | None,
 ) -> str:  # fmt: skip
     """A row of the targets table for configurations that run in the kernel."""
     if config.target is None:
         return ""
     reasons = []
     if x_fused > config.target:
-        reasons.append(f"x fused {x_fused:.2f} > {config.target}")
+        reasons.append(
+            f"x fused {x_fused:.2f} > {config.target}: {config.bytes_moved:g} bytes/param at "
+            f"{x_floor:.2f}x the floor, compute-bound at "
+            f"{'n/a' if cycles is None else f'{cycles:.1f}'} cycles/param"
+        )
     if config.label == TARGET_CONFIG and x_floor > 1.2:
         reasons.append(f"x floor {x_floor:.2f} > 1.2")
     vs_ds = "n/a"
@@ -390,7 +490,7 @@ def _verdict(
     verdict = "met" if not reasons else "missed: " + "; ".join(reasons)
     return (
         f"| {numel / 1e6:g}M | {threads} | {config.label} | {x_fused:.2f} | {x_floor:.2f} | "
-        f"{vs_ds} | {verdict} |"
+        f"{vs_ds} | {'n/a' if cycles is None else f'{cycles:.1f}'} | {verdict} |"
     )
 
 

@@ -20,20 +20,24 @@ wrote. Large tensors are written as several DCP chunks (rows of ``chunk_bytes``)
 reader reassembles.
 
 The package's modules: :mod:`~wrapped_optim.checkpoint.deferred` (compressed state as
-placeholders), :mod:`~wrapped_optim.checkpoint.save` and :mod:`~wrapped_optim.checkpoint.load`.
+placeholders), :mod:`~wrapped_optim.checkpoint.save`, :mod:`~wrapped_optim.checkpoint.load` and
+its undo journal, :mod:`~wrapped_optim.checkpoint.journal` (the atomic load's rollback on disk).
 """
 
 from wrapped_optim.checkpoint.common import DEFAULT_CHUNK_BYTES, OptimizerCheckpointError
 from wrapped_optim.checkpoint.deferred import DeferredState
 from wrapped_optim.checkpoint.load import StreamingLoadPlanner, load_optimizer
 from wrapped_optim.checkpoint.save import StreamingSavePlanner, save_optimizer
+from wrapped_optim.errors import RollbackError, UndoJournalError
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DeferredState",
     "OptimizerCheckpointError",
+    "RollbackError",
     "StreamingLoadPlanner",
     "StreamingSavePlanner",
+    "UndoJournalError",
     "load_optimizer",
     "save_optimizer",
 ]

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from wrapped_optim.adapters.walk import walk_leaves
-from wrapped_optim.errors import OptimizerCheckpointError
+from wrapped_optim.errors import OptimizerCheckpointError, UndoJournalError
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "OptimizerCheckpointError"]
 
@@ -44,7 +44,7 @@ def _quiet_no_dist() -> Iterator[None]:
 def _raise_ours(exc: CheckpointException) -> None:
     for failure in exc.failures.values():
         error = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(error, OptimizerCheckpointError | KeyboardInterrupt):
+        if isinstance(error, OptimizerCheckpointError | UndoJournalError | KeyboardInterrupt):
             raise error from None
 
 

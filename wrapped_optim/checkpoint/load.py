@@ -132,7 +132,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         )
         self.undo: _Undo | None = None  # what reading in place overwrites, to put it back
         self.wrapped = False  # a wrapper's state_loaded() runs after the load (writes weights)
-        self.atomic = True  # keep an undo copy of what reading overwrites
+        self.atomic = True  # journal what reading overwrites, to undo a failed load
+        self.journal_dir: str | os.PathLike[str] | None = None  # where (default: temp dir)
         self.saved_as: dict[str, tuple[Any, str]] = {}  # fqn -> (param index, state name)
         self.group_tensors: dict[str, tuple[int, str]] = {}  # fqn -> (group, hyper-parameter)
         self.chunk_bytes = chunk_bytes
@@ -155,8 +156,6 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         """Validates the checkpoint against the optimizer and plans one read per saved chunk."""
         assert self.metadata is not None
         self._build_targets(self.metadata)
-        if self.atomic:
-            self.undo = _Undo.take(self.leaf, self.targets.values(), self.wrapped)
         items: list[ReadItem] = []
         for fqn, target in self.targets.items():
             md = self.metadata.state_dict_metadata[fqn]
@@ -168,6 +167,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             else:
                 chunks = [ChunkStorageMetadata(torch.Size([0] * len(md.size)), md.size)]
             items += create_read_items_for_chunk_list(fqn, md, chunks)
+        if self.atomic:
+            writes = _overwrites(self.leaf, self.targets, items)
+            self.undo = _Undo.take(
+                self.leaf, writes, self.wrapped, self.journal_dir, self.chunk_bytes
+            )
         return LoadPlan(items)
 
     def _build_targets(self, metadata: Metadata) -> None:
@@ -284,6 +288,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         target = self.targets[read_item.dest_index.fqn]
         if target.staged is not None:  # its own dtype first: the range check needs the values
             return self._buffer(target.staged, read_item.lengths)
+        if self.undo is not None:  # the reader writes the region: journal it first
+            self.undo.keep(_write_key(read_item))
         return _region(target, read_item)
 
     def _buffer(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
@@ -315,6 +321,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         else:
             state_format.check_values(index, name, tensor, target.stored, scaled=target.scaled)
         if target.staged is not None:
+            if self.undo is not None:
+                self.undo.keep(_write_key(read_item))
             _region(target, read_item).copy_(tensor)
         if target.holder is None:
             return
@@ -324,6 +332,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         source, target.accumulator = target.accumulator, None
         assert source is not None
         holder = target.holder
+        if self.undo is not None:
+            self.undo.keep(fqn)  # the holder's storage for this state
         if supports_chunked_state(holder):
             chunk_numel = max(1, self.chunk_bytes // source.element_size())
             holder.write_scaled_state_chunked(target.param, target.name, source, chunk_numel)
@@ -342,6 +352,31 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Never planned: objects were read beforehand."""
         raise AssertionError(f"unexpected object read for {read_item.dest_index.fqn!r}")
+
+
+def _write_key(read_item: ReadItem) -> tuple[str, tuple[int, ...]]:
+    """The journal's key for the region of the live tensor that a read item writes."""
+    return read_item.dest_index.fqn, tuple(read_item.dest_offsets)
+
+
+def _overwrites(
+    leaf: torch.optim.Optimizer, targets: Mapping[str, _Target], items: list[ReadItem]
+) -> list[tuple[Any, torch.Tensor]]:
+    """What reading ``items`` overwrites in place, in read order: the region of a live state
+    tensor each item is read into, and a holder's storage that a scaled state is quantized
+    into (key: its fqn). New tensors (no state yet) and accumulators are not the optimizer's."""
+    live = {id(t) for entry in leaf.state.values() for t in entry.values()}
+    writes: list[tuple[Any, torch.Tensor]] = []
+    for item in items:
+        target = targets[item.dest_index.fqn]
+        if target.holder is not None:
+            entry = leaf.state.get(target.param, {}) if target.param is not None else {}
+            stored = entry.get(target.name)
+            if isinstance(stored, torch.Tensor):
+                writes.append((item.dest_index.fqn, stored))
+        elif target.live is not None and id(target.live) in live:
+            writes.append((_write_key(item), _region(target, item)))
+    return writes
 
 
 class _Committed:
@@ -496,6 +531,7 @@ def load_optimizer(
     process_group: Any = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     atomic: bool = True,
+    journal_dir: str | os.PathLike[str] | None = None,
 ) -> None:
     """Loads a DCP optimizer checkpoint straight into ``optimizer``'s state storage.
 
@@ -504,10 +540,14 @@ def load_optimizer(
     tensor's parameter, shape and dtype) before the first byte of state is read; a mismatch
     raises :class:`OptimizerCheckpointError` and leaves the optimizer untouched. Any failure
     while reading (a missing or truncated file, an I/O error, ``KeyboardInterrupt``) puts the
-    optimizer back exactly as it was; the extra memory for that is one copy of the leaf
-    optimizer's state as stored (plus its params under a wrapper) for the duration of the load.
-    ``atomic=False`` keeps no such copy: the load then holds only the streaming bound (one
-    tensor being read plus one chunk), and the checks before the first read still apply, but a
+    optimizer back exactly as it was. For that, the bytes each read overwrites in place are
+    first written to an undo journal on local disk (a nameless file in a private directory
+    under ``journal_dir``, freed when the load ends, however it ends), so host memory stays at
+    the streaming bound (one tensor being read plus one chunk, and two 8 MiB transfer
+    buffers); the journal takes disk space
+    for the leaf optimizer's state as stored (plus its params under a wrapper). Too little
+    room raises :class:`~wrapped_optim.errors.UndoJournalError` before the first read.
+    ``atomic=False`` keeps no journal: the checks before the first read still apply, but a
     failure while reading leaves the optimizer partly loaded (load again from a good checkpoint).
 
     Args:
@@ -516,8 +556,10 @@ def load_optimizer(
         storage_reader: a DCP reader; default ``FileSystemReader(checkpoint_id)``.
         process_group: the group to coordinate over (default: the world, if initialised).
         chunk_bytes: how many bytes a precision-aware holder quantizes per device transfer.
-        atomic: undo everything if reading fails (default), at the cost of one copy of the
-            stored state; ``False`` for the smallest memory when a retry is acceptable.
+        atomic: undo everything if reading fails (default), at the cost of an undo journal
+            of the stored state on disk; ``False`` for no journal when a retry is acceptable.
+        journal_dir: where the undo journal goes (default: the system temp dir, ``TMPDIR``);
+            a local disk with room for the stored state (a tmpfs would hold it in memory).
 
     Example:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
@@ -536,7 +578,7 @@ def load_optimizer(
     leaf = _leaf_of(optimizer)
     # One metadata snapshot for both reads, over a pinned directory (checkpoint/snapshot.py).
     with snapshot_reader(checkpoint_id, storage_reader) as reader:
-        _load(optimizer, leaf, reader, process_group, chunk_bytes, atomic)
+        _load(optimizer, leaf, reader, process_group, chunk_bytes, atomic, journal_dir)
 
 
 def _load(
@@ -546,6 +588,7 @@ def _load(
     process_group: Any,
     chunk_bytes: int,
     atomic: bool,
+    journal_dir: str | os.PathLike[str] | None,
 ) -> None:
     objects_planner = _ObjectsLoadPlanner()
     flat: dict[str, Any] = {}
@@ -565,6 +608,7 @@ def _load(
         planner = StreamingLoadPlanner(leaf, objects, chunk_bytes=chunk_bytes)
         planner.wrapped = isinstance(optimizer, OptimizerWrapper)
         planner.atomic = atomic
+        planner.journal_dir = journal_dir
 
         def read() -> None:
             with _quiet_no_dist():
@@ -587,10 +631,10 @@ def _read_and_apply(
     """Reads the state (``read()``) and installs it, all or nothing.
 
     Reading writes in place (FP32 state into the live tensors, compressed state quantized into
-    the holder's storage), so what the load may change is kept first (one copy of the leaf's
-    state as stored, its param-keyed tables and its params; the rollback utility's snapshot)
-    and put back if anything raises. A hybrid's state is read into new tensors and installed
-    by its own loader, which is all or nothing itself.
+    the holder's storage), so each region is journaled to disk just before it is written
+    (``planner.undo``, taken while planning) and the journal is replayed if anything raises;
+    it is closed (its file freed) either way. A hybrid's state is read into new tensors and
+    installed by its own loader, which is all or nothing itself.
     """
     try:
         read()
@@ -599,6 +643,9 @@ def _read_and_apply(
         if planner.undo is not None:
             planner.undo.restore()
         raise
+    finally:
+        if planner.undo is not None:
+            planner.undo.close()  # the journal is freed after the commit or the rollback
 
 
 def _set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:

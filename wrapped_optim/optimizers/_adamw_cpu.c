@@ -21,7 +21,9 @@
  * the same arithmetic and writes everything. Each pass is one fused loop per combination of
  * moment formats (split_range); the conversions are integer bit arithmetic and selects on
  * 32-bit lanes, so those loops vectorize. Where the CPU has AVX-512 with VBMI and F16C, the
- * scaled combinations run the hand-written loops of _adamw_cpu_avx512.h instead (same bits).
+ * scaled combinations run the hand-written loops of _adamw_cpu_avx512.h instead, else where it
+ * has AVX2 and F16C those of _adamw_cpu_avx2.h (same bits; wo_set_loops picks another
+ * family this CPU has).
  * Every call runs with MXCSR's FTZ and DAZ off (wo_ieee_begin).
  */
 #include <stdatomic.h>
@@ -37,7 +39,7 @@ enum { MASTER_NONE = 0, MASTER_FP32 = 1, MASTER_REMAINDER = 2, MASTER_FP32_COPY 
 enum { KIND_FP32 = 0, KIND_BF16 = 1, KIND_FP16 = 2, KIND_FP8 = 3 };
 enum { PASS_WRITE = 0, PASS_AMAX = 1 };
 
-#define WO_ABI_VERSION 8
+#define WO_ABI_VERSION 9
 
 int wo_abi_version(void) { return WO_ABI_VERSION; }
 
@@ -224,8 +226,110 @@ static inline __attribute__((always_inline)) void atomic_max_u32(uint32_t *slot,
     }
 }
 
-/* The hand-written AVX-512 loops of the fp16/FP8 moments (WO_AVX512 where they build). */
+/*
+ * Which loops run the fp16/FP8 moment combinations: the portable ones above, or the
+ * hand-written ones of one vector family. The family is chosen when the library is loaded
+ * (the best this CPU has) and may be changed between steps (wo_set_loops: the tests and the
+ * benchmark run every family this CPU supports); every family gives the same bits.
+ */
+enum { LOOPS_PORTABLE = 0, LOOPS_AVX2 = 1, LOOPS_AVX512 = 2 };
+static int wo_loops = LOOPS_PORTABLE;
+
+/* The body of a hand-written split_moments: every scaled combination of moment formats,
+ * dispatched to write_fn (pass 0) or amax_fn (pass 1) with the kinds as constants, so each
+ * combination is one loop. */
+#define WO_SCALED_WRITE_CASE(fn, mk, vk)                \
+    case (mk)*4 + (vk):                                 \
+        if (h->adam_w_mode)                             \
+            fn(k, p, g, m, v, t, h, 1, mk, vk);         \
+        else                                            \
+            fn(k, p, g, m, v, t, h, 0, mk, vk);         \
+        return;
+#define WO_SCALED_AMAX_CASE(fn, mk, vk)                                 \
+    case (mk)*5 + (vk):                                                 \
+        if (h->adam_w_mode)                                             \
+            fn(k, p, g, m, v, t, h, 1, mk, vk, m_amax, v_amax);         \
+        else                                                            \
+            fn(k, p, g, m, v, t, h, 0, mk, vk, m_amax, v_amax);         \
+        return;
+#define WO_SCALED_SPLIT(write_fn, amax_fn)                                    \
+    if (pass == PASS_WRITE) {                                                 \
+        switch (t->m_kind * 4 + t->v_kind) {                                  \
+            WO_SCALED_WRITE_CASE(write_fn, KIND_FP32, KIND_FP16)              \
+            WO_SCALED_WRITE_CASE(write_fn, KIND_FP32, KIND_FP8)               \
+            WO_SCALED_WRITE_CASE(write_fn, KIND_BF16, KIND_FP16)              \
+            WO_SCALED_WRITE_CASE(write_fn, KIND_BF16, KIND_FP8)               \
+            WO_SCALED_WRITE_CASE(write_fn, KIND_FP16, KIND_FP32)              \
+            WO_SCALED_WRITE_CASE(write_fn, KIND_FP16, KIND_BF16)              \
+            WO_SCALED_WRITE_CASE(write_fn, KIND_FP16, KIND_FP16)              \
+            WO_SCALED_WRITE_CASE(write_fn, KIND_FP16, KIND_FP8)               \
+            WO_SCALED_WRITE_CASE(write_fn, KIND_FP8, KIND_FP32)               \
+            WO_SCALED_WRITE_CASE(write_fn, KIND_FP8, KIND_BF16)               \
+            WO_SCALED_WRITE_CASE(write_fn, KIND_FP8, KIND_FP16)               \
+            WO_SCALED_WRITE_CASE(write_fn, KIND_FP8, KIND_FP8)                \
+        }                                                                     \
+        return;                                                               \
+    }                                                                         \
+    switch ((is_scaled(t->m_kind) ? t->m_kind : KIND_SKIP) * 5 +              \
+            (is_scaled(t->v_kind) ? t->v_kind : KIND_SKIP)) {                 \
+        WO_SCALED_AMAX_CASE(amax_fn, KIND_FP16, KIND_FP16)                    \
+        WO_SCALED_AMAX_CASE(amax_fn, KIND_FP16, KIND_FP8)                     \
+        WO_SCALED_AMAX_CASE(amax_fn, KIND_FP16, KIND_SKIP)                    \
+        WO_SCALED_AMAX_CASE(amax_fn, KIND_FP8, KIND_FP16)                     \
+        WO_SCALED_AMAX_CASE(amax_fn, KIND_FP8, KIND_FP8)                      \
+        WO_SCALED_AMAX_CASE(amax_fn, KIND_FP8, KIND_SKIP)                     \
+        WO_SCALED_AMAX_CASE(amax_fn, KIND_SKIP, KIND_FP16)                    \
+        WO_SCALED_AMAX_CASE(amax_fn, KIND_SKIP, KIND_FP8)                     \
+    }
+
+/* The hand-written loops of the fp16/FP8 moments: AVX-512 (WO_AVX512 where they build) and
+ * AVX2 (WO_AVX2). */
 #include "_adamw_cpu_avx512.h"
+#include "_adamw_cpu_avx2.h"
+
+/* 1 when this CPU (and this build) can run a loop family, else 0 (-1: no such family). */
+int wo_loops_supported(int family) {
+    switch (family) {
+        case LOOPS_PORTABLE:
+            return 1;
+        case LOOPS_AVX2:
+#ifdef WO_AVX2
+            return wo_detect_avx2();
+#else
+            return 0;
+#endif
+        case LOOPS_AVX512:
+#ifdef WO_AVX512
+            return wo_detect_avx512();
+#else
+            return 0;
+#endif
+        default:
+            return -1;
+    }
+}
+
+/* The tables are filled and the best family chosen when the library is loaded: before any
+ * call, so no thread ever sees a half-filled table. */
+__attribute__((constructor)) static void wo_init_loops(void) {
+#ifdef WO_AVX512
+    wo_fill_e4m3_tables();
+#endif
+    wo_loops = wo_loops_supported(LOOPS_AVX512) == 1
+                   ? LOOPS_AVX512
+                   : (wo_loops_supported(LOOPS_AVX2) == 1 ? LOOPS_AVX2 : LOOPS_PORTABLE);
+}
+
+/* The family the fp16/FP8 moments run now (LOOPS_*). */
+int wo_get_loops(void) { return wo_loops; }
+
+/* Runs the fp16/FP8 moments with `family` from the next call on; returns it, or -1 (nothing
+ * changed) when this CPU or build cannot run it. Not while a step runs. */
+int wo_set_loops(int family) {
+    if (wo_loops_supported(family) != 1) return -1;
+    wo_loops = family;
+    return family;
+}
 
 /*
  * The split loop, for scaled moments, mixed moment formats and L2 mode: WO_TILE elements at a
@@ -269,9 +373,15 @@ static inline __attribute__((always_inline)) void split_range(wo_tensor *t, int6
         }
         void *m = (void *)offset(t->exp_avg, s, t->m_kind);
         void *v = (void *)offset(t->exp_avg_sq, s, t->v_kind);
+        const int scaled = is_scaled(t->m_kind) || is_scaled(t->v_kind);
 #ifdef WO_AVX512
-        if (wo_avx512_usable == 1 && (is_scaled(t->m_kind) || is_scaled(t->v_kind)))
+        if (scaled && wo_loops == LOOPS_AVX512)
             v_split_moments(k, p, g, m, v, t, h, pass, &m_amax, &v_amax);
+        else
+#endif
+#ifdef WO_AVX2
+        if (scaled && wo_loops == LOOPS_AVX2)
+            w_split_moments(k, p, g, m, v, t, h, pass, &m_amax, &v_amax);
         else
 #endif
             split_moments(k, p, g, m, v, t, h, pass, &m_amax, &v_amax);
@@ -533,29 +643,6 @@ static void wo_take_blocks(wo_job *job) {
 }
 
 #define WO_MAX_THREADS 256
-
-/* 1 when the fp16/FP8 moments run the hand-written AVX-512 loops on this CPU, else 0 (the
- * portable loops: another CPU, another architecture, or a -DWO_NO_CLONES build). */
-int wo_vector_loops(void) {
-#ifdef WO_AVX512
-    return wo_avx512_usable;
-#else
-    return 0;
-#endif
-}
-
-/* Turns the AVX-512 loops off (on = 0) or back on where the CPU has them; returns the new
- * state. For the tests and the benchmark, which compare them with the portable loops; not
- * while a step runs. */
-int wo_set_vector_loops(int on) {
-#ifdef WO_AVX512
-    wo_avx512_usable = on && wo_detect_avx512();
-    return wo_avx512_usable;
-#else
-    (void)on;
-    return 0;
-#endif
-}
 
 /* 1 when built with OpenMP (threads > 1 can run in parallel), else 0. */
 int wo_parallel(void) {

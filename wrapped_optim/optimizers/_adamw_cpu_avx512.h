@@ -20,12 +20,12 @@
  *   2^-6), ties to even, and its bits minus c's are the rounded mantissa.
  * The Adam arithmetic is the portable loop's, operation for operation, so every result is
  * bitwise the portable loop's; the tests compare the two over every format combination.
- * CPUs with AVX-512 but without VBMI (Skylake-SP, Cascade Lake) keep the portable loops, and
- * so does a build with -DWO_NO_AVX512 (cpu_kernel's fallback for a compiler that cannot build
- * these intrinsics).
+ * CPUs with AVX-512 but without VBMI (Skylake-SP, Cascade Lake) run the AVX2 loops of
+ * _adamw_cpu_avx2.h instead; a build with -DWO_NO_VECTOR_LOOPS (cpu_kernel's fallback for a
+ * compiler that cannot build these intrinsics) has neither and runs the portable loops.
  */
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(WO_NO_CLONES) && \
-    !defined(WO_NO_AVX512)
+    !defined(WO_NO_VECTOR_LOOPS)
 #define WO_AVX512 1
 #include <immintrin.h>
 #define WO_AVX512_FN \
@@ -265,55 +265,11 @@ WO_AVX512_INLINE void v_moments_amax(int64_t k, const float *restrict p,
     *v_amax = vs > *v_amax ? vs : *v_amax;
 }
 
-#define WO_V_WRITE_CASE(mk, vk)                              \
-    case (mk)*4 + (vk):                                      \
-        if (adam_w_mode)                                     \
-            v_moments_write(k, p, g, m, v, t, h, 1, mk, vk); \
-        else                                                 \
-            v_moments_write(k, p, g, m, v, t, h, 0, mk, vk); \
-        return;
-#define WO_V_AMAX_CASE(mk, vk)                                              \
-    case (mk)*5 + (vk):                                                     \
-        if (adam_w_mode)                                                    \
-            v_moments_amax(k, p, g, m, v, t, h, 1, mk, vk, m_amax, v_amax); \
-        else                                                                \
-            v_moments_amax(k, p, g, m, v, t, h, 0, mk, vk, m_amax, v_amax); \
-        return;
-
 /* split_moments for a tensor with a scaled moment (the only ones sent here). */
 WO_AVX512_FN __attribute__((noinline)) static void v_split_moments(
     int64_t k, float *p, const float *g, void *m, void *v, const wo_tensor *t,
     const wo_hyper *h, int pass, uint32_t *m_amax, uint32_t *v_amax) {
-    const int adam_w_mode = h->adam_w_mode;
-    if (pass == PASS_WRITE) {
-        switch (t->m_kind * 4 + t->v_kind) {
-            WO_V_WRITE_CASE(KIND_FP32, KIND_FP16)
-            WO_V_WRITE_CASE(KIND_FP32, KIND_FP8)
-            WO_V_WRITE_CASE(KIND_BF16, KIND_FP16)
-            WO_V_WRITE_CASE(KIND_BF16, KIND_FP8)
-            WO_V_WRITE_CASE(KIND_FP16, KIND_FP32)
-            WO_V_WRITE_CASE(KIND_FP16, KIND_BF16)
-            WO_V_WRITE_CASE(KIND_FP16, KIND_FP16)
-            WO_V_WRITE_CASE(KIND_FP16, KIND_FP8)
-            WO_V_WRITE_CASE(KIND_FP8, KIND_FP32)
-            WO_V_WRITE_CASE(KIND_FP8, KIND_BF16)
-            WO_V_WRITE_CASE(KIND_FP8, KIND_FP16)
-            WO_V_WRITE_CASE(KIND_FP8, KIND_FP8)
-        }
-        return;
-    }
-    int mk = is_scaled(t->m_kind) ? t->m_kind : KIND_SKIP;
-    int vk = is_scaled(t->v_kind) ? t->v_kind : KIND_SKIP;
-    switch (mk * 5 + vk) {
-        WO_V_AMAX_CASE(KIND_FP16, KIND_FP16)
-        WO_V_AMAX_CASE(KIND_FP16, KIND_FP8)
-        WO_V_AMAX_CASE(KIND_FP16, KIND_SKIP)
-        WO_V_AMAX_CASE(KIND_FP8, KIND_FP16)
-        WO_V_AMAX_CASE(KIND_FP8, KIND_FP8)
-        WO_V_AMAX_CASE(KIND_FP8, KIND_SKIP)
-        WO_V_AMAX_CASE(KIND_SKIP, KIND_FP16)
-        WO_V_AMAX_CASE(KIND_SKIP, KIND_FP8)
-    }
+    WO_SCALED_SPLIT(v_moments_write, v_moments_amax)
 }
 
 static int wo_detect_avx512(void) {
@@ -323,13 +279,4 @@ static int wo_detect_avx512(void) {
            __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("f16c");
 }
 
-/* Whether the fp16/FP8 moments run the loops above (1) or the portable ones (0). Decided,
- * and the tables filled, when the library is loaded: before any call, so no thread ever
- * sees a half-filled table. */
-static int wo_avx512_usable = 0;
-
-__attribute__((constructor)) static void wo_init_avx512(void) {
-    wo_fill_e4m3_tables();
-    wo_avx512_usable = wo_detect_avx512();
-}
 #endif

@@ -27,15 +27,15 @@ FLAGS = (
     "-ffp-contract=off", "-mprefer-vector-width=512",
 )  # fmt: skip
 OPENMP_FLAGS = ("-fopenmp",)
-NO_AVX512 = "-DWO_NO_AVX512"
+NO_VECTOR_LOOPS = "-DWO_NO_VECTOR_LOOPS"
 # OpenMP first (threads); a compiler or runtime without it still gets the one-thread build.
-# Each without the AVX-512 loops next, for a compiler that cannot build their intrinsics (the
-# portable loops give the same bits).
+# Each without the hand-written vector loops (AVX-512 and AVX2) next, for a compiler that cannot
+# build their intrinsics (the portable loops give the same bits).
 ATTEMPTS: tuple[tuple[str, ...], ...] = (
     OPENMP_FLAGS,
-    (*OPENMP_FLAGS, NO_AVX512),
+    (*OPENMP_FLAGS, NO_VECTOR_LOOPS),
     (),
-    (NO_AVX512,),
+    (NO_VECTOR_LOOPS,),
 )
 PACKAGED_PREFIX = "_adamw_cpu-"
 # What a build takes on a 2-core machine (the OpenMP build with every vector clone).

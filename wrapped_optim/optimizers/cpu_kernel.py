@@ -26,9 +26,13 @@ torch has already loaded, so the kernel's threads are torch's own intra-op worke
 The kernel is compiled without floating-point contraction, and its vectorized clones (AVX-512,
 AVX2, baseline) do the same FP32 operations in the same order, so results do not depend on
 the machine or on how the elements are split between threads. fp16/FP8 moments run
-hand-written AVX-512 loops where the CPU has AVX-512 with VBMI and F16C (Ice Lake, Sapphire
-Rapids and later; Zen 4 and later; :attr:`KernelStatus.vector_loops`): hardware fp16
-conversions and FP8 table lookups, bitwise equal to the portable loops. Every step runs with
+hand-written vector loops, bitwise equal to the portable loops (hardware fp16 conversions, FP8
+codes decoded through byte tables): the AVX-512 family where the CPU has AVX-512 with VBMI and
+F16C (Ice Lake, Sapphire Rapids and later; Zen 4 and later), else the AVX2 family where it has
+AVX2 and F16C (Haswell and later; Zen 1-3), else the portable loops. :attr:`KernelStatus.loops`
+says which runs; ``WRAPPED_OPTIM_CPU_LOOPS`` (``avx512``, ``avx2``, ``portable`` or ``auto``,
+read when the library is loaded) or :func:`use_loops` selects another family this CPU has,
+e.g. to measure the AVX2 loops on an AVX-512 machine. Every step runs with
 denormals kept (MXCSR's flush-to-zero and denormals-are-zero off, then restored), so
 ``torch.set_flush_denormal(True)`` does not change its bits.
 """
@@ -56,9 +60,21 @@ from torch.autograd.graph import increment_version
 from wrapped_optim import codecs
 from wrapped_optim.optimizers import _kernel_build
 
-__all__ = ["KernelStatus", "adamw_step_", "available", "cache_dir_candidates", "status"]
+__all__ = [
+    "LOOP_FAMILIES",
+    "KernelStatus",
+    "adamw_step_",
+    "available",
+    "cache_dir_candidates",
+    "status",
+    "use_loops",
+]
 
-_ABI_VERSION = 8
+_ABI_VERSION = 9
+#: The loop families of fp16/FP8 moments, fastest first (the C side's LOOPS_* values are the
+#: reverse indices).
+LOOP_FAMILIES = ("avx512", "avx2", "portable")
+_LOOPS_ENV = "WRAPPED_OPTIM_CPU_LOOPS"
 _DISABLE_ENV = "WRAPPED_OPTIM_CPU_KERNEL"
 _CACHE_ENV = "WRAPPED_OPTIM_KERNEL_CACHE"
 # Below this many elements per thread (about 50 us of work), another thread costs more than
@@ -124,9 +140,11 @@ class KernelStatus:
     library: Path | None = None
     reason: str | None = None
     parallel: bool = False  # built with OpenMP: calls may use several threads
-    # fp16/FP8 moments run the hand-written AVX-512 loops (AVX-512 BW/VL/DQ, VBMI and F16C);
-    # else the portable loops, which give the same bits more slowly.
-    vector_loops: bool = False
+    # The loops fp16/FP8 moments run now (one of LOOP_FAMILIES: the hand-written AVX-512 or
+    # AVX2 ones, or the portable ones, which give the same bits more slowly) and the families
+    # this CPU and build can run, fastest first.
+    loops: str = "portable"
+    loop_families: tuple[str, ...] = ("portable",)
 
 
 _log = logging.getLogger(__name__)
@@ -142,8 +160,52 @@ def status() -> KernelStatus:
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> isinstance(cpu_kernel.status().available, bool)
         True
+        >>> cpu_kernel.status().loops in cpu_kernel.status().loop_families
+        True
     """
-    return _load()[0]
+    loaded, lib = _load()
+    if lib is None:
+        return loaded
+    return attrs.evolve(loaded, loops=_family_name(lib.wo_get_loops()))
+
+
+def use_loops(family: str | None = None) -> str:
+    """Run fp16/FP8 moments with the loops of ``family`` (one of :data:`LOOP_FAMILIES` that
+    ``status().loop_families`` lists; None: the fastest this CPU has) from the next step on,
+    in this process; returns the family now in use. Every family gives the same bits, so this
+    only changes speed: for measuring one family against another (the AVX2 loops on an
+    AVX-512 machine, say), and for the tests, which run every family the CPU has. Not while
+    another thread steps. ``WRAPPED_OPTIM_CPU_LOOPS`` makes the same choice when the library
+    is loaded.
+
+    Example:
+        >>> from wrapped_optim.optimizers import cpu_kernel
+        >>> if cpu_kernel.available():
+        ...     assert cpu_kernel.use_loops("portable") == "portable"
+        ...     assert cpu_kernel.use_loops() == cpu_kernel.status().loop_families[0]
+    """
+    loaded, lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU AdamW kernel is unavailable: {loaded.reason}")
+    return _set_family(lib, family, loaded.loop_families)
+
+
+def _family_name(value: int) -> str:
+    return LOOP_FAMILIES[len(LOOP_FAMILIES) - 1 - value]
+
+
+def _set_family(lib: ctypes.CDLL, family: str | None, supported: tuple[str, ...]) -> str:
+    chosen = supported[0] if family is None else family
+    if chosen not in LOOP_FAMILIES:
+        raise ValueError(f"unknown loop family {chosen!r}; choose one of {LOOP_FAMILIES}")
+    if chosen not in supported:
+        raise ValueError(
+            f"this CPU or build cannot run the {chosen} loops (it runs {', '.join(supported)})"
+        )
+    value = len(LOOP_FAMILIES) - 1 - LOOP_FAMILIES.index(chosen)
+    if lib.wo_set_loops(value) != value:  # the Python and C checks disagree: a stale build
+        raise RuntimeError(f"the kernel refused the {chosen} loops that it reports supporting")
+    return chosen
 
 
 def available() -> bool:
@@ -164,21 +226,17 @@ def _reset_for_tests() -> None:
         _loaded = None
 
 
-def _use_vector_loops(on: bool) -> bool:
-    """Turn the AVX-512 loops of fp16/FP8 moments off (or back on where the CPU has them),
-    for the tests and the benchmark that compare them with the portable loops; returns
-    whether they are on. Not while another thread steps."""
-    lib = _load()[1]
-    return lib is not None and bool(lib.wo_set_vector_loops(1 if on else 0))
-
-
 def _load() -> tuple[KernelStatus, ctypes.CDLL | None]:
     global _loaded, _loaded_in_pid
     with _lock:
         if _loaded is None:
             _loaded_in_pid = os.getpid()
             try:
-                _loaded = _build_and_open()
+                status, lib = _build_and_open()
+                if lib is not None:  # whichever way it was loaded: packaged, cached or built
+                    _apply_loops_setting(lib, status.loop_families)
+                    status = attrs.evolve(status, loops=_family_name(lib.wo_get_loops()))
+                _loaded = (status, lib)
             except Exception as exc:  # any failure means: use the pure-torch path
                 reason = f"{type(exc).__name__}: {exc}"
                 _loaded = (KernelStatus(False, reason=reason), None)
@@ -220,7 +278,12 @@ def _opened(library: Path) -> tuple[KernelStatus, ctypes.CDLL]:
         True,
         library=library,
         parallel=bool(lib.wo_parallel()),
-        vector_loops=bool(lib.wo_vector_loops()),
+        loops=_family_name(lib.wo_get_loops()),
+        loop_families=tuple(
+            name
+            for value, name in enumerate(reversed(LOOP_FAMILIES))
+            if lib.wo_loops_supported(value) == 1
+        )[::-1],
     ), lib
 
 
@@ -260,6 +323,19 @@ def _warn_unavailable(reason: str) -> None:
     )
 
 
+def _apply_loops_setting(lib: ctypes.CDLL, families: tuple[str, ...]) -> None:
+    """``WRAPPED_OPTIM_CPU_LOOPS``: a family to run instead of the fastest (``auto`` or unset:
+    the fastest). One this CPU cannot run fails the load, with the reason in status()."""
+    setting = os.environ.get(_LOOPS_ENV, "").strip().lower()
+    try:
+        _set_family(lib, None if setting in ("", "auto") else setting, families)
+    except ValueError as exc:
+        raise RuntimeError(
+            f"{_LOOPS_ENV}={setting}: {exc}; unset it or set it to auto or one of "
+            f"{', '.join(families)}"
+        ) from None
+
+
 def _cached_build(compiler: str, version: list[str], directory: Path, extra: Sequence[str]) -> Path:
     library = directory / _cache_name(compiler, version, extra)
     if not library.exists():
@@ -293,11 +369,12 @@ def _open(library: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     lib.wo_abi_version.restype = ctypes.c_int
     lib.wo_parallel.restype = ctypes.c_int
-    lib.wo_vector_loops.restype = ctypes.c_int
-    lib.wo_set_vector_loops.restype = ctypes.c_int
-    lib.wo_set_vector_loops.argtypes = [ctypes.c_int]
     if lib.wo_abi_version() != _ABI_VERSION:
         raise RuntimeError(f"{library} has ABI {lib.wo_abi_version()}, expected {_ABI_VERSION}")
+    for name in ("wo_loops_supported", "wo_set_loops"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [ctypes.c_int]
+    lib.wo_get_loops.restype = ctypes.c_int
     fn = lib.wo_adamw_step
     fn.restype = ctypes.c_int
     fn.argtypes = [

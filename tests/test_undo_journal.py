@@ -1,0 +1,458 @@
+"""The atomic streaming load's undo journal (issue 29): bounded host memory, undo on disk.
+
+The journal itself (every dtype, shape and layout, pieces of any size) round-trips exactly;
+a load that fails at any point — the reader after k chunks, the journal's own writes (no
+space, I/O errors), too little room before the first read — leaves the optimizer bitwise
+as it was; a journal that is damaged or cut short is reported, never replayed silently; and
+no journal file outlives a load, not even a killed one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.checkpoint import FileSystemReader
+
+from wrapped_optim.checkpoint import journal as journal_module
+from wrapped_optim.checkpoint import load as load_module
+from wrapped_optim.checkpoint import load_optimizer, save_optimizer
+from wrapped_optim.checkpoint.journal import UndoJournal
+from wrapped_optim.errors import RollbackError, UndoJournalError
+from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.testing import assert_state_dict_equal, checkpoint_roundtrip
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+CHUNK = 256  # bytes: many read items (and journal records) per tensor
+
+
+# ------------------------------------------------------------------------------------------
+# The journal on its own
+# ------------------------------------------------------------------------------------------
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int16, torch.uint8, torch.bool]
+
+
+@st.composite
+def _tensors(draw: st.DrawFn) -> torch.Tensor:
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = draw(st.lists(st.integers(0, 9), min_size=0, max_size=3))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(shape, generator=g) * 100).to(dtype)
+    if len(shape) >= 2 and draw(st.booleans()):
+        t = t.transpose(0, 1)  # not contiguous: journaled through one host copy
+    return t
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+@given(
+    tensors=st.lists(_tensors(), min_size=1, max_size=6),
+    piece_bytes=st.integers(1, 64),
+    keep_order=st.permutations(range(6)),
+)
+def test_the_journal_puts_back_every_dtype_shape_and_layout(
+    tensors: list[torch.Tensor], piece_bytes: int, keep_order: list[int]
+) -> None:
+    """Plan, start, keep (in any order) and overwrite, roll back: the same bits, in the same
+    tensor objects; regions journaled twice (a later write over a kept one) end as the first."""
+    before = [_bits(t) for t in tensors]
+    with UndoJournal(piece_bytes=piece_bytes) as journal:
+        for i, t in enumerate(tensors):
+            journal.plan(i, t)
+        journal.start()
+        for i in (k for k in keep_order if k < len(tensors)):
+            journal.keep(i)
+            tensors[i].fill_(1)
+        journal.keep_now(tensors[0])  # the new value of a region journaled before
+        tensors[0].fill_(0)
+        journal.rollback()
+        assert journal.written == sum(b.numel() for b in before) + before[0].numel()
+    for t, old in zip(tensors, before, strict=True):
+        assert torch.equal(_bits(t), old)
+
+
+def test_the_journal_file_has_no_name_and_a_private_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Made in a mode-0700 directory that is gone once the file is open; the file (0600) has
+    no name, so nothing is left behind whatever happens to the process."""
+    made: list[tuple[str, int]] = []
+    original = journal_module.tempfile.mkdtemp
+
+    def spying(*args: Any, **kwargs: Any) -> str:
+        path = original(*args, **kwargs)
+        made.append((path, stat.S_IMODE(os.stat(path).st_mode)))
+        return path
+
+    monkeypatch.setattr(journal_module.tempfile, "mkdtemp", spying)
+    with UndoJournal(tmp_path) as journal:
+        journal.keep_now(torch.arange(10.0))
+        assert [mode for _, mode in made] == [0o700]
+        assert list(tmp_path.iterdir()) == []
+        assert stat.S_IMODE(os.fstat(journal.fileno()).st_mode) == 0o600
+        assert os.fstat(journal.fileno()).st_nlink == 0
+        assert os.fstat(journal.fileno()).st_size > 40
+
+
+def test_the_journal_refuses_a_directory_without_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_module, "_free_bytes", lambda fd: 1000)
+    with UndoJournal(tmp_path) as journal:
+        journal.plan("a", torch.zeros(1000))
+        with pytest.raises(UndoJournalError, match=r"needs 4,\d+ bytes .* has 1,000 free") as e:
+            journal.reserve(journal.planned_bytes())
+        assert e.value.errno == errno.ENOSPC
+
+
+def test_a_missing_journal_directory_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(UndoJournalError, match="journal_dir= a writable local directory"):
+        UndoJournal(tmp_path / "absent")
+
+
+# ------------------------------------------------------------------------------------------
+# Atomic loads through the journal (real files, real optimizers)
+# ------------------------------------------------------------------------------------------
+def _params(seed: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in [(24, 8), (8,)]]
+
+
+def _adamw(seed: int) -> Any:
+    return torch.optim.AdamW(_params(seed, torch.float32), lr=1e-2)
+
+
+def _holder(moments: torch.dtype) -> Callable[[int], Any]:
+    def build(seed: int) -> Any:
+        return PrecisionAwareAdamW(
+            _params(seed, torch.bfloat16),
+            lr=1e-2,
+            exp_avg_dtype=moments,
+            exp_avg_sq_dtype=torch.float16 if moments == torch.uint8 else moments,
+            master_weights=True,
+            store_param_remainders=True,
+        )
+
+    return build
+
+
+BUILDERS: dict[str, Callable[[int], Any]] = {
+    "adamw": _adamw,
+    "holder(bf16)": _holder(torch.bfloat16),
+    "holder(fp8,fp16)": _holder(torch.uint8),
+}
+
+
+def _train(opt: Any, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+
+
+def _snapshot(opt: Any) -> Any:
+    return checkpoint_roundtrip(opt.state_dict())
+
+
+def _saved(name: str, path: Path, seed: int = 0) -> Any:
+    opt = BUILDERS[name](seed)
+    _train(opt, 3, seed=seed + 1)
+    save_optimizer(opt, path, chunk_bytes=CHUNK)
+    return _snapshot(opt)
+
+
+def _victim(name: str) -> tuple[Any, Any]:
+    opt = BUILDERS[name](7)
+    _train(opt, 1, seed=4)
+    return opt, _snapshot(opt)
+
+
+def _failing_after(original: Callable[..., Any], calls: int, error: BaseException) -> Any:
+    count = [0]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        if count[0] > calls:
+            raise error
+        return original(*args, **kwargs)
+
+    return failing
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_an_atomic_load_journals_the_state_as_stored_and_nothing_else(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal holds exactly the bytes the load overwrites (the state as stored), none
+    of it is kept in memory, and the load's result equals ``atomic=False``'s."""
+    good = _saved(name, tmp_path / "ckpt")
+    journals: list[UndoJournal] = []
+    original = UndoJournal.start
+
+    def spying(self: UndoJournal) -> None:
+        journals.append(self)
+        original(self)
+
+    opt, _ = _victim(name)
+    stored = sum(t.numel() * t.element_size() for e in opt.state.values() for t in e.values())
+    monkeypatch.setattr(UndoJournal, "start", spying)
+    load_optimizer(opt, tmp_path / "ckpt", chunk_bytes=CHUNK, journal_dir=tmp_path)
+    assert [j.written for j in journals] == [stored]
+    assert_state_dict_equal(good, _snapshot(opt), names=("saved", "loaded"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("fault", ["enospc", "eio", "keyboard-interrupt"])
+def test_a_journal_write_failing_after_k_records_leaves_the_optimizer_unchanged(
+    name: str, fault: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills (or fails) while the journal is written, after k of its records: the
+    load raises UndoJournalError (Ctrl-C stays itself), the optimizer is bitwise as it was,
+    no journal is left, and a retry loads exactly."""
+    good = _saved(name, tmp_path / "ckpt")
+    errors: dict[str, Callable[[], BaseException]] = {
+        "enospc": lambda: OSError(errno.ENOSPC, "No space left on device"),
+        "eio": lambda: OSError(errno.EIO, "Input/output error"),
+        "keyboard-interrupt": KeyboardInterrupt,
+    }
+    original = journal_module._pwrite_all
+    for k in (0, 1, 4):  # record k (of about 10): its header and data are two writes
+        opt, before = _victim(name)
+        with monkeypatch.context() as patch:
+            patch.setattr(
+                journal_module, "_pwrite_all", _failing_after(original, 2 * k, errors[fault]())
+            )
+            expected = KeyboardInterrupt if fault == "keyboard-interrupt" else UndoJournalError
+            with pytest.raises(expected) as raised:
+                load_optimizer(opt, tmp_path / "ckpt", chunk_bytes=CHUNK, journal_dir=tmp_path)
+        if fault == "enospc":
+            assert raised.value.errno == errno.ENOSPC  # type: ignore[union-attr]
+            assert "journal_dir=" in str(raised.value)
+        assert_state_dict_equal(before, _snapshot(opt), names=(f"before ({k})", "after"))
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+        load_optimizer(opt, tmp_path / "ckpt", chunk_bytes=CHUNK, journal_dir=tmp_path)
+        assert_state_dict_equal(good, _snapshot(opt), names=("saved", f"retried ({k})"))
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_too_little_room_for_the_journal_refuses_before_the_first_read(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _saved(name, tmp_path / "ckpt")
+    opt, before = _victim(name)
+    reads = [0]
+    original = load_module.StreamingLoadPlanner.resolve_tensor
+
+    def counting(self: Any, *args: Any) -> Any:
+        reads[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(load_module.StreamingLoadPlanner, "resolve_tensor", counting)
+    monkeypatch.setattr(journal_module, "_free_bytes", lambda fd: 100)
+    with pytest.raises(UndoJournalError, match="has 100 free; pass journal_dir="):
+        load_optimizer(opt, tmp_path / "ckpt", chunk_bytes=CHUNK, journal_dir=tmp_path)
+    assert reads[0] == 0
+    assert_state_dict_equal(before, _snapshot(opt), names=("before", "after"))
+    load_optimizer(opt, tmp_path / "ckpt", chunk_bytes=CHUNK, atomic=False)  # needs no room
+
+
+def _damage_then_fail(
+    monkeypatch: pytest.MonkeyPatch, damage: Callable[[int], None], after_reads: int
+) -> None:
+    """The reader fails after ``after_reads`` reads; the journal is damaged just before the
+    rollback replays it."""
+    original_read = load_module.StreamingLoadPlanner.resolve_tensor
+    monkeypatch.setattr(
+        load_module.StreamingLoadPlanner,
+        "resolve_tensor",
+        _failing_after(original_read, after_reads, OSError(errno.EIO, "planted read error")),
+    )
+    original_rollback = UndoJournal.rollback
+
+    def damaged(self: UndoJournal) -> None:
+        damage(self.fileno())
+        original_rollback(self)
+
+    monkeypatch.setattr(UndoJournal, "rollback", damaged)
+
+
+def _flip_data_bytes(fd: int) -> None:
+    size = os.fstat(fd).st_size
+    plain = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # the journal may use O_DIRECT
+    try:
+        for offset in range(40, size, 97):  # headers and record data everywhere
+            byte = os.pread(plain, 1, offset)
+            os.pwrite(plain, bytes([byte[0] ^ 0xFF]), offset)
+        os.fsync(plain)
+    finally:
+        os.close(plain)
+
+
+DAMAGE = {
+    "corrupt": _flip_data_bytes,
+    "missing": lambda fd: os.ftruncate(fd, 0),
+    "cut short": lambda fd: os.ftruncate(fd, os.fstat(fd).st_size // 2),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_a_damaged_journal_is_reported_not_replayed_silently(
+    name: str, damage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load fails after 6 reads and its journal has been cut short, truncated or corrupted:
+    RollbackError (the load's own failure as its context) says the optimizer is partly
+    loaded; a load from a good checkpoint then recovers exactly; no journal is left."""
+    good = _saved(name, tmp_path / "ckpt")
+    opt, _ = _victim(name)
+    with monkeypatch.context() as patch:
+        _damage_then_fail(patch, DAMAGE[damage], after_reads=6)
+        with pytest.raises(RollbackError, match="partly loaded") as raised:
+            load_optimizer(opt, tmp_path / "ckpt", chunk_bytes=CHUNK, journal_dir=tmp_path)
+    assert raised.value.__context__ is not None
+    assert any(w in str(raised.value) for w in ("checksum mismatch", "missing", "damaged"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    load_optimizer(opt, tmp_path / "ckpt", chunk_bytes=CHUNK, journal_dir=tmp_path)
+    assert_state_dict_equal(good, _snapshot(opt), names=("saved", "recovered"))
+
+
+@given(
+    name=st.sampled_from(sorted(BUILDERS)),
+    seed=st.integers(0, 50),
+    chunk=st.sampled_from([64, 256, 4096]),
+    fail_after=st.one_of(st.none(), st.integers(0, 40)),
+)
+def test_atomic_load_round_trips_or_leaves_the_optimizer_unchanged(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    seed: int,
+    chunk: int,
+    fail_after: int | None,
+) -> None:
+    """Property: for any optimizer, state, chunk size and read at which the load fails (or
+    none), the atomic load gives the saved state or leaves the optimizer bitwise as it was,
+    and never leaves a journal behind."""
+    root = tmp_path_factory.mktemp("roundtrip")
+    opt = BUILDERS[name](seed)
+    _train(opt, 1 + seed % 3, seed=seed)
+    save_optimizer(opt, root / "ckpt", chunk_bytes=chunk)
+    good = _snapshot(opt)
+    victim, before = _victim(name)
+    journal_dir = root / "journal"
+    journal_dir.mkdir()
+    original = FileSystemReader._slice_file
+    reader = (
+        original
+        if fail_after is None
+        else _failing_after(original, fail_after, OSError(errno.EIO, "planted"))
+    )
+    FileSystemReader._slice_file = reader  # type: ignore[method-assign]
+    try:
+        load_optimizer(victim, root / "ckpt", chunk_bytes=chunk, journal_dir=journal_dir)
+        loaded = True
+    except BaseException:  # DCP's CheckpointException (a BaseException)
+        loaded = False
+    finally:
+        FileSystemReader._slice_file = original  # type: ignore[method-assign]
+    assert loaded or fail_after is not None
+    expected = good if loaded else before
+    assert_state_dict_equal(expected, _snapshot(victim), names=("expected", "after"))
+    assert list(journal_dir.iterdir()) == []
+
+
+def test_a_killed_load_leaves_no_journal(tmp_path: Path) -> None:
+    """SIGKILL in the middle of an atomic load (its journal half written): nothing of the
+    journal remains in ``journal_dir``."""
+    _saved("holder(bf16)", tmp_path / "ckpt")
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch
+        from wrapped_optim.checkpoint import journal, load_optimizer
+        from wrapped_optim.optimizers import PrecisionAwareAdamW
+        original = journal._pwrite_all
+        calls = [0]
+        def dying(*args):
+            calls[0] += 1
+            if calls[0] == 9:
+                os.kill(os.getpid(), signal.SIGKILL)
+            original(*args)
+        journal._pwrite_all = dying
+        params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for s in [(24, 8), (8,)]]
+        opt = PrecisionAwareAdamW(params, exp_avg_dtype=torch.bfloat16,
+                                  exp_avg_sq_dtype=torch.bfloat16, master_weights=True,
+                                  store_param_remainders=True)
+        for p in params:
+            opt.initialize_state(p)  # state to overwrite (no step: no kernel to build)
+        load_optimizer(opt, {str(tmp_path / "ckpt")!r}, chunk_bytes={CHUNK},
+                       journal_dir={str(journal_dir)!r})
+        """
+    )
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", script], env=env, timeout=300, check=False)
+    assert done.returncode == -signal.SIGKILL
+    assert list(journal_dir.iterdir()) == []
+
+
+def test_the_default_atomic_load_keeps_no_copy_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No state tensor is cloned for the undo (it used to be a whole copy of the state)."""
+    _saved("holder(fp8,fp16)", tmp_path / "ckpt")
+    opt, _ = _victim("holder(fp8,fp16)")
+    state = {t.untyped_storage().data_ptr() for e in opt.state.values() for t in e.values()}
+    cloned: list[int] = []
+    original = torch.Tensor.clone
+
+    def spying(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.untyped_storage().data_ptr() in state:
+            cloned.append(self.numel())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", spying)
+    load_module.load_optimizer(opt, tmp_path / "ckpt", chunk_bytes=CHUNK, journal_dir=tmp_path)
+    assert cloned == []
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_journal_works_with_and_without_o_direct(
+    direct: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """O_DIRECT (bounce buffers, whole blocks) where the filesystem takes it, buffered
+    writes elsewhere (tmpfs, other systems): both put back the same bits, over pieces larger
+    than one bounce buffer and records that are not a whole number of blocks."""
+    if not direct:
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    monkeypatch.setattr(journal_module, "_BOUNCE", 8192)
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(5000, generator=g), torch.randn(7, 3, generator=g).t()]
+    before = [_bits(t) for t in tensors]
+    with UndoJournal(tmp_path, piece_bytes=12_000) as journal:
+        assert journal.direct == (direct and hasattr(os, "O_DIRECT"))
+        for t in tensors:
+            journal.keep_now(t)
+            t.zero_()
+        journal.rollback()
+    for t, old in zip(tensors, before, strict=True):
+        assert torch.equal(_bits(t), old)
+    assert list(tmp_path.iterdir()) == []
