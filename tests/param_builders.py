@@ -24,3 +24,14 @@ def random_groups(
             index += 1
         groups.append({"params": params, "lr": 0.01 * (group_index + 1)})
     return groups
+
+
+def train_on_random_grads(
+    opt: Any, params: Sequence[torch.nn.Parameter], steps: int, seed: int
+) -> None:
+    """``steps`` optimizer steps on random grads drawn from ``seed`` (the same in every run)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()

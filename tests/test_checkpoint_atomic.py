@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import filesystem as dcp_fs
 
+from tests.param_builders import train_on_random_grads
 from wrapped_optim.checkpoint import load_optimizer, save_optimizer
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 from wrapped_optim.optimizers.hybrid_offload import HybridOffloadOptimizer
@@ -81,14 +82,6 @@ BUILDERS = {
 }
 
 
-def _train(opt: Any, params: list[torch.nn.Parameter], steps: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
-        opt.step()
-
-
 def _snapshot(opt: Any) -> Any:
     return checkpoint_roundtrip(opt.state_dict())
 
@@ -132,12 +125,12 @@ def test_failed_save_keeps_the_old_checkpoint(
     """Issue 20 item 2: on main a failed save overwrote the good checkpoint's files."""
     build = BUILDERS[name]
     opt, params = build(0)
-    _train(opt, params, 2, seed=1)
+    train_on_random_grads(opt, params, 2, seed=1)
     good = _snapshot(opt)
     target = tmp_path / "ckpt"
     save_optimizer(opt, storage_writer=_writer(target), chunk_bytes=CHUNK)
     files_before = sorted(os.listdir(target))
-    _train(opt, params, 2, seed=2)  # the state the failing save tries to write
+    train_on_random_grads(opt, params, 2, seed=2)  # the state the failing save tries to write
 
     monkeypatch.setattr(
         dcp_fs, "_write_item", _failing(dcp_fs._write_item, at, SAVE_FAULTS[fault]())
@@ -159,7 +152,7 @@ def test_failed_first_save_leaves_nothing_loadable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     opt, params = _adamw(0)
-    _train(opt, params, 1, seed=1)
+    train_on_random_grads(opt, params, 1, seed=1)
     monkeypatch.setattr(
         dcp_fs, "_write_item", _failing(dcp_fs._write_item, 2, Planted(errno.ENOSPC, "full"))
     )
@@ -170,11 +163,11 @@ def test_failed_first_save_leaves_nothing_loadable(
 
 def test_save_replaces_a_checkpoint_and_keeps_files_beside_it(tmp_path: Path) -> None:
     opt, params = _precision(0)
-    _train(opt, params, 1, seed=1)
+    train_on_random_grads(opt, params, 1, seed=1)
     target = tmp_path / "ckpt"
     save_optimizer(opt, storage_writer=_writer(target), chunk_bytes=CHUNK)  # many files
     (target / "config.json").write_text("{}")
-    _train(opt, params, 1, seed=2)
+    train_on_random_grads(opt, params, 1, seed=2)
     save_optimizer(opt, target)  # one file
     assert sorted(os.listdir(target)) == [".metadata", "__0_0.distcp", "config.json"]
     fresh, _ = _precision(5)
@@ -185,12 +178,12 @@ def test_save_replaces_a_checkpoint_and_keeps_files_beside_it(tmp_path: Path) ->
 def test_an_interrupted_commit_is_recovered_by_the_next_save(tmp_path: Path) -> None:
     """Killed between the two renames: the old checkpoint is whole under .<name>.old."""
     opt, params = _adamw(0)
-    _train(opt, params, 1, seed=1)
+    train_on_random_grads(opt, params, 1, seed=1)
     target = tmp_path / "ckpt"
     save_optimizer(opt, target)
     good = _snapshot(opt)
     target.rename(tmp_path / ".ckpt.old")
-    _train(opt, params, 1, seed=2)
+    train_on_random_grads(opt, params, 1, seed=2)
     with pytest.MonkeyPatch.context() as patch, pytest.raises(BaseException):  # noqa: B017
         patch.setattr(dcp_fs, "_write_item", _failing(dcp_fs._write_item, 1, Planted(5, "")))
         save_optimizer(opt, target)
@@ -206,14 +199,14 @@ def _saved(name: str, path: Path) -> tuple[Any, Callable[[int], Any]]:
     """A good checkpoint in ``path`` (one file per item) and the state it holds."""
     build = BUILDERS[name]
     opt, params = build(0)
-    _train(opt, params, 3, seed=1)
+    train_on_random_grads(opt, params, 3, seed=1)
     save_optimizer(opt, storage_writer=_writer(path), chunk_bytes=CHUNK)
     return _snapshot(opt), build
 
 
 def _victim(build: Callable[[int], Any]) -> tuple[Any, Any]:
     opt, params = build(7)
-    _train(opt, params, 1, seed=4)
+    train_on_random_grads(opt, params, 1, seed=4)
     return opt, _snapshot(opt)
 
 
@@ -336,14 +329,14 @@ def test_hybrid_with_precision_sub_optimizers_round_trips(
 ) -> None:
     """On main fp16 moments loaded as wrong values and FP8 refused its own checkpoint."""
     opt, params = _hybrid(moments)(0)
-    _train(opt, params, 3, seed=1)
+    train_on_random_grads(opt, params, 3, seed=1)
     save_optimizer(opt, tmp_path, chunk_bytes=CHUNK)
     twin, twin_params = _hybrid(moments)(5)
-    _train(twin, twin_params, 1, seed=7)  # state of its own, to be overwritten
+    train_on_random_grads(twin, twin_params, 1, seed=7)  # state of its own, to be overwritten
     load_optimizer(twin, tmp_path, chunk_bytes=CHUNK)
     assert_state_dict_equal(_snapshot(opt), _snapshot(twin), names=("saved", "loaded"))
-    _train(opt, params, 1, seed=3)
-    _train(twin, twin_params, 1, seed=3)
+    train_on_random_grads(opt, params, 1, seed=3)
+    train_on_random_grads(twin, twin_params, 1, seed=3)
     assert_state_dict_equal(_snapshot(opt), _snapshot(twin), names=("saved", "loaded"))
 
 
@@ -357,7 +350,7 @@ def test_async_save_holds_the_state_at_the_call(
     """Steps run while the background thread writes; the checkpoint is the state at the call."""
     build = BUILDERS[name]
     opt, params = build(0)
-    _train(opt, params, 2, seed=1)
+    train_on_random_grads(opt, params, 2, seed=1)
     save_optimizer(opt, tmp_path / "sync", chunk_bytes=CHUNK)
 
     release = threading.Event()
@@ -372,7 +365,7 @@ def test_async_save_holds_the_state_at_the_call(
     monkeypatch.setattr(dcp_fs, "_write_item", held)
     future = save_optimizer(opt, tmp_path / "async", chunk_bytes=CHUNK, async_=True)
     assert started.wait(60)
-    _train(opt, params, 2, seed=2)  # while the save is writing
+    train_on_random_grads(opt, params, 2, seed=2)  # while the save is writing
     assert not future.done()
     release.set()
     future.result(timeout=60)
@@ -389,13 +382,13 @@ def test_async_save_failure_surfaces_in_the_future(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     opt, params = _precision(0)
-    _train(opt, params, 1, seed=1)
+    train_on_random_grads(opt, params, 1, seed=1)
     save_optimizer(opt, tmp_path / "ckpt")
     good = _snapshot(opt)
     monkeypatch.setattr(
         dcp_fs, "_write_item", _failing(dcp_fs._write_item, 1, Planted(errno.ENOSPC, "full"))
     )
-    _train(opt, params, 1, seed=2)
+    train_on_random_grads(opt, params, 1, seed=2)
     future = save_optimizer(opt, tmp_path / "ckpt", async_=True)
     with pytest.raises(BaseException):  # noqa: B017
         future.result(timeout=60)

@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import filesystem as dcp_fs
 
+from tests.param_builders import train_on_random_grads
 from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer, save_optimizer
 from wrapped_optim.checkpoint import load as load_module
 from wrapped_optim.checkpoint import save as save_module
@@ -43,14 +44,6 @@ def _build(kind: str, seed: int, lr: float = 1e-2) -> tuple[Any, list[torch.nn.P
         params, lr=lr, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16
     )
     return opt, params
-
-
-def _train(opt: Any, params: list[torch.nn.Parameter], steps: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
-        opt.step()
 
 
 def _state(opt: Any) -> Any:
@@ -83,18 +76,18 @@ def test_a_save_killed_at_any_point_of_the_commit_loses_no_file(point: str, tmp_
     next save recovers the directory to exactly one clean checkpoint."""
     target = tmp_path / "ckpt"
     opt, params = _build("adamw", 0)
-    _train(opt, params, 1, seed=1)
+    train_on_random_grads(opt, params, 1, seed=1)
     save_optimizer(opt, target)
     old = _state(opt)
     _write_side_files(target)
-    _train(opt, params, 1, seed=2)
+    train_on_random_grads(opt, params, 1, seed=2)
     new = _state(opt)
 
     crash_save_at(point, lambda: save_optimizer(opt, target))
 
     expected = old if COMMIT_CRASH_POINTS[point] == "old" else new
     assert_state_dict_equal(expected, _loaded("adamw", target), names=("expected", "loaded"))
-    _train(opt, params, 1, seed=3)
+    train_on_random_grads(opt, params, 1, seed=3)
     save_optimizer(opt, target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert _side_files_in(target) == SIDE
@@ -110,7 +103,7 @@ sys.path.insert(0, {root!r})
 from tests.test_checkpoint_hostile import _build, _train
 from wrapped_optim.checkpoint import save_optimizer
 opt, params = _build({kind!r}, 5, lr=0.5)
-_train(opt, params, 3, seed=6)
+train_on_random_grads(opt, params, 3, seed=6)
 save_optimizer(opt, {path!r})
 """
 
@@ -121,11 +114,11 @@ def test_a_save_committed_between_the_reads_of_a_load_is_never_mixed_in(
 ) -> None:
     target = tmp_path / "ckpt"
     opt, params = _build(kind, 0)
-    _train(opt, params, 1, seed=1)
+    train_on_random_grads(opt, params, 1, seed=1)
     save_optimizer(opt, target)
     old = _state(opt)
     victim, victim_params = _build(kind, 7, lr=0.3)
-    _train(victim, victim_params, 2, seed=4)
+    train_on_random_grads(victim, victim_params, 2, seed=4)
     before = _state(victim)
 
     script = _SAVE_OTHER.format(root=str(ROOT), kind=kind, path=str(target))
@@ -153,7 +146,7 @@ def test_a_save_committed_between_the_reads_of_a_load_is_never_mixed_in(
 def test_a_data_file_outside_the_checkpoint_directory_is_refused(tmp_path: Path) -> None:
     target = tmp_path / "ckpt"
     opt, params = _build("adamw", 0)
-    _train(opt, params, 1, seed=1)
+    train_on_random_grads(opt, params, 1, seed=1)
     save_optimizer(opt, target)
     (tmp_path / "outside").mkdir()
     (target / "__0_0.distcp").rename(tmp_path / "outside" / "__0_0.distcp")
@@ -162,7 +155,7 @@ def test_a_data_file_outside_the_checkpoint_directory_is_refused(tmp_path: Path)
         info.relative_path = "../outside/__0_0.distcp"
     (target / ".metadata").write_bytes(pickle.dumps(metadata))
     victim, victim_params = _build("adamw", 7)
-    _train(victim, victim_params, 1, seed=4)
+    train_on_random_grads(victim, victim_params, 1, seed=4)
     before = _state(victim)
     with pytest.raises(OptimizerCheckpointError, match="outside the checkpoint directory"):
         load_optimizer(victim, target)
@@ -214,7 +207,7 @@ def test_async_save_resolves_a_relative_path_at_the_call(
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     opt, params = _build("adamw", 0)
-    _train(opt, params, 1, seed=1)
+    train_on_random_grads(opt, params, 1, seed=1)
     monkeypatch.chdir(tmp_path / "a")
     caller, moved = threading.current_thread(), threading.Event()
     writer_class = save_module.FileSystemWriter
@@ -244,7 +237,7 @@ def test_two_threads_checkpointing_one_optimizer_leave_no_patch_behind(
     second then put the first's placeholder back for good. Now the second fails at once
     (ConcurrentPatchError) or succeeds; the optimizer is as it was either way."""
     opt, params = _build("precision", 0)
-    _train(opt, params, 2, seed=1)
+    train_on_random_grads(opt, params, 2, seed=1)
     before = _state(opt)
     first_inside, second_moved, first_done = (threading.Event() for _ in range(3))
     original = PrecisionAwareAdamW.state_dict
@@ -342,13 +335,13 @@ def test_two_threads_stepping_one_optimizer_step_one_at_a_time(cpu_kernel: bool 
 # ------------------------------------------------------------------------------------------
 def test_saving_to_a_symlink_replaces_the_directory_it_names(tmp_path: Path) -> None:
     opt, params = _build("adamw", 0)
-    _train(opt, params, 1, seed=1)
+    train_on_random_grads(opt, params, 1, seed=1)
     step_100 = tmp_path / "step_100"
     save_optimizer(opt, step_100)
     _write_side_files(step_100)
     (tmp_path / "latest").symlink_to("step_100")
     for seed in (2, 3):  # twice: the second save through the link used to fail
-        _train(opt, params, 1, seed=seed)
+        train_on_random_grads(opt, params, 1, seed=seed)
         save_optimizer(opt, tmp_path / "latest")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_100"]
     assert os.readlink(tmp_path / "latest") == "step_100"
@@ -364,7 +357,7 @@ def test_a_planted_symlink_at_a_reserved_name_is_refused_and_never_followed(
     victim = tmp_path / "victim"
     _write_side_files(victim)
     opt, params = _build("adamw", 0)
-    _train(opt, params, 1, seed=1)
+    train_on_random_grads(opt, params, 1, seed=1)
     if existing:
         save_optimizer(opt, tmp_path / "ckpt")
     (tmp_path / reserved).symlink_to(victim)
@@ -383,7 +376,7 @@ def test_dotdot_after_a_symlink_saves_and_loads_the_same_place(tmp_path: Path) -
     (tmp_path / "link").symlink_to(tmp_path / "a" / "b")
     path = tmp_path / "link" / ".." / "ckpt"  # the kernel: a/ckpt; textually: ckpt
     opt, params = _build("adamw", 0)
-    _train(opt, params, 1, seed=1)
+    train_on_random_grads(opt, params, 1, seed=1)
     save_optimizer(opt, path)
     assert (tmp_path / "a" / "ckpt" / ".metadata").is_file()
     assert not (tmp_path / "ckpt").exists()

@@ -64,6 +64,17 @@ def _step_value(value: Any, where: str) -> int:
     return int(number)
 
 
+def _state_and_groups(state_dict: Mapping[str, Any]) -> tuple[Mapping[Any, Any], list[Any]]:
+    state = state_dict.get("state", {})
+    groups = state_dict.get("param_groups")
+    if not isinstance(state, Mapping) or not isinstance(groups, list):
+        raise TorchAdamFormatError(
+            "not an optimizer state dict: need 'state' and 'param_groups' "
+            "(pass optimizer.state_dict() or what torch.load returned for it)"
+        )
+    return state, groups
+
+
 def from_torch_adam(state_dict: Mapping[str, Any], *, adam_w_mode: bool = True) -> dict[str, Any]:
     """A torch Adam/AdamW state dict in PrecisionAwareAdamW's layout.
 
@@ -86,10 +97,7 @@ def from_torch_adam(state_dict: Mapping[str, Any], *, adam_w_mode: bool = True) 
         >>> sorted(sd["state"][0]), sd["param_groups"][0]["step"]
         (['exp_avg', 'exp_avg_sq'], 1)
     """
-    state = state_dict.get("state", {})
-    groups = state_dict.get("param_groups")
-    if not isinstance(state, Mapping) or not isinstance(groups, list):
-        raise TorchAdamFormatError("not an optimizer state dict: need 'state' and 'param_groups'")
+    state, groups = _state_and_groups(state_dict)
     new_state: dict[Any, dict[str, Any]] = {}
     new_groups = []
     for g, group in enumerate(groups):
@@ -156,10 +164,7 @@ def to_torch_adam(state_dict: Mapping[str, Any], *, drop_masters: bool = False) 
         >>> torch_opt.state[p]["step"]
         tensor(2.)
     """
-    state = state_dict.get("state", {})
-    groups = state_dict.get("param_groups")
-    if not isinstance(state, Mapping) or not isinstance(groups, list):
-        raise TorchAdamFormatError("not an optimizer state dict: need 'state' and 'param_groups'")
+    state, groups = _state_and_groups(state_dict)
     new_state: dict[Any, dict[str, Any]] = {}
     new_groups = []
     for g, group in enumerate(groups):
