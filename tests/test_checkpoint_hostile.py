@@ -100,7 +100,8 @@ def test_a_save_killed_at_any_point_of_the_commit_loses_no_file(point: str, tmp_
 _SAVE_OTHER = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from tests.test_checkpoint_hostile import _build, _train
+from tests.param_builders import train_on_random_grads
+from tests.test_checkpoint_hostile import _build
 from wrapped_optim.checkpoint import save_optimizer
 opt, params = _build({kind!r}, 5, lr=0.5)
 train_on_random_grads(opt, params, 3, seed=6)
