@@ -1,6 +1,6 @@
 """Peak CPU allocation of a call, from torch's profiler: every temporary counted.
 
-The CPU ledger (:mod:`wrapped_optim.ledger`) sees only what the staging engine records; the
+The CPU ledger (:mod:`wrapped_optim._staging.ledger`) sees only what the staging engine records; the
 profiler's memory events see every allocation the CPU allocator makes, including those
 inside a holder's own code, so a "one chunk" bound is checked with all temporaries.
 """

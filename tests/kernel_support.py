@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from wrapped_optim import codecs
+from wrapped_optim._formats import codecs
 from wrapped_optim.optimizers import cpu_kernel
 
 # gcc or clang is part of every supported build machine; without one the kernel is off and

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from wrapped_optim import OptimizerWrapper
-from wrapped_optim.adapters import config_flag, megatron_available, walk_leaves
-from wrapped_optim.adapters.megatron import megatron_optimizer_module
+from wrapped_optim._adapters import config_flag, megatron_available, walk_leaves
+from wrapped_optim._adapters.megatron import megatron_optimizer_module
 
 
 class Container:
@@ -115,7 +115,7 @@ def test_package_imports_without_optional_packages() -> None:
                     raise ModuleNotFoundError(name)
         sys.meta_path.insert(0, Block())
         import torch, wrapped_optim
-        from wrapped_optim.adapters import megatron_available, walk_leaves
+        from wrapped_optim._adapters import megatron_available, walk_leaves
         assert megatron_available() is False
         param = torch.zeros(1, requires_grad=True)
         opt = wrapped_optim.OptimizerWrapper(torch.optim.SGD([param], lr=1))

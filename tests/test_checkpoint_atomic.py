@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from tests.param_builders import train_on_random_grads
 from wrapped_optim.checkpoint import load_optimizer, save_optimizer
 from wrapped_optim.optimizers import PrecisionAwareAdamW
-from wrapped_optim.optimizers.hybrid_offload import HybridOffloadOptimizer
+from wrapped_optim.optimizers._hybrid_offload import HybridOffloadOptimizer
 from wrapped_optim.testing import assert_state_dict_equal, checkpoint_roundtrip
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -254,7 +254,7 @@ def test_non_atomic_load_loads_the_same_and_keeps_no_undo(
 ) -> None:
     """``atomic=False``: the same state as the atomic load, with no undo copy taken; a failure
     mid-read is then not undone, and a retry from the good checkpoint recovers exactly."""
-    from wrapped_optim.checkpoint import load as load_module
+    from wrapped_optim.checkpoint import _load as load_module
 
     good, build = _saved(name, tmp_path)
     taken: list[Any] = []

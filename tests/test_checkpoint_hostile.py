@@ -21,8 +21,8 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 
 from tests.param_builders import train_on_random_grads
 from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer, save_optimizer
-from wrapped_optim.checkpoint import load as load_module
-from wrapped_optim.checkpoint import save as save_module
+from wrapped_optim.checkpoint import _load as load_module
+from wrapped_optim.checkpoint import _save as save_module
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 from wrapped_optim.patching import ConcurrentPatchError
 from wrapped_optim.testing import assert_state_dict_equal, checkpoint_roundtrip

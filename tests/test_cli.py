@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from wrapped_optim._cli import main
 from wrapped_optim.bench import report
-from wrapped_optim.cli import main
 
 # --------------------------------------------------------------------------- bench
 

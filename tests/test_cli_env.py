@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import wrapped_optim
+from wrapped_optim._cli import main
 from wrapped_optim.bench import report
-from wrapped_optim.cli import main
 from wrapped_optim.optimizers import cpu_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_no_numpy_warning_when_numpy_is_absent(tmp_path: Path) -> None:
         "raise ModuleNotFoundError('no numpy here', name='numpy')\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    result = subprocess.run([sys.executable, "-m", "wrapped_optim.cli", "--version"], env=env,
+    result = subprocess.run([sys.executable, "-m", "wrapped_optim._cli", "--version"], env=env,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("wrapped-optim ")

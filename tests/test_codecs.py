@@ -1,4 +1,4 @@
-"""wrapped_optim.codecs against an independent reference built from the format definitions.
+"""wrapped_optim._formats.codecs against an independent reference built from the format definitions.
 
 The reference uses numpy and integer bit arithmetic only (no torch casts): bf16 by integer
 round-to-nearest-even, fp16 by numpy's IEEE half cast, FP8 E4M3 from a table of its 256 code
@@ -14,7 +14,7 @@ from cpu_peak import SLACK, peak_cpu_bytes
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wrapped_optim import codecs
+from wrapped_optim._formats import codecs
 
 F32 = np.float32
 

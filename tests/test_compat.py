@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from wrapped_optim import compat
-from wrapped_optim.adapters.hybrid import hybrid_master_copies
+from wrapped_optim._adapters.hybrid import hybrid_master_copies
 from wrapped_optim.fsdp import FSDPAwareOptimizer
 from wrapped_optim.optimizers import HybridOffloadOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper

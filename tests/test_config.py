@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wrapped_optim.builder import BuildConfig, LRScheduleConfig, OptimizerSpec
+from wrapped_optim._builder import BuildConfig, LRScheduleConfig, OptimizerSpec
 from wrapped_optim.config import (
     ConfigError,
     FSDPConfig,

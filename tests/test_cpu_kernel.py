@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.kernel_support import CPU_FAMILIES, needs_kernel, param_and_master, running
-from wrapped_optim import codecs
+from wrapped_optim._formats import codecs
 from wrapped_optim.optimizers import PrecisionAwareAdamW, _kernel_build, cpu_kernel
 
 BF16, FP32 = torch.bfloat16, torch.float32

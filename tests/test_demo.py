@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from wrapped_optim.cli import main
-from wrapped_optim.demo import DEFAULT_CONFIG, run_demo
+from wrapped_optim._cli import main
+from wrapped_optim._demo import DEFAULT_CONFIG, run_demo
 
 
 def test_demo_passes_and_prints_the_summary(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wrapped_optim.builder import (
+from wrapped_optim._builder import (
     LRScheduleConfig,
     OptimizerSpec,
     _lr_scheduler,

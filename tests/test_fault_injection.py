@@ -35,7 +35,7 @@ import pytest
 import torch
 from _suite_targets import TARGETS, Target
 
-from wrapped_optim.adapters.walk import walk_leaves
+from wrapped_optim._adapters.walk import walk_leaves
 from wrapped_optim.testing import (
     StateMismatchError,
     assert_state_dict_equal,
@@ -134,7 +134,7 @@ def _sites(stack: Any) -> list[Site]:
                     sites.append(Site(f"{klass.__name__}.{name}", klass, name))
                     break
     with contextlib.suppress(ImportError):
-        from wrapped_optim import codecs
+        from wrapped_optim._formats import codecs
 
         for name in _CODECS:
             if name in vars(codecs):

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wrapped_optim.adapters.megatron_fsdp import (
+from wrapped_optim._adapters.megatron_fsdp import (
     fsdp_parameter_group_of,
     grad_dtype_of,
     iter_params,

@@ -18,8 +18,9 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from test_cpu_kernel import reference_moment, reference_step, same_bits
 
-from wrapped_optim import codecs
-from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel, fused_gpu
+from wrapped_optim._formats import codecs
+from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
+from wrapped_optim.optimizers import _fused_gpu as fused_gpu
 
 pytest.importorskip("triton")
 

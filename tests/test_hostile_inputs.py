@@ -27,7 +27,7 @@ def test_inspect_refuses_a_hostile_checkpoint_in_one_line(kind: str, tmp_path: P
     path = HOSTILE_CHECKPOINTS[kind](tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-m", "wrapped_optim.cli", "inspect", str(path)],
+        [sys.executable, "-m", "wrapped_optim._cli", "inspect", str(path)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -10,12 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.kernel_support import needs_kernel
-from wrapped_optim.optimizers import (
-    HybridOffloadOptimizer,
-    PrecisionAwareAdamW,
-    cpu_kernel,
-    fused_host_step,
-)
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW, cpu_kernel
+from wrapped_optim.optimizers import _fused_host_step as fused_host_step
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

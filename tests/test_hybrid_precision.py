@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from tests.doubles.distributed import ddp_config, megatron_config
 from tests.doubles.te_fused_adam import te_fp16_bug
 from wrapped_optim import HybridSyncOptimizer, StagedCheckpointOptimizer
-from wrapped_optim.adapters.precision import is_precision_aware_holder
-from wrapped_optim.demo_model import TinyGPT, batch_for_step, lm_loss
+from wrapped_optim._adapters.precision import is_precision_aware_holder
+from wrapped_optim._demo_model import TinyGPT, batch_for_step, lm_loss
+from wrapped_optim._staging.engine import staging_decisions
 from wrapped_optim.hybrid import StaleMasterError
 from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 from wrapped_optim.stack import wrap
-from wrapped_optim.staging import staging_decisions
 from wrapped_optim.testing.probe import DeviceMemoryProbe, count_unstaged_expansions
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.uint8

@@ -16,7 +16,7 @@ from param_builders import random_groups
 import wrapped_optim.hybrid as hybrid_module
 from tests.doubles.distributed import DistributedOptimizerDouble
 from wrapped_optim import OptimizerWrapper
-from wrapped_optim.adapters.hybrid import (
+from wrapped_optim._adapters.hybrid import (
     find_hybrid_offload,
     hybrid_master_copies,
     is_hybrid_offload,
@@ -297,7 +297,7 @@ def test_restore_omitted_state_never_modifies_the_callers_dict():
 
 
 def test_group_step_optimizers_get_no_per_param_step():
-    from wrapped_optim.adapters.hybrid import keeps_per_param_step
+    from wrapped_optim._adapters.hybrid import keeps_per_param_step
     from wrapped_optim.optimizers import PrecisionAwareAdamW
 
     sd = {"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": [{"params": [0], "step": 4}]}

@@ -471,7 +471,7 @@ def test_malicious_dcp_metadata_runs_no_code_without_trust(where: str, tmp_path:
 
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from wrapped_optim.cli import run_inspect
+    from wrapped_optim._cli import run_inspect
 
     checkpoint, marker = tmp_path / "ckpt", tmp_path / "code-ran"
     _adamw_dcp(checkpoint)
@@ -508,7 +508,7 @@ def test_missing_or_truncated_shard_is_one_line_and_exit_2(
     damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Issue 20 item 9: on main a CheckpointException escaped with a traceback (exit 1)."""
-    from wrapped_optim.cli import main
+    from wrapped_optim._cli import main
 
     _adamw_dcp(tmp_path)
     for shard in tmp_path.glob("*.distcp"):

@@ -25,9 +25,9 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wrapped_optim import codecs, load_limits
+from wrapped_optim._formats import codecs, load_limits
+from wrapped_optim._formats.errors import OptimizerCheckpointError
 from wrapped_optim.checkpoint import load_optimizer
-from wrapped_optim.errors import OptimizerCheckpointError
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 
 

@@ -1,6 +1,7 @@
 """Regression tests for issue 20 items 4, 5, 6 and 8 and the streaming bug of issue 18.
 
-Each fails on the main of before the shared validator (wrapped_optim.state_format): a load that
+Each fails on the main of before the shared validator (wrapped_optim._formats.state_format):
+a load that
 rounded live FP32 masters, hyper-parameters and step counts that loaded and then crashed or
 drifted, a streaming load that took a negative second moment and a group without ``lr``, and
 ``torch.compile`` failing inside the stale-master guard.

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tests.doubles.megatron_cpu import ChainedOptimizer, cpu_fp32_optimizer, megatron_group
 from wrapped_optim import OptimizerWrapper
-from wrapped_optim.adapters import walk_leaves
+from wrapped_optim._adapters import walk_leaves
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from wrapped_optim import codecs
+from wrapped_optim._formats import codecs
 from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 
 MASTERS: dict[str, dict[str, Any]] = {

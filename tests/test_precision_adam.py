@@ -10,14 +10,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wrapped_optim import codecs
-from wrapped_optim.adapters.precision import (
+from wrapped_optim._adapters.precision import (
     ChunkedStateHolder,
     PrecisionAwareStateHolder,
     has_compressed_state,
     is_precision_aware_holder,
     supports_chunked_state,
 )
+from wrapped_optim._formats import codecs
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8

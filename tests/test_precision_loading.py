@@ -30,7 +30,7 @@ from test_precision_adam import (
     set_grads,
 )
 
-from wrapped_optim import codecs
+from wrapped_optim._formats import codecs
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 
 

@@ -16,13 +16,9 @@ import pytest
 import torch
 
 from tests.kernel_support import needs_kernel
-from wrapped_optim.optimizers import (
-    HybridOffloadOptimizer,
-    PrecisionAwareAdamW,
-    cpu_kernel,
-    fused_host_step,
-    precision_paths,
-)
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW, cpu_kernel
+from wrapped_optim.optimizers import _fused_host_step as fused_host_step
+from wrapped_optim.optimizers import _precision_paths as precision_paths
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -1,4 +1,4 @@
-"""wrapped_optim.rollback: a snapshot puts back exactly what steps changed."""
+"""wrapped_optim._rollback: a snapshot puts back exactly what steps changed."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from wrapped_optim._rollback import GroupOptions, OptimizerSnapshot
 from wrapped_optim.optimizers import PrecisionAwareAdamW
-from wrapped_optim.rollback import GroupOptions, OptimizerSnapshot
 from wrapped_optim.testing import (
     assert_state_dict_equal,
     checkpoint_roundtrip,

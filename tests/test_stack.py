@@ -27,11 +27,11 @@ from wrapped_optim import (
     unwrap,
     wrap,
 )
+from wrapped_optim._layer_policy import MegatronSettings, no_copy_blocker, staging_blocker
+from wrapped_optim._staging.engine import no_copy_decisions, staging_decisions
 from wrapped_optim.config import SECTIONS, ConfigError
-from wrapped_optim.layer_policy import MegatronSettings, no_copy_blocker, staging_blocker
 from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 from wrapped_optim.stack import LAYERS, layer_spec, spec_of
-from wrapped_optim.staging import no_copy_decisions, staging_decisions
 from wrapped_optim.testing import strategies as ws
 
 
@@ -194,7 +194,7 @@ def test_the_package_exports_one_schedule_family_and_no_internals() -> None:
         ),
         (
             "wrapped_optim.factory",
-            "wrapped_optim.builder",
+            "wrapped_optim._builder",
             ["build_optimizer", "resolve_optimizer_class"],
         ),
         (
@@ -208,11 +208,11 @@ def test_the_package_exports_one_schedule_family_and_no_internals() -> None:
         ),
         (
             "wrapped_optim.config",
-            "wrapped_optim.builder",
+            "wrapped_optim._builder",
             ["BuildConfig", "LRScheduleConfig", "OptimizerSpec"],
         ),
         ("wrapped_optim.config", "wrapped_optim.integrations.bridge", ["SchedulerConfig"]),
-        ("wrapped_optim.config", "wrapped_optim.config_fields", ["ConfigError"]),
+        ("wrapped_optim.config", "wrapped_optim._config_fields", ["ConfigError"]),
     ],
 )
 def test_old_import_paths_give_the_moved_objects(old: str, new: str, names: list[str]) -> None:

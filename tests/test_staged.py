@@ -16,11 +16,8 @@ from hypothesis import strategies as st
 from tests.doubles.distributed import DistributedOptimizerDouble, ddp_config, megatron_config
 from tests.doubles.te_fused_adam import te_fp16_bug, te_style
 from tests.gpu import gpu_staged
-from wrapped_optim.adapters.precision import supports_chunked_state
-from wrapped_optim.bench import staged as bench_staged
-from wrapped_optim.optimizers import PrecisionAwareAdamW as Holder
-from wrapped_optim.staged import StagedCheckpointOptimizer
-from wrapped_optim.staging import (
+from wrapped_optim._adapters.precision import supports_chunked_state
+from wrapped_optim._staging.engine import (
     StagingStats,
     fp32_no_copy_load,
     no_copy_decisions,
@@ -28,6 +25,9 @@ from wrapped_optim.staging import (
     staged_save,
     staging_decisions,
 )
+from wrapped_optim.bench import staged as bench_staged
+from wrapped_optim.optimizers import PrecisionAwareAdamW as Holder
+from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.testing.probe import DeviceMemoryProbe, count_unstaged_expansions, device_ledger
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

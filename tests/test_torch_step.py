@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from wrapped_optim.optimizers import PrecisionAwareAdamW, torch_step
+from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers import _torch_step as torch_step
 
 FP16 = torch.float16
 

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from wrapped_optim.optimizers import HybridOffloadOptimizer, transfers
+from wrapped_optim.optimizers import HybridOffloadOptimizer
+from wrapped_optim.optimizers import _transfers as transfers
 
 
 class FakeStream:

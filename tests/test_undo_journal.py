@@ -26,11 +26,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader
 
-from wrapped_optim.checkpoint import journal as journal_module
-from wrapped_optim.checkpoint import load as load_module
+from wrapped_optim._formats.errors import RollbackError, UndoJournalError
+from wrapped_optim.checkpoint import _journal as journal_module
+from wrapped_optim.checkpoint import _load as load_module
 from wrapped_optim.checkpoint import load_optimizer, save_optimizer
-from wrapped_optim.checkpoint.journal import UndoJournal
-from wrapped_optim.errors import RollbackError, UndoJournalError
+from wrapped_optim.checkpoint._journal import UndoJournal
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 from wrapped_optim.testing import assert_state_dict_equal, checkpoint_roundtrip
 

@@ -11,7 +11,7 @@ import warnings
 from typing import Any
 
 from wrapped_optim import _quiet_torch  # noqa: F401  (first: imports torch quietly)
-from wrapped_optim.builder import BuildConfig, LRScheduleConfig, OptimizerSpec, build_optimizer
+from wrapped_optim._builder import BuildConfig, LRScheduleConfig, OptimizerSpec, build_optimizer
 from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer, save_optimizer
 from wrapped_optim.config import ConfigError, FSDPConfig, HybridConfig, StackConfig, StagedConfig
 from wrapped_optim.fsdp import FSDPAwareOptimizer, init_optimizer_state

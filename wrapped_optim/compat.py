@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from wrapped_optim.adapters.walk import walk_leaves
+from wrapped_optim._adapters.walk import walk_leaves
 from wrapped_optim.patching import patch_attribute
 
 __all__ = [
@@ -77,7 +77,7 @@ def memory_efficient_precision_aware_optimizer_state_checkpointing(
     if not enabled or optimizer is None:
         yield 0
         return
-    from wrapped_optim.staging import staged_save
+    from wrapped_optim._staging.engine import staged_save
 
     with staged_save(optimizer, chunk_bytes=chunk_bytes) as stats:
         yield stats.staged_holders
@@ -96,7 +96,7 @@ def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[in
 
     Bridge wraps its whole checkpoint load in this context, so the block also carries the
     repairs megatron-core's distributed checkpoint loaders need for an exact resume
-    (:func:`wrapped_optim.adapters.megatron_checkpoint.megatron_load_repairs`: loading
+    (:func:`wrapped_optim._adapters.megatron_checkpoint.megatron_load_repairs`: loading
     scaffold of a fresh optimizer, per-parameter steps, HybridDeviceOptimizer's FP32 update,
     its optimizer classes for the weights-only read).
 
@@ -110,8 +110,8 @@ def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[in
     if optimizer is None:
         yield 0
         return
-    from wrapped_optim.adapters.megatron_checkpoint import megatron_load_repairs
-    from wrapped_optim.staging import fp32_no_copy_load, no_copy_decisions
+    from wrapped_optim._adapters.megatron_checkpoint import megatron_load_repairs
+    from wrapped_optim._staging.engine import fp32_no_copy_load, no_copy_decisions
 
     eligible = sum(1 for decision in no_copy_decisions(optimizer) if decision.eligible)
     with megatron_load_repairs(optimizer), fp32_no_copy_load(optimizer):
@@ -146,13 +146,13 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
     if optimizer is None:
         yield 0
         return
-    from wrapped_optim.adapters.hybrid import (
+    from wrapped_optim._adapters.hybrid import (
         hybrid_master_copies,
         is_hybrid_offload,
         push_state_to_sub_optimizers,
         restore_omitted_state,
     )
-    from wrapped_optim.adapters.megatron_checkpoint import megatron_load_repairs, sharded_loaders
+    from wrapped_optim._adapters.megatron_checkpoint import megatron_load_repairs, sharded_loaders
 
     with ExitStack() as scopes:
         scopes.enter_context(megatron_load_repairs(optimizer))
@@ -226,7 +226,7 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
     """
     if optimizer is None:
         return False
-    from wrapped_optim.adapters.hybrid import (
+    from wrapped_optim._adapters.hybrid import (
         find_hybrid_offload,
         hybrid_master_copies,
         push_state_to_sub_optimizers,

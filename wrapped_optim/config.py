@@ -8,15 +8,15 @@ per wrapper (``staged``, ``hybrid``, ``fsdp``). Each section is three-valued:
 * ``False`` turns it off, whatever derivation would say;
 * ``None`` (absent) leaves the decision to derivation -- from the optimizer itself
   (:func:`wrapped_optim.wrap`) or from Megatron's configs (:meth:`StackConfig.from_megatron`);
-  both follow :mod:`wrapped_optim.layer_policy`.
+  both follow :mod:`wrapped_optim._layer_policy`.
 
 The same shape reads from a dict, a TOML file (``[staged]``, ``[hybrid]``, ``[fsdp]`` tables)
 and the attrs classes, and every rejected value raises :class:`ConfigError` naming the field.
 
-The plain-torch build config (:class:`~wrapped_optim.builder.BuildConfig`,
-:class:`~wrapped_optim.builder.OptimizerSpec`,
-:class:`~wrapped_optim.builder.LRScheduleConfig`) lives with :func:`wrapped_optim.build_optimizer`
-in :mod:`wrapped_optim.builder`; Megatron-Bridge's
+The plain-torch build config (:class:`~wrapped_optim._builder.BuildConfig`,
+:class:`~wrapped_optim._builder.OptimizerSpec`,
+:class:`~wrapped_optim._builder.LRScheduleConfig`) lives with :func:`wrapped_optim.build_optimizer`
+in :mod:`wrapped_optim._builder`; Megatron-Bridge's
 :class:`~wrapped_optim.integrations.bridge.SchedulerConfig` with ``setup_optimizer`` in
 :mod:`wrapped_optim.integrations.bridge`. Both are still importable from here.
 """
@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 import attrs
 
-from wrapped_optim import layer_policy
-from wrapped_optim.config_fields import (
+from wrapped_optim import _layer_policy as layer_policy
+from wrapped_optim._config_fields import (
     ConfigError,
     check_bool,
     check_choice,
@@ -54,9 +54,9 @@ __all__ = [
 # Names that moved to the module doing their job; ``from wrapped_optim.config import X`` keeps
 # working (imported on first use: those modules import this one).
 _MOVED = {
-    "BuildConfig": "wrapped_optim.builder",
-    "LRScheduleConfig": "wrapped_optim.builder",
-    "OptimizerSpec": "wrapped_optim.builder",
+    "BuildConfig": "wrapped_optim._builder",
+    "LRScheduleConfig": "wrapped_optim._builder",
+    "OptimizerSpec": "wrapped_optim._builder",
     "SchedulerConfig": "wrapped_optim.integrations.bridge",
 }
 
@@ -263,7 +263,7 @@ class StackConfig:
 
         Any object with Megatron's attribute names works (megatron-core refuses
         ``use_precision_aware_optimizer=True`` without TE installed). Derivation (the rules of
-        :mod:`wrapped_optim.layer_policy`, which :func:`wrapped_optim.wrap` follows too):
+        :mod:`wrapped_optim._layer_policy`, which :func:`wrapped_optim.wrap` follows too):
 
         * ``use_precision_aware_optimizer`` -> staged save and chunked load;
         * distributed FP32 Adam (``use_distributed_optimizer``, ``optimizer="adam"``, FP32

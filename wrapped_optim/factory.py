@@ -3,8 +3,8 @@
 Each now lives with its job:
 
 * :func:`~wrapped_optim.stack.wrap` in :mod:`wrapped_optim.stack` (the layer table);
-* :func:`~wrapped_optim.builder.build_optimizer` and
-  :func:`~wrapped_optim.builder.resolve_optimizer_class` in :mod:`wrapped_optim.builder`
+* :func:`~wrapped_optim._builder.build_optimizer` and
+  :func:`~wrapped_optim._builder.resolve_optimizer_class` in :mod:`wrapped_optim._builder`
   (plain PyTorch);
 * :func:`~wrapped_optim.integrations.bridge.setup_optimizer` and its override providers in
   :mod:`wrapped_optim.integrations.bridge` (Megatron-Bridge).
@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from wrapped_optim.builder import build_optimizer, resolve_optimizer_class
+from wrapped_optim._builder import build_optimizer, resolve_optimizer_class
 from wrapped_optim.integrations.bridge import (
     OptimizerConfigOverrideProvider,
     OptimizerConfigOverrideProviderContext,

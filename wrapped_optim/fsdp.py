@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from wrapped_optim.adapters.megatron_fsdp import (
+from wrapped_optim._adapters.megatron_fsdp import (
     fsdp_parameter_group_of,
     grad_dtype_attr,
     grad_dtype_of,
@@ -25,8 +25,8 @@ from wrapped_optim.adapters.megatron_fsdp import (
     local_tensor,
     swap_grad,
 )
-from wrapped_optim.adapters.walk import walk_leaves
-from wrapped_optim.rollback import GroupOptions
+from wrapped_optim._adapters.walk import walk_leaves
+from wrapped_optim._rollback import GroupOptions
 from wrapped_optim.wrapper import OptimizerWrapper, find_layer
 
 __all__ = ["FSDPAwareOptimizer", "init_optimizer_state"]

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from wrapped_optim.adapters.hybrid import (
+from wrapped_optim._adapters.hybrid import (
     MasterCopies,
     find_hybrid_offload,
     hybrid_master_copies,
@@ -29,7 +29,7 @@ from wrapped_optim.adapters.hybrid import (
     push_state_to_sub_optimizers,
     restore_omitted_state,
 )
-from wrapped_optim.adapters.megatron_checkpoint import (
+from wrapped_optim._adapters.megatron_checkpoint import (
     allowed_optimizer_classes,
     megatron_load_repairs,
 )
@@ -77,7 +77,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
       ``"ignore"``. One pass, once; later steps cost one flag check.
 
     Works on every hybrid offload optimizer of the stack (see
-    :func:`wrapped_optim.adapters.hybrid.find_hybrid_offload`): the portable
+    :func:`wrapped_optim._adapters.hybrid.find_hybrid_offload`): the portable
     :class:`wrapped_optim.optimizers.HybridOffloadOptimizer` and Megatron's
     HybridDeviceOptimizer inside DistributedOptimizer / ChainedOptimizer. A stack without one
     passes through unchanged.
@@ -270,7 +270,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
 
         With ``is_loading=True`` Megatron builds its loading scaffold by calling the inner
         ``load_state_dict`` itself, so the same repairs as in :meth:`load_state_dict` apply
-        (see :func:`wrapped_optim.adapters.megatron_checkpoint.megatron_load_repairs`). A
+        (see :func:`wrapped_optim._adapters.megatron_checkpoint.megatron_load_repairs`). A
         HybridDeviceOptimizer keeps its sub-optimizer classes in its param groups, which a
         fully-reshardable checkpoint stores in its common state; Core reads that with torch's
         weights-only unpickler, which refuses them. So from the scaffold until the load ends

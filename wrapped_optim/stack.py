@@ -31,10 +31,11 @@ from typing import Any
 import attrs
 import torch
 
-from wrapped_optim import layer_policy
-from wrapped_optim.adapters.hybrid import find_hybrid_offload
-from wrapped_optim.adapters.megatron_fsdp import needs_grad_cast
-from wrapped_optim.adapters.walk import walk_leaves
+from wrapped_optim import _layer_policy as layer_policy
+from wrapped_optim._adapters.hybrid import find_hybrid_offload
+from wrapped_optim._adapters.megatron_fsdp import needs_grad_cast
+from wrapped_optim._adapters.walk import walk_leaves
+from wrapped_optim._staging.engine import leaf_settings, no_copy_decisions, staging_decisions
 from wrapped_optim.config import (
     SECTIONS,
     ConfigError,
@@ -46,7 +47,6 @@ from wrapped_optim.config import (
 from wrapped_optim.fsdp import FSDPAwareOptimizer
 from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.staged import StagedCheckpointOptimizer
-from wrapped_optim.staging import leaf_settings, no_copy_decisions, staging_decisions
 from wrapped_optim.wrapper import OptimizerWrapper, find_layer, layers, unwrap
 
 __all__ = [
@@ -240,7 +240,7 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
     sub-optimizer), a no-copy-eligible Megatron distributed optimizer or torch's Adam/AdamW
     inside one (whose loader shares one ``step`` tensor, which the layer repairs) -> staging;
     a hybrid offload optimizer -> hybrid sync; params whose ``grad_dtype`` differs from their
-    dtype -> FSDP-aware. Megatron's settings gate these as :mod:`wrapped_optim.layer_policy` says.
+    dtype -> FSDP-aware. Megatron's settings gate these as :mod:`wrapped_optim._layer_policy` says.
 
     Re-wrapping never doubles a layer: canonical layers already on top are kept (also when an
     explicit section repeats their options), and when nothing changes the same object is

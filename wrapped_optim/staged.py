@@ -4,7 +4,7 @@ A precision-aware optimizer stores its moments compressed (bf16, fp16, FP8) but 
 them as FP32. Built naively, a state dict expands every state on the device and keeps all
 expansions alive until the dict is complete, and a load makes whole FP32 copies on the
 device. This wrapper scopes three changes of the optimizers it decorates to the checkpoint
-calls only (see :mod:`wrapped_optim.staging` for the engine): save staging to the host,
+calls only (see :mod:`wrapped_optim._staging.engine` for the engine): save staging to the host,
 chunked compressed loads and FP32 no-copy loads. The checkpoint format does not change.
 """
 
@@ -14,8 +14,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from wrapped_optim.adapters.megatron_checkpoint import megatron_load_repairs
-from wrapped_optim.staging import StagingStats, fp32_no_copy_load, staged_load, staged_save
+from wrapped_optim._adapters.megatron_checkpoint import megatron_load_repairs
+from wrapped_optim._staging.engine import StagingStats, fp32_no_copy_load, staged_load, staged_save
 from wrapped_optim.wrapper import OptimizerWrapper
 
 __all__ = ["StagedCheckpointOptimizer"]
@@ -122,7 +122,7 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
 
         With ``is_loading=True`` Megatron also loads its scaffold into the inner optimizer,
         so the loading scopes apply as well (among them the repairs of Core's loaders, see
-        :func:`wrapped_optim.adapters.megatron_checkpoint.megatron_load_repairs`).
+        :func:`wrapped_optim._adapters.megatron_checkpoint.megatron_load_repairs`).
         """
         inner_method = getattr(self.inner, "sharded_state_dict", None)
         if inner_method is None:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from wrapped_optim.state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
+from wrapped_optim._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["OptimizerWrapper", "find_layer", "layers", "unwrap"]
 

@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel, fused_gpu
+from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
+from wrapped_optim.optimizers import _fused_gpu as fused_gpu
 
 from ._report import Section, main_of, require_cuda, row_table
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from wrapped_optim.demo_model import TinyGPT
+from wrapped_optim._demo_model import TinyGPT
 from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 from wrapped_optim.stack import wrap
 from wrapped_optim.staged import StagedCheckpointOptimizer

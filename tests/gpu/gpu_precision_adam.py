@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from wrapped_optim import codecs
+from wrapped_optim._formats import codecs
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 
 from ._report import Section, main_of, require_cuda

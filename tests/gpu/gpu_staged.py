@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from wrapped_optim._staging.engine import fp32_no_copy_load
 from wrapped_optim.bench.staged import MiB, build_model_optimizer, whole_tensor_state_dict
 from wrapped_optim.staged import StagedCheckpointOptimizer
-from wrapped_optim.staging import fp32_no_copy_load
 from wrapped_optim.testing.probe import DeviceMemoryProbe
 
 from ._report import Section, main_of, require_cuda

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from wrapped_optim import compat, wrap
-from wrapped_optim.adapters.walk import walk_leaves
+from wrapped_optim._adapters.walk import walk_leaves
 from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.staged import StagedCheckpointOptimizer
 
@@ -163,7 +163,7 @@ def snapshot(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     """Everything an exact resume must reproduce, by path: weights, every FP32 master level of
     every hybrid offload optimizer, every state tensor (moments, per-parameter ``step``) of
     every leaf and of every HybridDeviceOptimizer sub-optimizer, and each group's ``lr``."""
-    from wrapped_optim.adapters.hybrid import hybrid_master_copies
+    from wrapped_optim._adapters.hybrid import hybrid_master_copies
 
     out = {f"weight/{name}": p.detach().clone() for name, p in model.named_parameters()}
     for i, entry in enumerate(hybrid_master_copies(optimizer)):

@@ -1,5 +1,5 @@
 """The scoped repairs of megatron-core's checkpoint loaders
-(:mod:`wrapped_optim.adapters.megatron_checkpoint`) on the real classes: each is installed only
+(:mod:`wrapped_optim._adapters.megatron_checkpoint`) on the real classes: each is installed only
 while a probe of Core's own code shows its defect, is active only inside a load call, and
 leaves nothing behind, also when the load raises."""
 
@@ -23,7 +23,7 @@ from tests.doubles.te_fused_adam import te_style
 from tests.megatron_real.dist_ckpt import save
 from tests.megatron_real.harness import build, leaf, megatron_session, train
 from wrapped_optim import compat
-from wrapped_optim.adapters.megatron_checkpoint import (
+from wrapped_optim._adapters.megatron_checkpoint import (
     _fp32_update_requires_every_param,
     _scaffold_needs_state,
     _setter_reads_payload_step,
@@ -160,7 +160,7 @@ def test_optimizer_classes_are_allowed_only_while_a_load_is_in_progress(tmp_path
 
 
 def _init_worker(rank: int, world: int) -> dict[str, Any]:
-    from wrapped_optim.adapters.hybrid import hybrid_master_copies
+    from wrapped_optim._adapters.hybrid import hybrid_master_copies
 
     with megatron_session():
         model, optimizer = build("offload_half")

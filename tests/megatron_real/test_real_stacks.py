@@ -136,7 +136,7 @@ RESUME_AT = 2
 
 
 def _masters(optimizer: Any) -> list[torch.Tensor]:
-    from wrapped_optim.adapters.hybrid import hybrid_master_copies
+    from wrapped_optim._adapters.hybrid import hybrid_master_copies
 
     return [entry.master.detach().clone() for entry in hybrid_master_copies(optimizer)]
 
@@ -181,7 +181,7 @@ def _resumed_run(rank: int, world: int, name: str, root: str, wrapped: Any) -> d
 
 
 # Found on the real stacks, megatron-core 0.16.1 with torch's AdamW (no TE/Apex); the staged
-# layer repairs it (wrapped_optim.adapters.megatron.unshare_steps), the bare stack keeps it:
+# layer repairs it (wrapped_optim._adapters.megatron.unshare_steps), the bare stack keeps it:
 _SHARED_STEP = (
     "upstream: DistributedOptimizer.load_state_dict gives every param state ONE shared `step` "
     "tensor (`s['step'] = step`); torch AdamW then increments it once per param per step"
@@ -351,7 +351,7 @@ def test_compat_sync_continues_from_the_loaded_weights_bitwise(model_only: dict[
 # FP32 no-copy load on the real FP32 DistributedOptimizer
 # --------------------------------------------------------------------------------------
 def _no_copy_worker(rank: int, world: int) -> dict[str, Any]:
-    from wrapped_optim.staging import no_copy_decisions
+    from wrapped_optim._staging.engine import no_copy_decisions
 
     with megatron_session():
         model, optimizer = build("distributed")

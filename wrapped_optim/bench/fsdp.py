@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from wrapped_optim.adapters.megatron_fsdp import swap_grad
+from wrapped_optim._adapters.megatron_fsdp import swap_grad
 from wrapped_optim.fsdp import FSDPAwareOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
 

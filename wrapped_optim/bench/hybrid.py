@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 
 from wrapped_optim.hybrid import HybridSyncOptimizer
-from wrapped_optim.optimizers import HybridOffloadOptimizer, fused_host_step
+from wrapped_optim.optimizers import HybridOffloadOptimizer
+from wrapped_optim.optimizers import _fused_host_step as fused_host_step
 
 __all__ = ["run"]
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from wrapped_optim._staging.engine import staged_save
 from wrapped_optim.staged import StagedCheckpointOptimizer
-from wrapped_optim.staging import staged_save
 from wrapped_optim.testing.probe import DeviceMemoryProbe, count_unstaged_expansions
 
 __all__ = [

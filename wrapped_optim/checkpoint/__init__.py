@@ -19,16 +19,16 @@ reads them and :func:`load_optimizer` reads what plain ``dcp.save(optimizer.stat
 wrote. Large tensors are written as several DCP chunks (rows of ``chunk_bytes``), which any DCP
 reader reassembles.
 
-The package's modules: :mod:`~wrapped_optim.checkpoint.deferred` (compressed state as
-placeholders), :mod:`~wrapped_optim.checkpoint.save`, :mod:`~wrapped_optim.checkpoint.load` and
-its undo journal, :mod:`~wrapped_optim.checkpoint.journal` (the atomic load's rollback on disk).
+The package's modules: :mod:`~wrapped_optim.checkpoint._deferred` (compressed state as
+placeholders), :mod:`~wrapped_optim.checkpoint._save`, :mod:`~wrapped_optim.checkpoint._load` and
+its undo journal, :mod:`~wrapped_optim.checkpoint._journal` (the atomic load's rollback on disk).
 """
 
-from wrapped_optim.checkpoint.common import DEFAULT_CHUNK_BYTES, OptimizerCheckpointError
-from wrapped_optim.checkpoint.deferred import DeferredState
-from wrapped_optim.checkpoint.load import StreamingLoadPlanner, load_optimizer
-from wrapped_optim.checkpoint.save import StreamingSavePlanner, save_optimizer
-from wrapped_optim.errors import RollbackError, UndoJournalError
+from wrapped_optim._formats.errors import RollbackError, UndoJournalError
+from wrapped_optim.checkpoint._common import DEFAULT_CHUNK_BYTES, OptimizerCheckpointError
+from wrapped_optim.checkpoint._deferred import DeferredState
+from wrapped_optim.checkpoint._load import StreamingLoadPlanner, load_optimizer
+from wrapped_optim.checkpoint._save import StreamingSavePlanner, save_optimizer
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

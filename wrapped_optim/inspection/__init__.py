@@ -22,9 +22,9 @@ Detected formats (see :class:`StateFormat`):
   FP32 master beside bf16 params (``store_param_remainders``).
 """
 
-from wrapped_optim.inspection.analysis import inspect_checkpoint
-from wrapped_optim.inspection.formatting import format_report
-from wrapped_optim.inspection.model import (
+from wrapped_optim.inspection._analysis import inspect_checkpoint
+from wrapped_optim.inspection._formatting import format_report
+from wrapped_optim.inspection._model import (
     CheckpointReport,
     InspectError,
     OptimizerReport,

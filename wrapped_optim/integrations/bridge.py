@@ -17,10 +17,9 @@ from typing import Any, Literal
 
 import attrs
 
-from wrapped_optim.adapters.megatron import megatron_optimizer_module
-from wrapped_optim.builder import MEGATRON_LR_STYLES
-from wrapped_optim.config import StackConfig
-from wrapped_optim.config_fields import (
+from wrapped_optim._adapters.megatron import megatron_optimizer_module
+from wrapped_optim._builder import MEGATRON_LR_STYLES
+from wrapped_optim._config_fields import (
     ConfigError,
     check_bool,
     check_choice,
@@ -30,6 +29,7 @@ from wrapped_optim.config_fields import (
     from_mapping,
     is_int,
 )
+from wrapped_optim.config import StackConfig
 from wrapped_optim.stack import wrap
 
 __all__ = [

@@ -13,7 +13,7 @@
  * Formats: FP32; bf16 (decode exact, encode round-to-nearest-even, NaN as the quiet NaN
  * 0x7FC0, as torch's scalar float -> bfloat16 conversion); a bf16 parameter plus the int16 low half of its FP32
  * master (TE's store_param_remainders bit arithmetic); moments in fp16 or FP8 E4M3 relative to a
- * per-tensor scale (wrapped_optim.codecs: decode = stored value times a multiplier, encode =
+ * per-tensor scale (wrapped_optim._formats.codecs: decode = stored value times a multiplier, encode =
  * value times a multiplier, rounded to nearest even, FP8 saturated to +-448). A scaled moment's
  * new scale needs the amax of the whole updated tensor, so those tensors take two passes: pass 1
  * computes only the new scaled moments and their amax (reading the gradient and those moments,

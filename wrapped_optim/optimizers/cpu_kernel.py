@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
-from wrapped_optim import codecs
+from wrapped_optim._formats import codecs
 from wrapped_optim.optimizers import _kernel_build
 
 __all__ = [
@@ -582,7 +582,7 @@ def adamw_step_(
     or bf16; moments FP32, bf16, fp16 or FP8 E4M3 (``torch.uint8``, TE's marker).
     An fp16/FP8 moment is stored relative to its per-tensor scale (``exp_avg_scales`` /
     ``exp_avg_sq_scales``: a one-element float32 tensor each, None for the other formats),
-    exactly as :mod:`wrapped_optim.codecs` encodes it: it is decoded with the old scale and
+    exactly as :mod:`wrapped_optim._formats.codecs` encodes it: it is decoded with the old scale and
     re-encoded with the scale of its new amax, which is written into the scale tensor. Such
     tensors take two passes over memory (the first only measures the amax). The update is
     TE's FusedAdam formula in FP32 (``adam_w_mode``: ``p -= lr * (m_hat / (sqrt(v_hat) + eps)

@@ -16,7 +16,7 @@ Example:
     >>> assert_resume_equivalent(make, steps_before=1, steps_after=2)
 """
 
-from wrapped_optim.testing.assertions import (
+from wrapped_optim.testing._assertions import (
     Difference,
     StateMismatchError,
     assert_resume_equivalent,

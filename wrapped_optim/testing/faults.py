@@ -2,7 +2,7 @@
 
 :func:`crash_save_at` runs a save in a forked child process and kills it (``SIGKILL``, no
 clean-up of any kind) at one named point of the commit protocol of
-:mod:`wrapped_optim.checkpoint.commit`; :data:`COMMIT_CRASH_POINTS` says, for each point,
+:mod:`wrapped_optim.checkpoint._commit`; :data:`COMMIT_CRASH_POINTS` says, for each point,
 which checkpoint the next load returns. The parent's own objects are untouched (the child is
 a copy), so a test then loads from the directory and compares.
 """
@@ -40,7 +40,7 @@ def _install(point: str) -> None:
     """Patches the commit module (and DCP's item writer) of this child process only."""
     from torch.distributed.checkpoint import filesystem
 
-    from wrapped_optim.checkpoint import commit
+    from wrapped_optim.checkpoint import _commit as commit
 
     def before(
         module: Any, name: str, when: Callable[..., bool] = lambda *a: True, after: int = 0

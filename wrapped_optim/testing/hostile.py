@@ -3,7 +3,7 @@
 Each entry of :data:`HOSTILE_CHECKPOINTS` builds, inside an empty directory, a file or
 directory crafted to break a checkpoint reader (unbounded recursion, reads outside the
 checkpoint directory, a read that never returns) and returns the path to hand to
-``wrapped-optim inspect`` (:func:`wrapped_optim.cli.run_inspect`) or to a loader: a careful
+``wrapped-optim inspect`` (:func:`wrapped_optim._cli.run_inspect`) or to a loader: a careful
 reader refuses each with a one-line error, promptly. Each entry of :data:`HOSTILE_SAVE_TARGETS`
 plants something beside a checkpoint directory (symlinks at the names a save reserves for
 itself, a symlinked target, ``..`` after a symlink) and returns the path to save to and the
@@ -121,7 +121,7 @@ HOSTILE_CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
 Example:
     >>> import contextlib, io, tempfile
     >>> from pathlib import Path
-    >>> from wrapped_optim.cli import run_inspect
+    >>> from wrapped_optim._cli import run_inspect
     >>> with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stderr(io.StringIO()) as err:
     ...     path = HOSTILE_CHECKPOINTS["deep-dcp-route"](Path(tmp))
     ...     code = run_inspect(str(path))

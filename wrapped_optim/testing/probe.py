@@ -1,7 +1,7 @@
 """How much extra device memory a checkpoint call needs, measured the same way everywhere.
 
 Part of the testing kit: the staging engine only writes to the leaf
-:mod:`wrapped_optim.ledger`; this module reads it (and the CUDA allocator).
+:mod:`wrapped_optim._staging.ledger`; this module reads it (and the CUDA allocator).
 
 Staged checkpoints promise a bound: never more than one chunk of expanded state on the
 device. On CUDA the allocator itself says how much a call needed (peak allocation minus
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from wrapped_optim.ledger import device_ledger
+from wrapped_optim._staging.engine import staging_decisions
+from wrapped_optim._staging.ledger import device_ledger
 from wrapped_optim.patching import patch_attribute
-from wrapped_optim.staging import staging_decisions
 
 __all__ = ["DeviceMemoryProbe", "count_unstaged_expansions", "device_ledger"]
 

@@ -1,0 +1,1 @@
+"""Private: the portable state formats, their codecs, limits and errors."""

@@ -1,0 +1,1 @@
+"""Private: the staging engine, its buffers and the device ledger."""

@@ -1,0 +1,405 @@
+"""An undo journal on local disk: the old bytes of what a load overwrites, piece by piece.
+
+Internal to :func:`wrapped_optim.checkpoint.load_optimizer` (its atomic load). Instead of a
+copy of the state in host memory, the bytes a load is about to overwrite are written to a
+file, at most ``piece_bytes`` at a time, and copied back if the load fails:
+
+* the file lives in a private directory (``tempfile.mkdtemp``: mode 0700) made for it under
+  ``directory`` (default: the system temp dir), is opened with mode 0600 and has no name
+  from the moment it exists (``O_TMPFILE``, or created and unlinked at once); the directory
+  is removed right after. Closing the journal frees its blocks, and so does the end of the
+  process, however it ends: a crashed or killed load leaves nothing behind;
+* a worker thread journals the regions in the order they will be read, ahead of the reader;
+  the reader waits only for the region it is about to write (:meth:`UndoJournal.keep`), so
+  journaling overlaps reading;
+* each record carries a header (magic, sequence number, length) and the CRC-32 of its bytes,
+  checked when it is replayed: a journal that cannot be replayed exactly raises
+  :class:`~wrapped_optim._formats.errors.RollbackError` rather than restoring wrong values silently;
+* where the filesystem takes ``O_DIRECT`` (local disks), the file bypasses the page cache:
+  each thread moves its pieces through one page-aligned 8 MiB buffer of its own, so the kernel
+  neither copies the journal nor reclaims page-cache pages for it; elsewhere (tmpfs) CPU
+  tensors are written from, and replayed into, their own memory. Device tensors go through
+  one host piece at a time.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+import tempfile
+import threading
+import zlib
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+import attrs
+import torch
+
+from wrapped_optim._formats.errors import RollbackError, UndoJournalError
+
+__all__ = ["UndoJournal"]
+
+_HEADER = struct.Struct("<8sQQI")  # magic, sequence number, byte count, CRC-32
+_MAGIC = b"WOUNDO01"
+_PENDING, _BUSY, _DONE, _FAILED = range(4)
+_ALIGN = 4096  # O_DIRECT transfers: offsets, lengths and buffers in whole blocks
+_BOUNCE = 8 << 20  # bytes of one O_DIRECT transfer (one aligned buffer per thread)
+
+
+@attrs.define(eq=False)
+class _Region:
+    """A tensor region to journal before it is written, and how far that has come."""
+
+    tensor: torch.Tensor
+    status: int = _PENDING
+    error: BaseException | None = None
+
+
+@attrs.define(eq=False)
+class _Record:
+    """One journaled piece: where its old bytes are, and where they go back to."""
+
+    target: torch.Tensor  # the piece of the region (a view), replayed in place
+    offset: int  # of the header in the file
+    nbytes: int
+    crc: int
+    seq: int
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (writable)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
+
+
+def _pieces(tensor: torch.Tensor, piece_bytes: int) -> Iterable[torch.Tensor]:
+    """``tensor`` as flat views of at most ``piece_bytes`` (itself when not contiguous)."""
+    if not tensor.is_contiguous():
+        yield tensor
+        return
+    flat = tensor.detach().reshape(-1)
+    step = max(1, piece_bytes // max(1, flat.element_size()))
+    for start in range(0, max(1, flat.numel()), step):
+        yield flat[start : start + step]
+
+
+class UndoJournal:
+    """The old bytes of tensor regions, on disk until the load commits or rolls back.
+
+    Plan regions in the order they will be written (:meth:`plan`), :meth:`start` the worker,
+    call :meth:`keep` before writing each region, and end with :meth:`rollback` (on failure)
+    and :meth:`close` (always). :meth:`keep_now` journals a tensor at once.
+
+    Example:
+        >>> import torch
+        >>> state = torch.arange(6.0)
+        >>> journal = UndoJournal(piece_bytes=8)
+        >>> journal.plan("state", state); journal.start()
+        >>> journal.keep("state"); _ = state.zero_()  # the load writes...
+        >>> journal.rollback()  # ...and fails
+        >>> journal.close()
+        >>> state.tolist()
+        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str] | None = None, piece_bytes: int = 64 << 20
+    ) -> None:
+        parent = os.fspath(directory) if directory is not None else tempfile.gettempdir()
+        self.directory = parent
+        self.piece_bytes = max(1, int(piece_bytes))
+        try:
+            private = tempfile.mkdtemp(prefix=".wrapped_optim_undo_", dir=parent)
+            try:
+                self._fd, self._align = _open_nameless(private)
+            finally:
+                os.rmdir(private)
+        except OSError as exc:
+            raise UndoJournalError(
+                exc.errno or errno.EIO,
+                f"cannot create the atomic load's undo journal in {parent!r} ({exc}); pass "
+                "journal_dir= a writable local directory, or atomic=False",
+            ) from exc
+        self._bounce = threading.local()  # per thread: an aligned buffer for O_DIRECT
+        self._cond = threading.Condition()
+        self._end = 0  # where the next record goes
+        self._seq = 0
+        self._records: list[_Record] = []
+        self._regions: dict[Hashable, _Region] = {}
+        self._order: list[Hashable] = []
+        self._stop = False
+        self._worker: threading.Thread | None = None
+        self.written = 0  # bytes journaled (headers excluded)
+
+    # -- journaling ----------------------------------------------------------------------
+    def plan(self, key: Hashable, tensor: torch.Tensor) -> None:
+        """Adds a region that will be written later (journaled ahead by :meth:`start`)."""
+        if key not in self._regions:
+            self._regions[key] = _Region(tensor)
+            self._order.append(key)
+
+    def planned_bytes(self) -> int:
+        """Bytes the planned regions will take (without record headers)."""
+        return sum(r.tensor.numel() * r.tensor.element_size() for r in self._regions.values())
+
+    def reserve(self, nbytes: int) -> None:
+        """Raises :class:`UndoJournalError` (ENOSPC) unless the journal's filesystem has room
+        for ``nbytes`` (plus headers) now, before anything is written."""
+        free = _free_bytes(self._fd)
+        needed = nbytes + _HEADER.size * (len(self._regions) + nbytes // self.piece_bytes + 1)
+        if needed > free:
+            raise UndoJournalError(
+                errno.ENOSPC,
+                f"the atomic load's undo journal needs {needed:,} bytes in {self.directory!r}, "
+                f"which has {free:,} free; pass journal_dir= a directory with room, or "
+                "atomic=False (no undo: a failure while reading leaves a partial load)",
+            )
+
+    def start(self) -> None:
+        """Starts journaling the planned regions, in plan order, in a worker thread."""
+        if self._worker is None and self._order:
+            self._worker = threading.Thread(
+                target=self._work, name="wrapped_optim-undo-journal", daemon=True
+            )
+            self._worker.start()
+
+    def keep(self, key: Hashable) -> None:
+        """Returns once the planned region ``key`` is journaled (journals it now if the worker
+        has not come to it); raises :class:`UndoJournalError` if it could not be. An unplanned
+        key is a region with nothing to undo (a new tensor): nothing to do."""
+        region = self._regions.get(key)
+        if region is None:
+            return
+        with self._cond:
+            while region.status == _BUSY:
+                self._cond.wait()
+            mine = region.status == _PENDING
+            if mine:
+                region.status = _BUSY
+        if mine:
+            self._journal(region)
+        if region.status == _FAILED:
+            raise self._failure(region)
+
+    def keep_now(self, tensor: torch.Tensor) -> None:
+        """Journals ``tensor`` now, in the calling thread."""
+        region = _Region(tensor, status=_BUSY)
+        self._journal(region)
+        if region.status == _FAILED:
+            raise self._failure(region)
+
+    def _failure(self, region: _Region) -> BaseException:
+        error = region.error
+        if isinstance(error, UndoJournalError) or not isinstance(error, Exception):
+            return error or UndoJournalError(errno.EIO, "the undo journal failed")  # Ctrl-C
+        code = error.errno if isinstance(error, OSError) and error.errno else errno.EIO
+        failure = UndoJournalError(
+            code,
+            f"writing the atomic load's undo journal in {self.directory!r} failed ({error}); "
+            "the optimizer was put back as it was. Pass journal_dir= a directory with room, "
+            "or atomic=False",
+        )
+        failure.__cause__ = error
+        return failure
+
+    def _work(self) -> None:
+        for key in self._order:
+            region = self._regions[key]
+            with self._cond:
+                if self._stop:
+                    return
+                if region.status != _PENDING:
+                    continue
+                region.status = _BUSY
+            self._journal(region)
+            if region.status == _FAILED:
+                return  # the reader meets the error at this region (or journals the rest)
+
+    def _journal(self, region: _Region) -> None:
+        """Writes a region's records (called with the region BUSY and owned by the caller)."""
+        error: BaseException | None = None
+        try:
+            records = [self._write(piece) for piece in _pieces(region.tensor, self.piece_bytes)]
+        except BaseException as exc:  # handed to the thread that writes it
+            status, error = _FAILED, exc
+            records = []
+        else:
+            status = _DONE
+        with self._cond:
+            self._records.extend(records)  # completion order: replayed last to first
+            region.status, region.error = status, error
+            self._cond.notify_all()
+
+    def _write(self, piece: torch.Tensor) -> _Record:
+        host = piece.detach()
+        if host.device.type != "cpu":
+            host = host.to("cpu")  # one piece of host memory
+        host = host.contiguous()
+        data = _host_bytes(host)
+        head = self._aligned(_HEADER.size)
+        with self._cond:
+            offset, seq = self._end, self._seq
+            self._end += head + self._aligned(len(data))
+            self._seq += 1
+            self.written += len(data)
+        crc = self._put(data, offset + head)
+        header = _HEADER.pack(_MAGIC, seq, len(data), crc)
+        self._put(memoryview(header), offset)
+        return _Record(piece, offset, len(data), crc, seq)
+
+    def _aligned(self, n: int) -> int:
+        return -(-n // self._align) * self._align
+
+    def _buffer(self) -> mmap.mmap:
+        """This thread's bounce buffer (page aligned) for O_DIRECT transfers."""
+        found: mmap.mmap | None = getattr(self._bounce, "buffer", None)
+        if found is None:
+            found = self._bounce.buffer = mmap.mmap(
+                -1, min(_BOUNCE, self._aligned(self.piece_bytes))
+            )
+        return found
+
+    def _put(self, data: memoryview, offset: int) -> int:
+        """Writes ``data`` at ``offset`` (through the bounce buffer, padded, under O_DIRECT);
+        returns its CRC-32."""
+        if self._align == 1:
+            _pwrite_all(self._fd, data, offset)
+            return zlib.crc32(data)
+        buffer, crc = self._buffer(), 0
+        view = memoryview(buffer)
+        for start in range(0, max(1, len(data)), len(buffer)):
+            part = data[start : start + len(buffer)]
+            view[: len(part)] = part
+            crc = zlib.crc32(view[: len(part)], crc)
+            view[len(part) : self._aligned(len(part))] = bytes(self._aligned(len(part)) - len(part))
+            _pwrite_all(self._fd, view[: self._aligned(len(part))], offset + start)
+        return crc
+
+    def _get(self, data: memoryview, offset: int) -> tuple[int, int]:
+        """Reads ``len(data)`` bytes at ``offset`` into ``data``: (bytes read, their CRC-32)."""
+        if self._align == 1:
+            got = os.preadv(self._fd, [data], offset) if len(data) else 0
+            return got, zlib.crc32(data)
+        buffer, crc, got = self._buffer(), 0, 0
+        view = memoryview(buffer)
+        for start in range(0, len(data), len(buffer)):
+            want = min(len(buffer), len(data) - start)
+            n = min(os.preadv(self._fd, [view[: self._aligned(want)]], offset + start), want)
+            data[start : start + n] = view[:n]
+            crc = zlib.crc32(view[:n], crc)
+            got += n
+            if n < want:
+                break
+        return got, crc
+
+    # -- ending --------------------------------------------------------------------------
+    def _halt(self) -> None:
+        with self._cond:
+            self._stop = True
+        if self._worker is not None:
+            self._worker.join()
+
+    @torch.no_grad()
+    def rollback(self) -> None:
+        """Copies every journaled region back (last journaled first). Raises
+        :class:`RollbackError` after replaying the rest if a record is missing or damaged."""
+        self._halt()
+        problems: list[str] = []
+        for record in reversed(self._records):
+            try:
+                self._replay(record)
+            except (OSError, ValueError) as exc:
+                problems.append(f"record {record.seq}: {exc}")
+        if problems:
+            raise RollbackError(
+                f"the load failed and its undo journal (in {self.directory!r}) could not be "
+                f"replayed: {'; '.join(problems[:3])}"
+                f"{f' (and {len(problems) - 3} more)' if len(problems) > 3 else ''}. The "
+                "optimizer is partly loaded: load a good checkpoint into it before training."
+            )
+
+    def _replay(self, record: _Record) -> None:
+        header = bytearray(_HEADER.size)
+        if self._get(memoryview(header), record.offset)[0] != _HEADER.size:
+            raise ValueError("missing (the journal is shorter than written)")
+        magic, seq, nbytes, crc = _HEADER.unpack(header)
+        if magic != _MAGIC or seq != record.seq or nbytes != record.nbytes or crc != record.crc:
+            raise ValueError("damaged header")
+        target = record.target
+        direct = target.device.type == "cpu" and target.is_contiguous()
+        host = target if direct else torch.empty(target.shape, dtype=target.dtype)
+        data = _host_bytes(host)
+        got, found = self._get(data, record.offset + self._aligned(_HEADER.size))
+        if got != nbytes:
+            raise ValueError("missing bytes (the journal is shorter than written)")
+        if found != crc:
+            raise ValueError("checksum mismatch")
+        if not direct:
+            target.copy_(host)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the file is written with ``O_DIRECT`` (bypassing the page cache)."""
+        return self._align > 1
+
+    def fileno(self) -> int:
+        """The journal file's descriptor (it has no path)."""
+        return self._fd
+
+    def close(self) -> None:
+        """Stops the worker and closes the file, which frees its blocks (it has no name)."""
+        self._halt()
+        self._bounce = threading.local()  # this thread's buffer goes (the worker's went)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> UndoJournal:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _open_nameless(directory: str) -> tuple[int, int]:
+    """A read-write file in ``directory`` that has no name (mode 0600), and the alignment its
+    transfers need: ``O_DIRECT`` where the filesystem takes it (no page cache: the kernel
+    neither copies the journal nor reclaims pages for it), else 1 (buffered)."""
+    flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+    tmpfile, direct = getattr(os, "O_TMPFILE", 0), getattr(os, "O_DIRECT", 0)
+    for extra, align in ((direct, _ALIGN), (0, 1)):
+        if align > 1 and not direct:
+            continue
+        try:
+            if tmpfile:
+                return os.open(directory, flags | tmpfile | extra, 0o600), align
+            fd, path = tempfile.mkstemp(dir=directory)
+            os.unlink(path)
+            if extra:
+                os.close(fd)
+                raise OSError(errno.EINVAL, "O_DIRECT needs O_TMPFILE here")
+            return fd, align
+        except OSError as exc:
+            if not extra or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EISDIR):
+                raise
+    raise OSError(errno.EINVAL, "cannot open a nameless file")  # unreachable
+
+
+def _free_bytes(fd: int) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of ``fd``."""
+    stat = os.fstatvfs(fd)
+    return stat.f_bavail * stat.f_frsize
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, "short write to the undo journal")
+        view, offset = view[written:], offset + written

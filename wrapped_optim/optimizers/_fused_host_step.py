@@ -1,0 +1,282 @@
+"""HybridOffloadOptimizer's fused host step: grad in, AdamW update and param out in one pass.
+
+Stepping a bf16 parameter's FP32 host copy takes three passes: the grad cast into an FP32
+buffer (2 + 4 bytes per parameter), the host optimizer's step (28) and the param cast out
+(4 + 2). The compiled kernel of :mod:`~wrapped_optim.optimizers.cpu_kernel` does all three at
+once: it reads the bf16 (or FP32) grad, takes the FP32 host copy as the *master* of the bf16
+param, updates master and moments, and writes the param rounded to nearest even — the cast
+the copy-out makes — 2 + 8 + 16 + 2 = 28 bytes per parameter with FP32 moments, a bare
+fused step's bytes (20 with bf16 moments). An FP32 parameter's host copy is stepped the same
+way, the param written with the copy's exact value (the copy-out's copy): it reads the FP32
+grad and writes the param, 4 + 8 + 16 + 4 = 32 bytes against 36 unfused (its grad is not
+copied in, the copy steps with it; 44 where the grad is copied).
+
+It applies to an offloaded parameter when its formats allow (a contiguous bf16 CPU param with
+an FP32 host copy and a bf16 or FP32 grad, or a contiguous FP32 CPU param with its FP32 host
+copy and an FP32 grad; the grad of the param's numel, on the CPU), the kernel can be built,
+and the host optimizer is one of:
+
+- :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW`, for a copy it would itself update
+  with the kernel (bf16/fp16/FP8 moments, or FP32 moments with ``fused=False``): the same
+  kernel arithmetic on the same values, so masters, moments, scales and params are bitwise
+  those of the unfused path (its state must exist: the first step, unfused, creates it);
+- torch's ``AdamW`` when HybridOffloadOptimizer picked its implementation (no ``fused`` or
+  ``foreach`` from the caller) and no option the kernel lacks is on (``amsgrad``,
+  ``maximize``, ``capturable``, ``differentiable``): torch's state, its per-param step count
+  and its checkpoint format (created as torch's first step creates it, so every step of such
+  a param takes this path, whatever came before), updated by the kernel's single-rounding
+  form of the same formula — equal to torch's ``AdamW(fused=True)`` up to FP32 rounding (a
+  few ulps of the master per step), not bitwise.
+
+Everything else (CUDA params, fp16 params, other host optimizers) keeps the unfused
+path. The host optimizer's own ``step`` runs first, for the other copies (a fused
+copy's ``grad`` is None then, so it skips it; a PrecisionAwareAdamW advances its group step),
+then :func:`run` updates the fused ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from wrapped_optim.optimizers import _kernel_step as kernel_step
+from wrapped_optim.optimizers import _precision_paths as precision_paths
+from wrapped_optim.optimizers import cpu_kernel
+from wrapped_optim.optimizers._kernel_step import KernelOperands
+from wrapped_optim.optimizers._precision_adam import PrecisionAwareAdamW
+
+if TYPE_CHECKING:
+    from wrapped_optim.optimizers._hybrid_offload import HybridOffloadOptimizer
+
+__all__ = ["FusedEntry", "grad_of", "plan", "run"]
+
+# torch AdamW group switches the kernel has no counterpart for.
+_TORCH_SWITCHES = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+@attrs.frozen(eq=False)
+class FusedEntry:
+    """One offloaded parameter the fused host step updates: the param (written), its host
+    copy (the FP32 master), the grad read, and the host sub-optimizer and its group holding
+    the copy.
+
+    Example:
+        >>> import torch
+        >>> param = torch.zeros(2, dtype=torch.bfloat16)
+        >>> inner = param.float()
+        >>> host = torch.optim.AdamW([inner])
+        >>> entry = FusedEntry(param, inner, torch.ones(2), host, host.param_groups[0])
+        >>> entry.inner.dtype, entry.param.dtype
+        (torch.float32, torch.bfloat16)
+    """
+
+    param: Tensor
+    inner: Tensor
+    grad: Tensor
+    optimizer: torch.optim.Optimizer
+    group: dict[str, Any]
+
+
+def grad_of(param: Tensor) -> Tensor | None:
+    """The gradient HybridOffloadOptimizer steps ``param`` with: ``decoupled_grad`` (Megatron's
+    precision-aware optimizers) before ``grad``.
+
+    Example:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> p.decoupled_grad = torch.ones(2)
+        >>> grad_of(p).tolist()
+        [1.0, 1.0]
+    """
+    grad: Tensor | None = getattr(param, "decoupled_grad", None)
+    return param.grad if grad is None else grad
+
+
+def _host_groups(
+    hybrid: HybridOffloadOptimizer,
+) -> Iterator[tuple[torch.optim.Optimizer, int, dict[str, Any]]]:
+    for sub in hybrid.cpu_optimizers:
+        for sub_group, index in zip(sub.param_groups, hybrid._host_group_index, strict=True):
+            yield sub, index, sub_group
+
+
+def _kind(hybrid: HybridOffloadOptimizer, sub: torch.optim.Optimizer, index: int) -> str | None:
+    """How the fused step updates copies of ``sub`` in outer group ``index``, or None."""
+    if isinstance(sub, PrecisionAwareAdamW):
+        use_decoupled = sub.use_decoupled_grad  # it would read the copy's decoupled_grad
+        return None if use_decoupled or not kernel_step.kernel_enabled(sub) else "precision"
+    if type(sub) is not torch.optim.AdamW or hybrid.cpu_optimizer_cls is not torch.optim.AdamW:
+        return None
+    if hybrid._implementation_chosen(index):
+        return None  # the caller picked torch's implementation: they get it
+    return "torch"
+
+
+def _torch_group_allows(group: dict[str, Any]) -> bool:
+    """No option the kernel lacks, and AdamW's decoupled decay (``decoupled_weight_decay=False``
+    is torch's L2 mode)."""
+    return (
+        not any(group.get(k) for k in _TORCH_SWITCHES)
+        and group.get("decoupled_weight_decay", True) is not False
+    )
+
+
+# Param dtype -> the grad dtypes the fused step reads for it (its host copy is FP32).
+_GRAD_DTYPES = {
+    torch.bfloat16: (torch.bfloat16, torch.float32),
+    torch.float32: (torch.float32,),
+}
+
+
+def _formats_allow(param: Tensor, inner: Tensor, grad: Tensor) -> bool:
+    return (
+        param.dtype in _GRAD_DTYPES
+        and param.device.type == "cpu"
+        and param.is_contiguous()
+        and inner.dtype == torch.float32
+        and inner.is_contiguous()
+        and grad.dtype in _GRAD_DTYPES[param.dtype]
+        and grad.device.type == "cpu"
+        and not grad.is_sparse
+        and grad.numel() == param.numel()
+    )
+
+
+def _torch_state_allows(state: dict[str, Any], inner: Tensor) -> bool:
+    moments = [state.get("exp_avg"), state.get("exp_avg_sq")]
+    step = state.get("step")
+    return (
+        isinstance(step, Tensor)
+        and step.numel() == 1
+        and step.device.type == "cpu"
+        and all(
+            isinstance(t, Tensor)
+            and t.dtype == torch.float32
+            and t.device.type == "cpu"
+            and t.is_contiguous()
+            and t.numel() == inner.numel()
+            for t in moments
+        )
+    )
+
+
+def plan(hybrid: HybridOffloadOptimizer) -> list[FusedEntry]:
+    """The offloaded parameters this step's fused host step updates (see the module doc).
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import HybridOffloadOptimizer, cpu_kernel
+        >>> p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1)
+        >>> p.grad = torch.ones(4, dtype=torch.bfloat16)
+        >>> len(plan(opt)) == (1 if cpu_kernel.available() else 0)
+        True
+        >>> plan(HybridOffloadOptimizer([p], offload_fraction=1.0, fused_host_step=False))
+        []
+    """
+    if hybrid.fused_host_step is False or not hybrid.cpu_optimizers:
+        return []
+    if not cpu_kernel.available():
+        return []
+    entries = []
+    for sub, index, sub_group in _host_groups(hybrid):
+        kind = _kind(hybrid, sub, index)
+        if kind is None or (kind == "torch" and not _torch_group_allows(sub_group)):
+            continue
+        for inner in sub_group["params"]:
+            param = hybrid.cpu_copys_map_gpu_param[inner]
+            grad = grad_of(param)
+            state = sub.state.get(inner)
+            if grad is None or not _formats_allow(param, inner, grad):
+                continue
+            if kind == "torch" and state and not _torch_state_allows(state, inner):
+                continue
+            # A PrecisionAwareAdamW copy is fused only where its own step (given an FP32
+            # grad, as the unfused path gives it: ``inner`` stands in for it) would use the
+            # kernel, so the fused step is bitwise its update.
+            if kind == "precision" and not (
+                state and precision_paths.kernel_would_update(sub, inner, inner, sub_group)  # type: ignore[arg-type]
+            ):
+                continue
+            entries.append(FusedEntry(param, inner, grad, sub, sub_group))
+    return entries
+
+
+def run(entries: Sequence[FusedEntry]) -> None:
+    """Updates every entry of :func:`plan`, once the host sub-optimizer has stepped the rest.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+        >>> p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.5, weight_decay=0.0)
+        >>> for _ in range(2):
+        ...     p.grad = torch.ones(4, dtype=torch.bfloat16)
+        ...     opt.step()  # the second one runs the fused step where the kernel exists
+        >>> master = opt.state[p]["master_param"]  # the host copy, stepped twice
+        >>> torch.equal(p, master.to(torch.bfloat16)), opt.state[p]["step"].item()
+        (True, 2.0)
+    """
+    precision: dict[int, tuple[PrecisionAwareAdamW, dict[str, Any], list[KernelOperands]]] = {}
+    plain: dict[tuple[int, float], list[FusedEntry]] = {}
+    for entry in entries:
+        sub = entry.optimizer
+        if isinstance(sub, PrecisionAwareAdamW):
+            operands = kernel_step.kernel_operands(sub, entry.inner, entry.grad)
+            if operands is None:  # plan() checked this: the optimizer changed in between
+                raise RuntimeError(
+                    "the fused host step lost a parameter the kernel reads: the host "
+                    "optimizer's options or state changed between plan() and run(); pass "
+                    "fused_host_step=False to HybridOffloadOptimizer to step it unfused"
+                )
+            _, grad, m, v, _, m_scale, v_scale = operands
+            fused = (entry.param.view(-1), grad, m, v, entry.inner.view(-1), m_scale, v_scale)
+            precision.setdefault(id(entry.group), (sub, entry.group, []))[2].append(fused)
+        else:
+            state = sub.state.get(entry.inner)
+            step = float(state["step"]) + 1 if state else 1.0
+            plain.setdefault((id(entry.group), step), []).append(entry)
+    for sub, group, calls in precision.values():
+        kernel_step.kernel_update(sub, calls, group)  # its group step: advanced by sub.step
+    for (_, step), same_step in plain.items():
+        _torch_adamw(same_step, step)
+
+
+def _torch_adamw(entries: Sequence[FusedEntry], step: float) -> None:
+    """torch AdamW's update of ``entries`` (one group, one step count) by the kernel; their
+    step counts advance as torch's would."""
+    group = entries[0].group
+    beta1, beta2 = group["betas"]
+    states = [entry.optimizer.state[entry.inner] for entry in entries]
+    for state, entry in zip(states, entries, strict=True):
+        if not state:
+            _torch_initial_state(state, entry.inner, group)
+    cpu_kernel.adamw_step_(
+        [entry.param.view(-1) for entry in entries],
+        [entry.grad.reshape(-1).contiguous() for entry in entries],
+        [state["exp_avg"].view(-1) for state in states],
+        [state["exp_avg_sq"].view(-1) for state in states],
+        [entry.inner.view(-1) for entry in entries],
+        lr=float(group["lr"]), betas=(float(beta1), float(beta2)), eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]),
+        bias_correction1=1.0 - float(beta1) ** step,
+        bias_correction2=1.0 - float(beta2) ** step,
+        adam_w_mode=True,
+    )  # fmt: skip
+    torch._foreach_add_([state["step"] for state in states], 1)
+
+
+def _torch_initial_state(state: dict[str, Any], inner: Tensor, group: dict[str, Any]) -> None:
+    """The state torch's AdamW creates for a param on its first step (torch 2.13's
+    ``Adam._init_group``): a 0-d ``step`` (float32 for the fused implementation, else the
+    default scalar dtype) and zero moments shaped like the param, so that the checkpoint
+    format and every later step are the ones torch's own first step would give."""
+    fused = bool(group.get("fused"))
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    state["step"] = torch.zeros((), dtype=torch.float32 if fused else scalar, device="cpu")
+    state["exp_avg"] = torch.zeros_like(inner, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(inner, memory_format=torch.preserve_format)

@@ -1,0 +1,198 @@
+"""PrecisionAwareAdamW's portable checkpoint: the FP32 state dict, and its load in place.
+
+``state_dict()`` expands every state to FP32 through the instance's ``get_unscaled_state``.
+``load_state_dict()`` first has the one validator (:mod:`~wrapped_optim._formats.state_format`)
+accept
+the *whole* incoming state, so a rejected checkpoint changes nothing; then it quantizes each
+incoming tensor into the storage the optimizer already has, through the instance's
+``set_scaled_state`` (which works in bounded slices). New storage is allocated only where a
+state is missing or its format or shape differs, one tensor at a time, after freeing the old.
+The extra memory of a load of FP32 values is therefore one slice, not a second copy of the
+state (values in another float dtype are first converted to FP32 one whole tensor at a time).
+
+Without that second copy a failure half-way cannot be rolled back; it is rolled *forward*
+instead: the caller's state dict is validated and never modified, so the load is completed
+from it before the exception propagates (an interrupt, or an error of a patched writer), and
+the optimizer holds its old state or the whole checkpoint, never a mix. Only when completing
+fails as well is it left partly loaded, which the exception's note says.
+
+Internal: :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` calls these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from wrapped_optim._adapters.dtensor import local_tensor
+from wrapped_optim._formats import holder_format, state_format
+from wrapped_optim._rollback import deep_clone
+
+if TYPE_CHECKING:
+    from wrapped_optim.optimizers._precision_adam import PrecisionAwareAdamW
+
+__all__ = ["load_portable", "portable_state_dict"]
+
+_Write = tuple[Tensor, str, Tensor]  # (param, state name, FP32 or int16 source)
+
+
+def portable_state_dict(opt: PrecisionAwareAdamW) -> dict[str, Any]:
+    """torch's state-dict layout with every state read through ``opt.get_unscaled_state``.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
+        >>> opt.initialize_state(p)
+        >>> sorted(portable_state_dict(opt)["state"][0])
+        ['exp_avg', 'exp_avg_sq']
+    """
+    groups = []
+    param_index: dict[int, int] = {}
+    for group in opt.param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        indices = []
+        for p in group["params"]:
+            param_index.setdefault(id(p), len(param_index))
+            indices.append(param_index[id(p)])
+        packed["params"] = indices
+        groups.append(packed)
+    state: dict[int, dict[str, Tensor]] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            entry = opt.state.get(p)
+            if not entry:
+                continue
+            state[param_index[id(p)]] = {
+                name: opt.get_unscaled_state(p, name) for name in list(entry)
+            }
+    return {"state": state, "param_groups": groups}
+
+
+def load_portable(opt: PrecisionAwareAdamW, state_dict: dict[str, Any]) -> None:
+    """Validates ``state_dict`` whole, then writes it into ``opt``'s existing storage.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
+        >>> opt.initialize_state(p)
+        >>> storage = opt.state[p]["exp_avg"]
+        >>> load_portable(opt, {"state": {0: {"exp_avg": torch.ones(2),
+        ...                                   "exp_avg_sq": torch.ones(2)}},
+        ...                     "param_groups": [{**opt.param_groups[0], "params": [0]}]})
+        >>> opt.state[p]["exp_avg"] is storage, storage.tolist()
+        (True, [1.0, 1.0])
+    """
+    resolved, saved_groups = holder_format.check_holder_state_dict(opt, state_dict)
+    groups = _merged_groups(opt.param_groups, saved_groups)
+    writes = _unaliased(
+        opt,
+        [
+            (param, name, value)
+            for key, param in resolved.items()
+            for name, value in state_dict["state"][key].items()
+        ],
+    )
+    try:
+        _install(opt, writes, groups)
+    except BaseException as error:
+        try:
+            _install(opt, writes, groups)
+        except BaseException:
+            error.add_note(
+                f"{type(opt).__name__}.load_state_dict: completing the interrupted load failed "
+                "too, so the optimizer may hold part of its old state and part of the "
+                "checkpoint's; load a checkpoint again before stepping"
+            )
+            raise error from None
+        error.add_note(
+            f"{type(opt).__name__}.load_state_dict: the checkpoint was loaded completely "
+            "before this exception propagated"
+        )
+        raise
+
+
+def _merged_groups(
+    groups: Sequence[Mapping[str, Any]], saved_groups: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The new param groups: ours, updated with the checkpoint's options (copied)."""
+    merged_groups = []
+    for i, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
+        merged = {k: v for k, v in group.items() if k != "params"}
+        merged.update(
+            {k: deep_clone(v) for k, v in saved.items() if k not in ("params", "param_names")}
+        )
+        if "step" in saved:  # FusedAdam's group step is an int
+            merged["step"] = state_format.check_step(f"param group {i}", saved["step"])
+        merged["params"] = group["params"]
+        if "param_names" in group:
+            merged["param_names"] = group["param_names"]
+        merged_groups.append(merged)
+    return merged_groups
+
+
+def _unaliased(opt: PrecisionAwareAdamW, writes: list[_Write]) -> list[_Write]:
+    """The writes, with a copy of any source that shares memory with live state other than
+    its own destination (a crafted state dict): writing in place must not change a source
+    before it is read. ``load_state_dict(state_dict())`` shares only with the destinations
+    themselves (FP32 states and remainders are their live tensors), which costs nothing."""
+    live = {
+        t.untyped_storage().data_ptr()
+        for entry in opt.state.values()
+        for t in entry.values()
+        if isinstance(t, Tensor) and t.numel()
+    }
+    result = []
+    for param, name, value in writes:
+        local = local_tensor(value)
+        if local.numel() and local.untyped_storage().data_ptr() in live:
+            destination = opt.state.get(param, {}).get(name)
+            if not _same_view(local, destination):
+                value = local.detach().clone()
+        result.append((param, name, value))
+    return result
+
+
+def _same_view(a: Tensor, b: Any) -> bool:
+    return (
+        isinstance(b, Tensor)
+        and a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.numel() == b.numel()
+        and a.is_contiguous()
+        and b.is_contiguous()
+    )
+
+
+def _install(opt: PrecisionAwareAdamW, writes: list[_Write], groups: list[dict[str, Any]]) -> None:
+    """Every write (a fresh FP32 conversion, one at a time, for other float dtypes), then
+    the state of params the checkpoint has none for is dropped and the groups replaced, as
+    torch's loader leaves them. Running it twice gives the same result."""
+    for param, name, value in writes:
+        if value.dtype != torch.float32 and not opt._uses_remainder(param, name):
+            value = value.float()
+        opt.set_scaled_state(param, name, value)
+        del value
+    kept: dict[int, set[str]] = {}
+    for param, name, _ in writes:
+        kept.setdefault(id(param), set()).add(name)
+    _drop_others(opt, kept)
+    opt.param_groups = groups
+
+
+def _drop_others(opt: PrecisionAwareAdamW, kept: Mapping[int, Iterable[str]]) -> None:
+    """Removes state (and scales) the checkpoint has no value for."""
+    for table in (opt.state, opt._scales):
+        for param in list(table):
+            names = set(kept.get(id(param), ()))
+            entry = table[param]
+            for name in [n for n in entry if n not in names]:
+                del entry[name]
+            if not entry:
+                del table[param]
