@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tests.kernel_support import needs_kernel
 from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW, cpu_kernel
 from wrapped_optim.optimizers import _fused_host_step as fused_host_step
+from wrapped_optim.optimizers._hybrid_offload import fused_plan
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -62,7 +63,7 @@ def run_steps(pairs, steps, skip_at=None):
         skip = skip_at.get(step, ()) if skip_at else ()
         for params, _ in pairs:
             set_grads(params, step, skip)
-        counts.append(len(fused_host_step.plan(pairs[0][1])))
+        counts.append(len(fused_plan(pairs[0][1])))
         for _, opt in pairs:
             opt.step()
     return counts
@@ -222,7 +223,7 @@ def test_a_caller_choosing_fused_in_one_group_keeps_torch_there():
     )
     run_steps([(a, opt)], 1)
     set_grads(a, 1)
-    assert [e.param for e in fused_host_step.plan(opt)] == [a[0]]
+    assert [e.param for e in fused_plan(opt)] == [a[0]]
 
 
 def test_without_the_kernel_the_unfused_path_steps(monkeypatch):
@@ -263,7 +264,7 @@ def test_a_failed_device_step_undoes_the_fused_host_step(config, dtypes):
     before = [p.detach().clone() for p in params]
     masters = [opt.state[p]["master_param"].clone() for p in params]
     set_grads(params, 1)
-    assert 0 < len(fused_host_step.plan(opt)) < len(params)
+    assert 0 < len(fused_plan(opt)) < len(params)
 
     def boom(*args, **kwargs):
         raise RuntimeError("device step failed")
@@ -310,7 +311,7 @@ def test_state_dict_round_trip_after_fused_steps_continues_bit_identically(
     for step in range(before, before + after):
         set_grads(params, step)
         set_grads(twin_params, step)
-        assert len(fused_host_step.plan(twin)) == len(fused_host_step.plan(opt)) > 0
+        assert len(fused_plan(twin)) == len(fused_plan(opt)) > 0
         opt.step()
         twin.step()
     assert_bitwise(params, opt, twin_params, twin)
@@ -334,7 +335,7 @@ def test_fp32_grads_of_bf16_params_are_read_as_they_are(config):
         for x, y in zip(a, b, strict=True):
             x.decoupled_grad = torch.randn(x.shape, generator=gen)
             y.decoupled_grad = x.decoupled_grad.clone()
-        assert len(fused_host_step.plan(fused)) == (2 if step or config == "torch" else 0)
+        assert len(fused_plan(fused)) == (2 if step or config == "torch" else 0)
         fused.step()
         plain_twin.step()
     if config == "torch":
@@ -393,7 +394,7 @@ def test_fp32_params_are_fused_and_equal_their_host_copies_after_every_step(frac
         skip = skip_at.get(step, ())
         set_grads(a, step, skip)
         set_grads(b, step, skip)
-        planned = {id(e.param) for e in fused_host_step.plan(fused)}
+        planned = {id(e.param) for e in fused_plan(fused)}
         assert planned == {id(a[i]) for i in offloaded if i not in skip}
         before = [p.detach().clone() for p in a]
         fused.step()
@@ -436,7 +437,7 @@ def test_fused_host_step_false_gives_torchs_bits_for_fp32_params(fraction):
     for step in range(3):
         set_grads(params, step)
         set_grads(twins_, step)
-        assert fused_host_step.plan(opt) == []
+        assert fused_plan(opt) == []
         opt.step()
         for ref in references:
             ref.step()
@@ -454,7 +455,7 @@ def test_a_param_lost_between_plan_and_run_raises_before_anything_is_written(con
     opt = HybridOffloadOptimizer(params, offload_fraction=1.0, lr=1e-2, **PRECISION[config])
     run_steps([(params, opt)], 1)  # creates the state (unfused)
     set_grads(params, 1)
-    entries = fused_host_step.plan(opt)
+    entries = fused_plan(opt)
     assert len(entries) == 3
     host = opt.cpu_optimizers[0]
     before = [p.detach().clone() for p in params]
@@ -514,9 +515,9 @@ def test_fp32_state_dict_round_trip_across_fused_and_unfused_steps(
     for step in range(before, before + after):
         for group in (params, twin_params, b):
             set_grads(group, step)
-        planned = len(fused_host_step.plan(twin))
+        planned = len(fused_plan(twin))
         offloaded = len(twin.gpu_params_map_cpu_copy)
-        assert planned == len(fused_host_step.plan(opt)) == (offloaded if fused_after else 0)
+        assert planned == len(fused_plan(opt)) == (offloaded if fused_after else 0)
         opt.step()
         twin.step()
         plain.step()

@@ -4,7 +4,7 @@ PrecisionAwareAdamW's per-parameter path choice lives in ``optimizers/precision_
 (split out of ``precision_adam.py``); ``kernel_would_update`` is the one answer to "would its
 step hand this parameter to the CPU kernel", which the step itself and HybridOffloadOptimizer's
 fused host step both use (the fused host step used to repeat the rule). Likewise
-``HybridOffloadOptimizer._implementation_chosen`` is the one reading of the ``fused`` /
+``_offload_layout.implementation_chosen`` is the one reading of the ``fused`` /
 ``foreach`` keywords, for the host sub-optimizer's default and for the fused host step.
 """
 
@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+import wrapped_optim.optimizers._offload_layout as offload_layout
 from tests.kernel_support import needs_kernel
 from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW, cpu_kernel
-from wrapped_optim.optimizers import _fused_host_step as fused_host_step
 from wrapped_optim.optimizers import _precision_paths as precision_paths
+from wrapped_optim.optimizers._hybrid_offload import fused_plan
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -81,7 +82,7 @@ def test_the_fused_host_step_asks_the_optimizer(monkeypatch: pytest.MonkeyPatch)
         opt.step()
     for p in params:
         p.grad = torch.randn(40).to(BF16)
-    assert [e.param for e in fused_host_step.plan(opt)] == params
+    assert [e.param for e in fused_plan(opt)] == params
     asked: list[torch.Tensor] = []
 
     def says_no(sub: Any, param: Any, grad: Any, group: Any) -> bool:
@@ -89,7 +90,7 @@ def test_the_fused_host_step_asks_the_optimizer(monkeypatch: pytest.MonkeyPatch)
         return False
 
     monkeypatch.setattr(precision_paths, "kernel_would_update", says_no)
-    assert fused_host_step.plan(opt) == []
+    assert fused_plan(opt) == []
     assert len(asked) == 2
 
 
@@ -114,21 +115,26 @@ def test_one_rule_for_the_callers_implementation_choice(
         offload_fraction=1.0,
         **defaults,
     )
-    assert [opt._implementation_chosen(i) for i in range(len(groups))] == chosen
-    assert opt._implementation_chosen() == bool(defaults)
+    keywords = opt.sub_optimizer_keywords
+    assert [
+        offload_layout.implementation_chosen(keywords, opt.param_groups[i])
+        for i in range(len(groups))
+    ] == chosen
+    assert offload_layout.implementation_chosen(keywords) == bool(defaults)
     assert ("fused" not in defaults and "foreach" not in defaults) == (
-        opt._host_options().get("fused") is True
+        offload_layout.host_keywords(opt.cpu_optimizer_cls, keywords).get("fused") is True
     )
 
 
 @needs_kernel
 def test_both_readers_of_the_choice_ask_the_one_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The host default and the fused host step both follow ``_implementation_chosen``."""
+    """The host default and the fused host step both follow ``implementation_chosen``."""
     params = [torch.nn.Parameter(torch.randn(4).to(BF16))]
     opt = HybridOffloadOptimizer(params, offload_fraction=1.0, lr=1e-2)
     params[0].grad = torch.randn(4).to(BF16)
-    assert len(fused_host_step.plan(opt)) == 1
-    assert opt._host_options()["fused"] is True
-    monkeypatch.setattr(opt, "_implementation_chosen", lambda group_index=None: True)
-    assert fused_host_step.plan(opt) == []
-    assert "fused" not in opt._host_options()
+    assert len(fused_plan(opt)) == 1
+    keywords = opt.sub_optimizer_keywords
+    assert offload_layout.host_keywords(opt.cpu_optimizer_cls, keywords)["fused"] is True
+    monkeypatch.setattr(offload_layout, "implementation_chosen", lambda *args: True)
+    assert fused_plan(opt) == []
+    assert "fused" not in offload_layout.host_keywords(opt.cpu_optimizer_cls, keywords)

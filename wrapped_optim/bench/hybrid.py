@@ -23,7 +23,10 @@ import torch
 
 from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.optimizers import HybridOffloadOptimizer
-from wrapped_optim.optimizers import _fused_host_step as fused_host_step
+from wrapped_optim.optimizers._fused_host_step import run as run_fused
+from wrapped_optim.optimizers._hybrid_offload import fused_plan
+from wrapped_optim.optimizers._offload_grads import give_grads
+from wrapped_optim.optimizers._offload_step import copy_back, sync_groups
 
 __all__ = ["run"]
 
@@ -75,20 +78,24 @@ def _phases_once(opt: HybridOffloadOptimizer) -> tuple[dict[str, float], int]:
     """One step of ``opt`` split into its phases (the same calls ``step`` makes, in order),
     and how many params its fused host step updated (their grad copy-in and param copy-out
     are part of the host step then)."""
-    opt._sync_groups_to_sub_optimizers()
-    fused = fused_host_step.plan(opt)
-    times = {"copy_in": _timed_once(lambda: opt._copy_grads_to_copies({e.inner for e in fused}))}
+    layout = opt.layout
+    sync_groups(layout, opt.param_groups)
+    fused = fused_plan(opt)
+    inners = {e.inner for e in fused}
+    times = {
+        "copy_in": _timed_once(lambda: give_grads(layout, inners, pin_cpu_grads=opt.pin_cpu_grads))
+    }
 
     def host() -> None:
         for sub in opt.cpu_optimizers:
             sub.step()
-        fused_host_step.run(fused)
+        run_fused(fused)
 
     times["host"] = _timed_once(host)
     gpu = opt.gpu_optimizer
     times["device"] = _timed_once(gpu.step) if gpu is not None else 0.0
-    opt._fused_params = frozenset(e.param for e in fused)
-    times["copy_out"] = _timed_once(opt._copy_back)
+    written = frozenset(e.param for e in fused)
+    times["copy_out"] = _timed_once(lambda: copy_back(layout, written))
     return times, len(fused)
 
 
@@ -249,16 +256,11 @@ def _measure(total: int, repeats: int) -> dict[str, float]:
     bare_step = statistics.median(bare_samples)
     wrapped_step = statistics.median(wrapped_samples)
 
-    def guard_clean() -> None:
-        opt._guard_armed = True
-        opt.check_masters()
-
-    guard = _timed(guard_clean, repeats)
+    guard = _timed(opt.check_masters, repeats)  # the guard's whole work, armed or not
 
     def guard_stale() -> None:
         with torch.no_grad():
             params[0].add_(1.0)  # one stale tensor: guard finds it and refreshes it
-        opt._guard_armed = True
         opt.check_masters()
 
     guard_refresh = _timed(guard_stale, repeats)

@@ -36,21 +36,23 @@ then :func:`run` updates the fused ones.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import torch
 from torch import Tensor
 
-from wrapped_optim.optimizers import _kernel_step as kernel_step
-from wrapped_optim.optimizers import _precision_paths as precision_paths
-from wrapped_optim.optimizers import cpu_kernel
-from wrapped_optim.optimizers._kernel_step import KernelOperands
+import wrapped_optim.optimizers._offload_layout as offload_layout
+import wrapped_optim.optimizers._precision_paths as precision_paths
+import wrapped_optim.optimizers.cpu_kernel as cpu_kernel
+from wrapped_optim.optimizers._kernel_step import (
+    KernelOperands,
+    kernel_enabled,
+    kernel_operands,
+    kernel_update,
+)
 from wrapped_optim.optimizers._precision_adam import PrecisionAwareAdamW
-
-if TYPE_CHECKING:
-    from wrapped_optim.optimizers._hybrid_offload import HybridOffloadOptimizer
 
 __all__ = ["FusedEntry", "grad_of", "plan", "run"]
 
@@ -97,22 +99,21 @@ def grad_of(param: Tensor) -> Tensor | None:
 
 
 def _host_groups(
-    hybrid: HybridOffloadOptimizer,
+    layout: offload_layout.OffloadLayout,
 ) -> Iterator[tuple[torch.optim.Optimizer, int, dict[str, Any]]]:
-    for sub in hybrid.cpu_optimizers:
-        for sub_group, index in zip(sub.param_groups, hybrid._host_group_index, strict=True):
+    for sub in layout.cpu_optimizers:
+        for sub_group, index in zip(sub.param_groups, layout.host_group_index, strict=True):
             yield sub, index, sub_group
 
 
-def _kind(hybrid: HybridOffloadOptimizer, sub: torch.optim.Optimizer, index: int) -> str | None:
-    """How the fused step updates copies of ``sub`` in outer group ``index``, or None."""
+def _kind(sub: torch.optim.Optimizer, torch_default: bool) -> str | None:
+    """How the fused step updates copies of ``sub``, or None; ``torch_default``: the host
+    optimizer is torch's AdamW with the implementation left to HybridOffloadOptimizer."""
     if isinstance(sub, PrecisionAwareAdamW):
         use_decoupled = sub.use_decoupled_grad  # it would read the copy's decoupled_grad
-        return None if use_decoupled or not kernel_step.kernel_enabled(sub) else "precision"
-    if type(sub) is not torch.optim.AdamW or hybrid.cpu_optimizer_cls is not torch.optim.AdamW:
-        return None
-    if hybrid._implementation_chosen(index):
-        return None  # the caller picked torch's implementation: they get it
+        return None if use_decoupled or not kernel_enabled(sub) else "precision"
+    if type(sub) is not torch.optim.AdamW or not torch_default:
+        return None  # not torch's AdamW, or the caller picked its implementation: they get it
     return "torch"
 
 
@@ -164,8 +165,22 @@ def _torch_state_allows(state: dict[str, Any], inner: Tensor) -> bool:
     )
 
 
-def plan(hybrid: HybridOffloadOptimizer) -> list[FusedEntry]:
-    """The offloaded parameters this step's fused host step updates (see the module doc).
+def plan(
+    layout: offload_layout.OffloadLayout,
+    param_groups: Sequence[dict[str, Any]],
+    *,
+    enabled: bool | None = None,
+    cpu_optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+    keywords: Iterable[str] = (),
+) -> list[FusedEntry]:
+    """The offloaded parameters of ``layout`` the fused host step updates in this step.
+
+    Args:
+        layout: the optimizer's layout (its host copies and host sub-optimizer).
+        param_groups: its outer param groups (an implementation choice in one counts).
+        enabled: its ``fused_host_step`` (``False``: nothing is fused).
+        cpu_optimizer_cls: the host optimizer class it was given.
+        keywords: its sub-optimizer keywords (``fused``/``foreach`` there count).
 
     Example:
         >>> import torch
@@ -173,22 +188,26 @@ def plan(hybrid: HybridOffloadOptimizer) -> list[FusedEntry]:
         >>> p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
         >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1)
         >>> p.grad = torch.ones(4, dtype=torch.bfloat16)
-        >>> len(plan(opt)) == (1 if cpu_kernel.available() else 0)
+        >>> len(plan(opt.layout, opt.param_groups)) == (1 if cpu_kernel.available() else 0)
         True
-        >>> plan(HybridOffloadOptimizer([p], offload_fraction=1.0, fused_host_step=False))
+        >>> plan(opt.layout, opt.param_groups, enabled=False)
         []
     """
-    if hybrid.fused_host_step is False or not hybrid.cpu_optimizers:
+    if enabled is False or not layout.cpu_optimizers:
         return []
     if not cpu_kernel.available():
         return []
     entries = []
-    for sub, index, sub_group in _host_groups(hybrid):
-        kind = _kind(hybrid, sub, index)
+    for sub, index, sub_group in _host_groups(layout):
+        torch_default = (
+            cpu_optimizer_cls is torch.optim.AdamW
+            and not offload_layout.implementation_chosen(keywords, param_groups[index])
+        )
+        kind = _kind(sub, torch_default)
         if kind is None or (kind == "torch" and not _torch_group_allows(sub_group)):
             continue
         for inner in sub_group["params"]:
-            param = hybrid.cpu_copys_map_gpu_param[inner]
+            param = layout.cpu_copys_map_gpu_param[inner]
             grad = grad_of(param)
             state = sub.state.get(inner)
             if grad is None or not _formats_allow(param, inner, grad):
@@ -226,7 +245,7 @@ def run(entries: Sequence[FusedEntry]) -> None:
     for entry in entries:
         sub = entry.optimizer
         if isinstance(sub, PrecisionAwareAdamW):
-            operands = kernel_step.kernel_operands(sub, entry.inner, entry.grad)
+            operands = kernel_operands(sub, entry.inner, entry.grad)
             if operands is None:  # plan() checked this: the optimizer changed in between
                 raise RuntimeError(
                     "the fused host step lost a parameter the kernel reads: the host "
@@ -241,7 +260,7 @@ def run(entries: Sequence[FusedEntry]) -> None:
             step = float(state["step"]) + 1 if state else 1.0
             plain.setdefault((id(entry.group), step), []).append(entry)
     for sub, group, calls in precision.values():
-        kernel_step.kernel_update(sub, calls, group)  # its group step: advanced by sub.step
+        kernel_update(sub, calls, group)  # its group step: advanced by sub.step
     for (_, step), same_step in plain.items():
         _torch_adamw(same_step, step)
 

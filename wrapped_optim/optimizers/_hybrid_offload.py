@@ -1,96 +1,68 @@
-"""A portable hybrid offload optimizer: Megatron HybridDeviceOptimizer's structure on any device.
+"""HybridOffloadOptimizer: Megatron HybridDeviceOptimizer's structure, on any device.
 
-Megatron-Core's ``HybridDeviceOptimizer`` needs CUDA. This optimizer keeps its structure and its
-keyword names (``offload_fraction``, ``cpu_optimizer_cls``, ``gpu_optimizer_cls``,
-``param_update_in_fp32``) and its attribute names (``gpu_params_map_cpu_copy``,
-``param_to_fp32_param``, ``sub_optimizers``, ``update_fp32_param_by_new_param``), so users can
-switch and so its failure modes (copies that go stale when the model weights change behind the
-optimizer's back) are real on a CPU too: every offloaded parameter gets a *distinct* host copy,
-even when the parameter already lives on the host.
+The class gathers operands; its layout, step, loading and state rules are functions over an
+:class:`~wrapped_optim.optimizers._offload_layout.OffloadLayout` (see docs/hybrid.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+import wrapped_optim.optimizers.cpu_kernel as cpu_kernel
 from wrapped_optim._adapters.hybrid import MasterCopies
-from wrapped_optim._adapters.precision import is_precision_aware_holder
-from wrapped_optim._rollback import OptimizerSnapshot
 from wrapped_optim._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
-from wrapped_optim.optimizers import _fused_host_step as fused_host_step
-from wrapped_optim.optimizers import _offload_grads as offload_grads
-from wrapped_optim.optimizers import _offload_loading as offload_loading
-from wrapped_optim.optimizers import _offload_state as offload_state
-from wrapped_optim.optimizers import cpu_kernel
-from wrapped_optim.optimizers._transfers import copy_all
+from wrapped_optim.optimizers._fused_host_step import FusedEntry, plan
+from wrapped_optim.optimizers._offload_grads import give_grads
+from wrapped_optim.optimizers._offload_layout import (
+    OffloadLayout,
+    Placement,
+    adopt_sub_defaults,
+    build_layout,
+    host_keywords,
+    placement,
+)
+from wrapped_optim.optimizers._offload_loading import (
+    holder_state_dict,
+    load_plain,
+    load_with_holders,
+    prepare_load,
+)
+from wrapped_optim.optimizers._offload_state import exposed_state
+from wrapped_optim.optimizers._offload_state_rules import References
+from wrapped_optim.optimizers._offload_step import (
+    copy_back,
+    step_sub_optimizers,
+    sync_groups,
+    sync_steps_from_holders,
+)
 
-__all__ = ["HybridOffloadOptimizer"]
-
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-# Megatron HybridDeviceOptimizer options that only tune CUDA transfers: accepted so that
-# constructor calls can be switched unchanged, never passed to the sub-optimizers.
-_TRANSFER_OPTIONS = ("pin_cpu_grads", "pin_cpu_params", "overlap_cpu_optimizer_d2h_h2d")
-
-
-_NOT_ADOPTED = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
-_ABSENT = object()
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return a is b
-    try:
-        return bool(a == b)
-    except Exception:  # values without a plain comparison: not adopted
-        return False
+__all__ = ["HybridOffloadOptimizer", "fused_plan"]
 
 
 class HybridOffloadOptimizer(torch.optim.Optimizer):
     """Steps part of the parameters on the host and the rest on their device.
 
-    Parameters are walked in group order and offloaded until ``offload_fraction`` of the total
-    numel is reached. An offloaded parameter gets a host copy (FP32 when the parameter is 16-bit
-    and ``param_update_in_fp32``), stepped by one ``cpu_optimizer_cls`` instance; a 16-bit
-    parameter left on its device gets an FP32 working copy there, and everything on the device
-    is stepped by one ``gpu_optimizer_cls`` instance. The default host optimizer is torch's
-    ``AdamW`` (its state and checkpoint format), stepped by the *fused host step*
-    (:mod:`~wrapped_optim.optimizers._fused_host_step`) where it applies — a bf16 or FP32 CPU
-    param with an FP32 host copy: one pass of the compiled CPU kernel reads the grad, updates
-    copy and moments and writes the param, within FP32 rounding of torch's arithmetic, not bitwise
-    — and by ``AdamW(fused=True)`` elsewhere. Pass ``fused=...`` or ``foreach=...`` to get
-    exactly torch's implementation, ``fused_host_step=False`` to never use the fused step
-    (``True``: raise if the kernel cannot be built), or any ``cpu_optimizer_cls``, e.g.
-    :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` for compressed host state (fused,
-    bitwise, where it would update the copy with the same kernel).
-    ``step`` copies gradients to the copies,
-    steps both sub-optimizers and copies the results back into the parameters; ``state`` shows
-    the sub-optimizers' state under the original parameters, with the stepped copy as
-    ``"master_param"`` (when ``param_update_in_fp32``). ``**defaults`` (``lr``, ``betas``, ...)
-    go to both sub-optimizers; group options are re-synced into them before every step, so LR
-    schedulers work. The host sub-optimizer steps first. With ``atomic_step=True`` a step is
-    all or nothing: the host half is put back if the device one raises (this keeps one copy of
-    the host params and state during the step and costs 1.3-1.7x step time on a CPU); the
-    default, ``atomic_step=False``, skips that copy and, like torch's optimizers, leaves the
-    host half advanced on such a fault.
+    Megatron-Core's ``HybridDeviceOptimizer`` with its keywords and attribute names
+    (``gpu_params_map_cpu_copy``, ``param_to_fp32_param``, ``sub_optimizers``, ...), on any
+    device: every offloaded parameter gets a distinct host copy, stepped by the host
+    sub-optimizer and copied back. See docs/hybrid.md for how it works.
 
-    ``load_state_dict`` rebuilds the copies and the sub-optimizers from the current parameters
-    and then pushes the loaded state in, restoring each ``master_param`` into its copy (the model
-    weights are not touched: :class:`wrapped_optim.HybridSyncOptimizer` does that). It validates
-    the whole payload before changing anything and never aliases the caller's tensors.
+    Args:
+        params: parameters or param groups, as for any torch optimizer.
+        offload_fraction: share of the total numel offloaded, in group order, in ``[0, 1]``.
+        cpu_optimizer_cls: class of the host sub-optimizer (torch's ``AdamW``, fused).
+        gpu_optimizer_cls: class of the sub-optimizer of the params left on their device.
+        param_update_in_fp32: step 16-bit params through FP32 copies (``master_param``).
+        atomic_step: put the host half back if the device sub-optimizer's step raises.
+        fused_host_step: the one-pass CPU kernel step of host copies (``None``: where it applies).
+        **defaults: hyper-parameters (``lr``, ``betas``, ...) for both sub-optimizers.
 
-    Precision-aware sub-optimizers (TE FusedAdam,
-    :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW`) are supported as Megatron supports
-    them with CPU offload: their state is saved in FusedAdam's portable format (FP32
-    expansions read through ``get_unscaled_state``, the step count in ``param_groups``), and
-    loaded through ``set_scaled_state`` into the same sub-optimizer instances (so instance-level
-    patches, such as staging's, take effect). ``state`` shows their raw storage.
-
-    The copies are only refreshed from the weights by :meth:`update_fp32_param_by_new_param`
-    (FP32 copies, as Megatron's) — after a model-only load, wrap the optimizer in
-    :class:`wrapped_optim.HybridSyncOptimizer` or the first step writes stale copies back.
+    Raises:
+        ValueError: ``offload_fraction`` is outside ``[0, 1]``.
+        RuntimeError: ``fused_host_step=True`` but the CPU kernel cannot be built.
 
     Example:
         >>> import torch
@@ -102,25 +74,10 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         >>> opt.step()
         >>> sorted(opt.state[model.weight])
         ['exp_avg', 'exp_avg_sq', 'master_param', 'step']
-        >>> opt.state[model.weight]["master_param"].dtype
-        torch.float32
     """
 
-    gpu_params_map_cpu_copy: dict[torch.Tensor, torch.Tensor]
-    cpu_copys_map_gpu_param: dict[torch.Tensor, torch.Tensor]
-    param_to_fp32_param: dict[torch.Tensor, torch.Tensor]
-    param_to_inner_param: dict[torch.Tensor, torch.Tensor]
-    inner_param_to_orig_param: dict[torch.Tensor, torch.Tensor]
-    cpu_optimizers: list[torch.optim.Optimizer]
-    gpu_optimizer: torch.optim.Optimizer | None
-    _host_group_index: list[int]
-    _device_group_index: list[int]
-    # Class-level defaults, for instances pickled before these existed.
     atomic_step: bool = False
-    _copy_back_pending: bool = False
     fused_host_step: bool | None = None
-    _fused_params: frozenset[torch.Tensor] = frozenset()  # written by this step's fused step
-    _shared_grads: set[torch.Tensor]
 
     def __init__(
         self,
@@ -141,6 +98,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                 f"{cpu_kernel.status().reason}. Pass fused_host_step=None to use it only "
                 "where it can be built."
             )
+        # Megatron's CUDA transfer options: accepted so that calls switch unchanged.
         self.pin_cpu_params = bool(defaults.pop("pin_cpu_params", True))
         self.pin_cpu_grads = bool(defaults.pop("pin_cpu_grads", True))
         defaults.pop("overlap_cpu_optimizer_d2h_h2d", None)
@@ -151,151 +109,82 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         self.atomic_step = bool(atomic_step)
         self.fused_host_step = fused_host_step
         self._copy_back_pending = False
-        self._fused_params = frozenset()
-        self._shared_grads = set()  # host copies whose .grad is their param's own grad
+        self._fused_params: frozenset[torch.Tensor] = frozenset()  # written by the fused step
         self._built = False
         self._keywords = dict(defaults)  # the sub-optimizers' constructor keywords
         super().__init__(params, defaults)
-        self._build()
-        self._adopt_sub_defaults()
+        self._layout = self._build_layout(self.param_groups)
+        self._built = True
+        adopt_sub_defaults(self._layout, self.defaults, self.param_groups)
 
     # ------------------------------------------------------------------------------------
     # Layout
     # ------------------------------------------------------------------------------------
-    def _wants_fp32_copy(self, param: torch.Tensor) -> bool:
-        return self.param_update_in_fp32 and param.dtype in _LOW_PRECISION
+    def _placement(self) -> Placement:
+        return placement(self.param_groups, self.offload_fraction, self.param_update_in_fp32)
 
-    def _placement(self) -> dict[torch.Tensor, tuple[bool, torch.dtype, torch.device]]:
-        """For every param: (offloaded, dtype of its stepped copy, device of that copy)."""
-        params = [p for group in self.param_groups for p in group["params"]]
-        threshold = self.offload_fraction * sum(p.numel() for p in params)
-        offloaded_numel = 0
-        placement = {}
-        for param in params:
-            dtype = torch.float32 if self._wants_fp32_copy(param) else param.dtype
-            if offloaded_numel < threshold:
-                offloaded_numel += param.numel()
-                placement[param] = (True, dtype, torch.device("cpu"))
-            else:
-                placement[param] = (False, dtype, param.device)
-        return placement
-
-    def _build(self) -> None:
-        """(Re)creates every copy from the current params and fresh sub-optimizers."""
-        self._adopt(self._new_layout(self.param_groups))
-
-    def _adopt(self, layout: dict[str, Any]) -> None:
-        """Installs a layout made by :meth:`_new_layout`: plain assignments, nothing can fail."""
-        for name, value in layout.items():
-            setattr(self, name, value)
-        self._built = True
-
-    @torch.no_grad()
-    def _new_layout(self, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
-        """New copies of the current params and new sub-optimizers over them, for the group
-        options of ``param_groups``; nothing of this optimizer changes (see :meth:`_adopt`)."""
-        gpu_params_map_cpu_copy: dict[torch.Tensor, torch.Tensor] = {}
-        cpu_copys_map_gpu_param: dict[torch.Tensor, torch.Tensor] = {}
-        param_to_fp32_param: dict[torch.Tensor, torch.Tensor] = {}
-        param_to_inner_param: dict[torch.Tensor, torch.Tensor] = {}
-        inner_param_to_orig_param: dict[torch.Tensor, torch.Tensor] = {}
-        placement = self._placement()
-        host_groups: list[dict[str, Any]] = []
-        device_groups: list[dict[str, Any]] = []
-        host_group_index: list[int] = []
-        device_group_index: list[int] = []
-        for group_index, group in enumerate(param_groups):
-            options = {k: v for k, v in group.items() if k != "params"}
-            host_params, device_params = [], []
-            for param in group["params"]:
-                offloaded, dtype, _ = placement[param]
-                if offloaded:
-                    pin = param.is_cuda and self.pin_cpu_params
-                    inner = torch.empty(param.shape, dtype=dtype, device="cpu", pin_memory=pin)
-                    inner.copy_(param.detach())
-                    gpu_params_map_cpu_copy[param] = inner
-                    cpu_copys_map_gpu_param[inner] = param
-                    host_params.append(inner)
-                elif dtype != param.dtype:
-                    inner = param.detach().to(dtype=dtype, copy=True)
-                    device_params.append(inner)
-                else:
-                    inner = param
-                    device_params.append(param)
-                if dtype != param.dtype:
-                    param_to_fp32_param[param] = inner
-                param_to_inner_param[param] = inner
-                inner_param_to_orig_param[inner] = param
-            if host_params:
-                host_groups.append({**options, "params": host_params})
-                host_group_index.append(group_index)
-            if device_params:
-                device_groups.append({**options, "params": device_params})
-                device_group_index.append(group_index)
-        # The caller's keywords also go in as constructor keywords, as Megatron's
-        # HybridDeviceOptimizer does: options such as PrecisionAwareAdamW's exp_avg_dtype are
-        # constructor-only. (Not our defaults: those gain the sub-optimizers' own defaults,
-        # some of which their constructors do not take, e.g. AdamW's decoupled_weight_decay.)
-        cpu_optimizers: list[torch.optim.Optimizer] = (
-            [self.cpu_optimizer_cls(host_groups, **self._host_options())] if host_groups else []
+    def _build_layout(self, param_groups: list[dict[str, Any]]) -> OffloadLayout:
+        """New copies of the current params and new sub-optimizers over them, with the group
+        options of ``param_groups``; nothing of this optimizer changes."""
+        # The caller's keywords go in as constructor keywords, as Megatron's do (some options,
+        # such as PrecisionAwareAdamW's exp_avg_dtype, are constructor-only).
+        return build_layout(
+            param_groups,
+            self._placement(),
+            self.cpu_optimizer_cls,
+            host_keywords(self.cpu_optimizer_cls, self._keywords),
+            self.gpu_optimizer_cls,
+            self._keywords,
+            pin_cpu_params=self.pin_cpu_params,
         )
-        gpu_optimizer: torch.optim.Optimizer | None = (
-            self.gpu_optimizer_cls(device_groups, **self._keywords) if device_groups else None
-        )
-        return {
-            "gpu_params_map_cpu_copy": gpu_params_map_cpu_copy,
-            "cpu_copys_map_gpu_param": cpu_copys_map_gpu_param,
-            "param_to_fp32_param": param_to_fp32_param,
-            "param_to_inner_param": param_to_inner_param,
-            "inner_param_to_orig_param": inner_param_to_orig_param,
-            "_host_group_index": host_group_index,
-            "_device_group_index": device_group_index,
-            "cpu_optimizers": cpu_optimizers,
-            "gpu_optimizer": gpu_optimizer,
-        }
 
-    def _adopt_sub_defaults(self) -> None:
-        """Our ``defaults`` and groups gain the hyper-parameters the sub-optimizers filled in
-        (``betas``, ``eps``, ``weight_decay``, ...) and agree on, as a torch optimizer's hold
-        all of them: schedulers that read or cycle them (``OneCycleLR`` with
-        ``cycle_momentum``) see them, and :meth:`step` passes changes on. Implementation
-        switches (``fused``, ``foreach``, ...) stay the caller's."""
-        subs = self._sub_optimizers_with_groups()
-        if not subs:
-            return
-        common = set.intersection(*(set(sub.defaults) for sub, _ in subs)) - _NOT_ADOPTED
-        for key in sorted(common - set(self.defaults)):
-            values = [sub.defaults[key] for sub, _ in subs]
-            if all(_same(v, values[0]) for v in values):
-                self.defaults[key] = values[0]
-        for group_index, group in enumerate(self.param_groups):
-            found: dict[str, list[Any]] = {}
-            for sub, group_indices in subs:
-                if group_index in group_indices:
-                    sub_group = sub.param_groups[group_indices.index(group_index)]
-                    for key in common - set(group):
-                        found.setdefault(key, []).append(sub_group.get(key, _ABSENT))
-            for key, values in sorted(found.items()):
-                if values[0] is not _ABSENT and all(_same(v, values[0]) for v in values):
-                    group[key] = values[0]
+    @property
+    def layout(self) -> OffloadLayout:
+        """The copies and sub-optimizers this optimizer steps (replaced by a load).
 
-    def _host_options(self) -> dict[str, Any]:
-        """The host sub-optimizer's keywords: torch's AdamW (the default) gets its fused CPU
-        kernel (one pass over the copies, ~7x its default per-tensor loop on a CPU) unless
-        the caller chose ``fused`` or ``foreach`` themselves."""
-        options = dict(self._keywords)
-        if self.cpu_optimizer_cls is torch.optim.AdamW and not self._implementation_chosen():
-            options["fused"] = True
-        return options
+        Example:
+            >>> import torch
+            >>> p = torch.nn.Parameter(torch.ones(2))
+            >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0)
+            >>> opt.layout.param_to_inner_param[p] is opt.gpu_params_map_cpu_copy[p]
+            True
+        """
+        return self._layout
 
-    def _implementation_chosen(self, group_index: int | None = None) -> bool:
-        """Whether the caller picked torch's AdamW implementation (a ``fused`` or ``foreach``
-        keyword) for the host sub-optimizer, or, given ``group_index``, for that group: then
-        they get exactly it (no fused CPU default, no fused host step)."""
-        options = set(self._keywords)
-        if group_index is not None:
-            options |= set(self.param_groups[group_index])
-        return bool(options & {"fused", "foreach"})
+    @property
+    def gpu_params_map_cpu_copy(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Each offloaded param -> its host copy."""
+        return self._layout.gpu_params_map_cpu_copy
+
+    @property
+    def cpu_copys_map_gpu_param(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Each host copy -> its param."""
+        return self._layout.cpu_copys_map_gpu_param
+
+    @property
+    def param_to_fp32_param(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Each param stepped through a copy of another dtype -> that copy."""
+        return self._layout.param_to_fp32_param
+
+    @property
+    def param_to_inner_param(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Each param -> the tensor stepped for it (a copy, or itself)."""
+        return self._layout.param_to_inner_param
+
+    @property
+    def inner_param_to_orig_param(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Each stepped tensor -> its param."""
+        return self._layout.inner_param_to_orig_param
+
+    @property
+    def cpu_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The host sub-optimizer, if any parameter is offloaded."""
+        return self._layout.cpu_optimizers
+
+    @property
+    def gpu_optimizer(self) -> torch.optim.Optimizer | None:
+        """The sub-optimizer of the params left on their device, if any."""
+        return self._layout.gpu_optimizer
 
     @property
     def sub_optimizer_keywords(self) -> dict[str, Any]:
@@ -321,16 +210,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             >>> len(HybridOffloadOptimizer(params, offload_fraction=0.5).sub_optimizers)
             2
         """
-        subs = list(self.cpu_optimizers)
-        if self.gpu_optimizer is not None:
-            subs.append(self.gpu_optimizer)
-        return subs
-
-    def _sub_optimizers_with_groups(self) -> list[tuple[torch.optim.Optimizer, list[int]]]:
-        pairs = [(cpu, self._host_group_index) for cpu in self.cpu_optimizers]
-        if self.gpu_optimizer is not None:
-            pairs.append((self.gpu_optimizer, self._device_group_index))
-        return pairs
+        return self._layout.sub_optimizers
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group while constructing; afterwards the layout is fixed (build a new one).
@@ -353,37 +233,12 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------
     # Stepping
     # ------------------------------------------------------------------------------------
-    def _sync_groups_to_sub_optimizers(self) -> None:
-        for sub, group_indices in self._sub_optimizers_with_groups():
-            for sub_group, group_index in zip(sub.param_groups, group_indices, strict=True):
-                for key, value in self.param_groups[group_index].items():
-                    if key != "params":
-                        sub_group[key] = value
-
-    def _copy_grads_to_copies(self, fused: Collection[torch.Tensor] = ()) -> None:
-        """Gives every copy its grad (:func:`offload_grads.give_grads`); one in ``fused`` gets
-        None (the fused host step reads its param's grad itself)."""
-        offload_grads.give_grads(self, fused)
-
-    def _holders(self) -> list[torch.optim.Optimizer]:
-        return [sub for sub in self.sub_optimizers if is_precision_aware_holder(sub)]
-
-    def _sync_steps_from_holders(self) -> None:
-        """A precision-aware holder counts steps per group: carry them in our own groups."""
-        for sub, group_indices in self._sub_optimizers_with_groups():
-            if not is_precision_aware_holder(sub):
-                continue
-            for sub_group, group_index in zip(sub.param_groups, group_indices, strict=True):
-                if "step" in sub_group:
-                    self.param_groups[group_index]["step"] = sub_group["step"]
-
     def _expose_state(self) -> None:
-        """Publishes :attr:`state` (:func:`offload_state.exposed_state`: host entries take
-        writes in place)."""
-        self.state = offload_state.exposed_state(
-            self.cpu_optimizers,
-            self.gpu_optimizer,
-            self.inner_param_to_orig_param,
+        """Publishes :attr:`state` (host entries take writes in place)."""
+        self.state = exposed_state(
+            self._layout.cpu_optimizers,
+            self._layout.gpu_optimizer,
+            self._layout.inner_param_to_orig_param,
             self.param_update_in_fp32,
         )
 
@@ -412,32 +267,19 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sync_groups_to_sub_optimizers()
-        fused = fused_host_step.plan(self)
-        self._copy_grads_to_copies({entry.inner for entry in fused})
-        subs = self.sub_optimizers  # the host one first: its snapshot lives in host memory
-        atomic = self.atomic_step and len(subs) > 1 and subs[0] in self.cpu_optimizers
-        snapshot = OptimizerSnapshot.take(subs[0]) if atomic else None
-        # The fused host step writes its params before the step commits: kept too.
-        written = [(e.param, e.param.detach().clone()) for e in fused] if atomic else []
+        layout = self._layout
+        sync_groups(layout, self.param_groups)
+        fused = fused_plan(self)
+        give_grads(layout, {entry.inner for entry in fused}, pin_cpu_grads=self.pin_cpu_grads)
         try:
-            for sub in subs:
-                sub.step()
-                if sub in self.cpu_optimizers:
-                    fused_host_step.run([entry for entry in fused if entry.optimizer is sub])
+            step_sub_optimizers(layout, fused, atomic=self.atomic_step)
         except BaseException:
-            if snapshot is not None:
-                snapshot.restore()
-                with torch.no_grad():
-                    for param, value in written:
-                        param.copy_(value)
             self._expose_state()
             raise
-        del snapshot, written
         self._fused_params = frozenset(entry.param for entry in fused)
         # Committed: the copies hold the new values; what follows only publishes them.
         self._copy_back_pending = True
-        self._sync_steps_from_holders()
+        sync_steps_from_holders(layout, self.param_groups)
         self._expose_state()
         try:
             self._copy_back()
@@ -445,17 +287,9 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             self._copy_back()  # a transient fault: once more, then the next call retries
         return loss
 
-    @torch.no_grad()
     def _copy_back(self) -> None:
         """Copies each stepped copy into its param (the fused host step wrote its own)."""
-        done = self._fused_params
-        copy_all(
-            [
-                (p, inner)
-                for p, inner in self.param_to_inner_param.items()
-                if inner is not p and p not in done
-            ]
-        )
+        copy_back(self._layout, self._fused_params)
         self._copy_back_pending = False
 
     def _finish_copy_back(self) -> None:
@@ -494,7 +328,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                     group["lr"] = lr
             for param, grad in saved_grads:
                 param.grad = grad
-        self._sync_groups_to_sub_optimizers()
+        sync_groups(self._layout, self.param_groups)
 
     # ------------------------------------------------------------------------------------
     # Copies
@@ -556,15 +390,6 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         # and the sub-optimizers are part of this optimizer. Hooks are dropped, as torch does.
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
 
-    def _holder_of(self) -> dict[int, torch.optim.Optimizer]:
-        """id(stepped copy) -> its precision-aware sub-optimizer."""
-        return {
-            id(inner): sub
-            for sub in self._holders()
-            for group in sub.param_groups
-            for inner in group["params"]
-        }
-
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict; precision-aware sub-optimizers' params in FusedAdam's format.
 
@@ -593,9 +418,12 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             (['exp_avg', 'exp_avg_sq', 'master_param'], 1)
         """
         self._finish_copy_back()
-        holder_of = self._holder_of()
-        portable = offload_loading.holder_state_dict
-        return state_dict_with_hooks(self, lambda: portable(self, holder_of))
+        return state_dict_with_hooks(
+            self,
+            lambda: holder_state_dict(
+                self._layout, self.param_groups, self.state, with_master=self.param_update_in_fp32
+            ),
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict; rebuilds copies and sub-optimizers, then pushes the state in.
@@ -635,4 +463,54 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             Traceback (most recent call last):
             wrapped_optim._formats.errors.OptimizerCheckpointError: param 0: state ...
         """
-        load_state_dict_with_hooks(self, state_dict, lambda sd: offload_loading.load(self, sd))
+        load_state_dict_with_hooks(self, state_dict, self._load)
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
+        """Validates ``state_dict`` whole, then loads it (see :meth:`load_state_dict`)."""
+        layout, fp32 = self._layout, self.param_update_in_fp32
+        references = References(
+            layout, (self.cpu_optimizer_cls, self.gpu_optimizer_cls), self._keywords
+        )
+        groups, states, holder_states = prepare_load(
+            layout, self.param_groups, state_dict, self._placement(), references
+        )
+        if layout.holders():
+            try:
+                load_with_holders(
+                    layout,
+                    self.param_groups,
+                    groups,
+                    states,
+                    holder_states,
+                    with_master=fp32,
+                )
+            finally:
+                self._expose_state()
+        else:
+            new_layout, new_state = load_plain(self._build_layout, groups, states, with_master=fp32)
+            # Commit: plain assignments only.
+            self.param_groups[:] = groups
+            self._layout = new_layout
+            self.state = new_state
+        self._copy_back_pending = False
+
+
+def fused_plan(opt: HybridOffloadOptimizer) -> list[FusedEntry]:
+    """The params the fused host step updates in ``opt``'s next step, from its options.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import cpu_kernel
+        >>> p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1)
+        >>> p.grad = torch.ones(4, dtype=torch.bfloat16)
+        >>> len(fused_plan(opt)) == (1 if cpu_kernel.available() else 0)
+        True
+    """
+    return plan(
+        opt.layout,
+        opt.param_groups,
+        enabled=opt.fused_host_step,
+        cpu_optimizer_cls=opt.cpu_optimizer_cls,
+        keywords=opt.sub_optimizer_keywords,
+    )

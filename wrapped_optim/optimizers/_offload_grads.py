@@ -9,15 +9,12 @@ nothing (:func:`can_share_grad`), or None: the param has no grad, or the fused h
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TYPE_CHECKING
 
 import torch
 
 from wrapped_optim.optimizers._fused_host_step import grad_of
+from wrapped_optim.optimizers._offload_layout import OffloadLayout
 from wrapped_optim.optimizers._transfers import copy_all
-
-if TYPE_CHECKING:
-    from wrapped_optim.optimizers._hybrid_offload import HybridOffloadOptimizer
 
 __all__ = ["can_share_grad", "give_grads"]
 
@@ -27,9 +24,12 @@ _GRAD_READING_HOST_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam)
 
 
 @torch.no_grad()
-def give_grads(hybrid: HybridOffloadOptimizer, fused: Collection[torch.Tensor] = ()) -> None:
-    """Sets the ``grad`` of every distinct copy of ``hybrid``; a copy in ``fused`` gets None.
-    The copies between a CUDA device and the host are issued together (:func:`copy_all`).
+def give_grads(
+    layout: OffloadLayout, fused: Collection[torch.Tensor] = (), *, pin_cpu_grads: bool = True
+) -> None:
+    """Sets the ``grad`` of every distinct copy of ``layout``; a copy in ``fused`` gets None.
+    The copies between a CUDA device and the host are issued together (:func:`copy_all`),
+    into host buffers pinned when ``pin_cpu_grads``.
 
     Example:
         >>> import torch
@@ -37,16 +37,16 @@ def give_grads(hybrid: HybridOffloadOptimizer, fused: Collection[torch.Tensor] =
         >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
         >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0)
         >>> p.grad = torch.full((2,), 0.5, dtype=torch.bfloat16)
-        >>> give_grads(opt)
+        >>> give_grads(opt.layout)
         >>> opt.gpu_params_map_cpu_copy[p].grad
         tensor([0.5000, 0.5000])
-        >>> give_grads(opt, fused={opt.gpu_params_map_cpu_copy[p]})
+        >>> give_grads(opt.layout, fused={opt.gpu_params_map_cpu_copy[p]})
         >>> opt.gpu_params_map_cpu_copy[p].grad is None
         True
     """
     pairs = []
-    shared: set[torch.Tensor] = hybrid.__dict__.setdefault("_shared_grads", set())
-    for param, inner in hybrid.param_to_inner_param.items():
+    shared = layout.borrowed_grads
+    for param, inner in layout.param_to_inner_param.items():
         if inner is param:
             continue
         grad = grad_of(param)
@@ -54,7 +54,7 @@ def give_grads(hybrid: HybridOffloadOptimizer, fused: Collection[torch.Tensor] =
             inner.grad = None
             shared.discard(inner)
             continue
-        if can_share_grad(hybrid, inner, grad):
+        if can_share_grad(layout, inner, grad):
             inner.grad = grad  # the host step only reads it: no copy needed
             shared.add(inner)
             continue
@@ -62,7 +62,7 @@ def give_grads(hybrid: HybridOffloadOptimizer, fused: Collection[torch.Tensor] =
             inner.grad = None
             shared.discard(inner)
         if inner.grad is None or inner.grad.shape != inner.shape:
-            pin = inner.device.type == "cpu" and param.is_cuda and hybrid.pin_cpu_grads
+            pin = inner.device.type == "cpu" and param.is_cuda and pin_cpu_grads
             inner.grad = torch.empty(
                 inner.shape, dtype=inner.dtype, device=inner.device, pin_memory=pin
             )
@@ -70,7 +70,7 @@ def give_grads(hybrid: HybridOffloadOptimizer, fused: Collection[torch.Tensor] =
     copy_all(pairs)
 
 
-def can_share_grad(hybrid: HybridOffloadOptimizer, inner: torch.Tensor, grad: torch.Tensor) -> bool:
+def can_share_grad(layout: OffloadLayout, inner: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether the host copy may step with the param's own grad instead of a copy of it:
     the same dtype, device and layout (a CPU-only run with FP32 params), and a host
     optimizer known to only read grads (torch's Adam and AdamW write a grad only when
@@ -81,12 +81,12 @@ def can_share_grad(hybrid: HybridOffloadOptimizer, inner: torch.Tensor, grad: to
         >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
         >>> p = torch.nn.Parameter(torch.ones(2))
         >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0)
-        >>> can_share_grad(opt, opt.gpu_params_map_cpu_copy[p], torch.zeros(2))
+        >>> can_share_grad(opt.layout, opt.gpu_params_map_cpu_copy[p], torch.zeros(2))
         True
     """
     return (
-        inner in hybrid.cpu_copys_map_gpu_param
-        and all(type(sub) in _GRAD_READING_HOST_OPTIMIZERS for sub in hybrid.cpu_optimizers)
+        inner in layout.cpu_copys_map_gpu_param
+        and all(type(sub) in _GRAD_READING_HOST_OPTIMIZERS for sub in layout.cpu_optimizers)
         and grad.dtype == inner.dtype
         and grad.device == inner.device
         and grad.shape == inner.shape

@@ -12,17 +12,15 @@ Internal to :class:`~wrapped_optim.optimizers.HybridOffloadOptimizer` (not publi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import torch
 
 from wrapped_optim._formats import holder_format, state_format
 from wrapped_optim._formats.errors import OptimizerCheckpointError
-
-if TYPE_CHECKING:
-    from wrapped_optim.optimizers._hybrid_offload import HybridOffloadOptimizer
+from wrapped_optim.optimizers._offload_layout import OffloadLayout
 
 __all__ = [
     "Expected",
@@ -32,6 +30,9 @@ __all__ = [
     "holder_source",
     "plain_entry",
 ]
+
+
+Factory = Callable[..., torch.optim.Optimizer]
 
 
 @attrs.frozen
@@ -64,13 +65,23 @@ class References:
     A copy with state: its current state. One without: the state a throwaway instance of
     the sub-optimizer class creates, in one step, for a two-element param of the copy's
     dtype and device under the same group options (probed once per group and dtype; a class
-    that cannot be probed so gives ``None``: the names are not checked).
+    that cannot be probed so gives ``None``: the names are not checked). ``factories`` are
+    the host and device sub-optimizer classes, ``keywords`` their constructor keywords.
     """
 
-    def __init__(self, owner: HybridOffloadOptimizer) -> None:
-        self.owner = owner
+    def __init__(
+        self,
+        layout: OffloadLayout,
+        factories: tuple[
+            Callable[..., torch.optim.Optimizer], Callable[..., torch.optim.Optimizer]
+        ],
+        keywords: dict[str, Any],
+    ) -> None:
+        self.layout = layout
+        self.factories = factories
+        self.keywords = keywords
         self.sub_of: dict[int, tuple[torch.optim.Optimizer, int]] = {}
-        for sub in owner.sub_optimizers:
+        for sub in layout.sub_optimizers:
             for group_index, group in enumerate(sub.param_groups):
                 for inner in group["params"]:
                     self.sub_of[id(inner)] = (sub, group_index)
@@ -106,17 +117,14 @@ class References:
     def _probe(
         self, sub: torch.optim.Optimizer, group_index: int, inner: torch.Tensor
     ) -> dict[str, Expected] | None:
-        owner = self.owner
-        factory = (
-            owner.cpu_optimizer_cls if sub in owner.cpu_optimizers else owner.gpu_optimizer_cls
-        )
+        factory = self.factories[0 if sub in self.layout.cpu_optimizers else 1]
         options = {
             k: _clone_value(v) for k, v in sub.param_groups[group_index].items() if k != "params"
         }
         probe = torch.zeros(2, dtype=inner.dtype, device=inner.device, requires_grad=True)
         probe.grad = torch.zeros_like(probe)
         try:
-            twin = factory([{**options, "params": [probe]}], **owner.sub_optimizer_keywords)
+            twin = factory([{**options, "params": [probe]}], **self.keywords)
             twin.step()
             state = dict(twin.state.get(probe) or {})
         except Exception:
@@ -174,15 +182,7 @@ def _plain_value(
 ) -> Any:
     """One checked, copied state value (never the caller's tensor)."""
     if name == "step":
-        state_format.check_step(f"param {index!r}", value)
-        template = kind.template if kind is not None else None
-        if isinstance(value, torch.Tensor):
-            if template is not None:
-                return value.detach().to(dtype=template.dtype, device=template.device, copy=True)
-            return value.detach().clone()
-        if template is not None:
-            return torch.tensor(float(value), dtype=template.dtype, device=template.device)
-        return value
+        return _step_value(index, value, kind)
     if kind is not None and not kind.tensor:
         if isinstance(value, torch.Tensor):
             raise OptimizerCheckpointError(
@@ -214,6 +214,19 @@ def _plain_value(
     if value.is_floating_point():
         return value.detach().to(device=device, dtype=dtype, copy=True)
     return value.detach().to(device=device, copy=True)
+
+
+def _step_value(index: Any, value: Any, kind: Expected | None) -> Any:
+    """A checked per-param step, as the sub-optimizer keeps it (its template's dtype)."""
+    state_format.check_step(f"param {index!r}", value)
+    template = kind.template if kind is not None else None
+    if isinstance(value, torch.Tensor):
+        if template is not None:
+            return value.detach().to(dtype=template.dtype, device=template.device, copy=True)
+        return value.detach().clone()
+    if template is not None:
+        return torch.tensor(float(value), dtype=template.dtype, device=template.device)
+    return value
 
 
 def agree_on_step(
