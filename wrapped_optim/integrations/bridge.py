@@ -173,72 +173,17 @@ class SchedulerConfig:
             >>> SchedulerConfig(lr_warmup_samples=10).with_steps(train_samples=1000).lr_decay_steps
             1000
         """
-        changes: dict[str, Any] = {}
         if train_samples is not None:
             if train_iters is not None:
                 raise ConfigError("train_iters", "cannot be combined with train_samples")
-            if not is_int(train_samples) or train_samples <= 0:
-                raise ConfigError("train_samples", f"must be a positive int, got {train_samples}")
-            if self.max_steps is not None:
-                raise ConfigError("max_steps", "is only supported for iteration-based training")
-            if self.lr_decay_iters is not None or self.lr_warmup_iters:
-                raise ConfigError(
-                    "lr_decay_iters" if self.lr_decay_iters is not None else "lr_warmup_iters",
-                    "use the *_samples fields for sample-based training",
-                )
-            decay = self.lr_decay_samples if self.lr_decay_samples is not None else train_samples
-            changes["lr_decay_steps"] = decay
-            changes["wd_incr_steps"] = train_samples
-            if self.lr_wsd_decay_samples is not None:
-                changes["wsd_decay_steps"] = self.lr_wsd_decay_samples
-            warmup: float = (
-                self.lr_warmup_fraction * decay
-                if self.lr_warmup_fraction is not None
-                else self.lr_warmup_samples
-            )
+            changes, decay, warmup = self._sample_steps(train_samples)
         else:
             if train_iters is None or global_batch_size is None:
                 raise ConfigError(
                     "train_iters",
                     "with_steps needs train_iters and global_batch_size, or train_samples",
                 )
-            for name, value in (
-                ("train_iters", train_iters),
-                ("global_batch_size", global_batch_size),
-            ):
-                if not is_int(value) or value <= 0:
-                    raise ConfigError(name, f"must be a positive int, got {value!r}")
-            if self.lr_decay_samples is not None or self.lr_warmup_samples:
-                raise ConfigError(
-                    "lr_decay_samples"
-                    if self.lr_decay_samples is not None
-                    else "lr_warmup_samples",
-                    "use the *_iters fields for iteration-based training",
-                )
-            decay_iters = self.lr_decay_iters
-            if self.max_steps is not None:
-                if self.max_steps < train_iters:
-                    raise ConfigError(
-                        "max_steps", f"({self.max_steps}) must be >= train_iters ({train_iters})"
-                    )
-                decay_iters = self.max_steps
-            elif decay_iters is None:
-                decay_iters = train_iters
-            wsd_iters = self.lr_wsd_decay_iters
-            if wsd_iters is None and self.lr_decay_style == "WSD":
-                wsd_iters = decay_iters
-            changes["lr_decay_iters"] = decay_iters
-            changes["lr_wsd_decay_iters"] = wsd_iters
-            decay = decay_iters * global_batch_size
-            changes["lr_decay_steps"] = decay
-            changes["wd_incr_steps"] = (self.max_steps or train_iters) * global_batch_size
-            if wsd_iters is not None:
-                changes["wsd_decay_steps"] = wsd_iters * global_batch_size
-            warmup = (
-                self.lr_warmup_fraction * decay
-                if self.lr_warmup_fraction is not None
-                else self.lr_warmup_iters * global_batch_size
-            )
+            changes, decay, warmup = self._iteration_steps(train_iters, global_batch_size)
         if warmup >= decay:
             warnings.warn(
                 f"lr_warmup_steps ({warmup}) >= lr_decay_steps ({decay}); capping lr_warmup_steps "
@@ -249,6 +194,68 @@ class SchedulerConfig:
             warmup = decay - 1
         changes["lr_warmup_steps"] = warmup
         return attrs.evolve(self, **changes)
+
+    def _sample_steps(self, train_samples: int) -> tuple[dict[str, Any], int, float]:
+        """Sample-based step counts: (the changes, the decay steps, the warmup steps)."""
+        if not is_int(train_samples) or train_samples <= 0:
+            raise ConfigError("train_samples", f"must be a positive int, got {train_samples}")
+        if self.max_steps is not None:
+            raise ConfigError("max_steps", "is only supported for iteration-based training")
+        if self.lr_decay_iters is not None or self.lr_warmup_iters:
+            raise ConfigError(
+                "lr_decay_iters" if self.lr_decay_iters is not None else "lr_warmup_iters",
+                "use the *_samples fields for sample-based training",
+            )
+        decay = self.lr_decay_samples if self.lr_decay_samples is not None else train_samples
+        changes: dict[str, Any] = {"lr_decay_steps": decay, "wd_incr_steps": train_samples}
+        if self.lr_wsd_decay_samples is not None:
+            changes["wsd_decay_steps"] = self.lr_wsd_decay_samples
+        warmup: float = (
+            self.lr_warmup_fraction * decay
+            if self.lr_warmup_fraction is not None
+            else self.lr_warmup_samples
+        )
+        return changes, decay, warmup
+
+    def _iteration_steps(
+        self, train_iters: int, global_batch_size: int
+    ) -> tuple[dict[str, Any], int, float]:
+        """Iteration-based step counts (in samples): (the changes, decay steps, warmup steps)."""
+        for name, value in (("train_iters", train_iters), ("global_batch_size", global_batch_size)):
+            if not is_int(value) or value <= 0:
+                raise ConfigError(name, f"must be a positive int, got {value!r}")
+        if self.lr_decay_samples is not None or self.lr_warmup_samples:
+            raise ConfigError(
+                "lr_decay_samples" if self.lr_decay_samples is not None else "lr_warmup_samples",
+                "use the *_iters fields for iteration-based training",
+            )
+        decay_iters = self.lr_decay_iters
+        if self.max_steps is not None:
+            if self.max_steps < train_iters:
+                raise ConfigError(
+                    "max_steps", f"({self.max_steps}) must be >= train_iters ({train_iters})"
+                )
+            decay_iters = self.max_steps
+        elif decay_iters is None:
+            decay_iters = train_iters
+        wsd_iters = self.lr_wsd_decay_iters
+        if wsd_iters is None and self.lr_decay_style == "WSD":
+            wsd_iters = decay_iters
+        decay = decay_iters * global_batch_size
+        changes: dict[str, Any] = {
+            "lr_decay_iters": decay_iters,
+            "lr_wsd_decay_iters": wsd_iters,
+            "lr_decay_steps": decay,
+            "wd_incr_steps": (self.max_steps or train_iters) * global_batch_size,
+        }
+        if wsd_iters is not None:
+            changes["wsd_decay_steps"] = wsd_iters * global_batch_size
+        warmup = (
+            self.lr_warmup_fraction * decay
+            if self.lr_warmup_fraction is not None
+            else self.lr_warmup_iters * global_batch_size
+        )
+        return changes, decay, warmup
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SchedulerConfig:
@@ -350,71 +357,84 @@ def setup_optimizer(
         0.1
     """
     core = megatron_optimizer_module()
-    from megatron.core.utils import get_model_config
-
     name = getattr(optimizer_config, "optimizer", None)
     if not isinstance(name, str):
         raise ConfigError("optimizer_config.optimizer", f"must be a string, got {name!r}")
-    if optimizer_config_override_provider is None:
-        optimizer_config_override_provider = OptimizerConfigOverrideProvider()
-    config_overrides = optimizer_config_override_provider.build_config_overrides(
-        OptimizerConfigOverrideProviderContext(scheduler_config, optimizer_config, model)
-    )
-
     model_chunks = model if isinstance(model, list) else [model]
-    model_config = get_model_config(model_chunks[0])
-    if getattr(model_config, "use_mup", False):
-        get_mup_config_overrides = getattr(core, "get_mup_config_overrides", None)
-        if get_mup_config_overrides is None:
-            raise ImportError(
-                "the model config has use_mup=True, which needs a megatron-core with "
-                "megatron.core.optimizer.get_mup_config_overrides (newer than the one installed)"
-            )
-        mup_overrides = get_mup_config_overrides(
-            config=optimizer_config,
-            mup_width_mult=model_config.mup_width_mult,
-            optimizer_type=name,
-        )
-        if mup_overrides:
-            config_overrides = {**(config_overrides or {}), **mup_overrides}
-            logger.info(
-                "muP enabled (width_mult=%.4g): applied %d optimizer param-group override(s)",
-                model_config.mup_width_mult,
-                len(mup_overrides),
-            )
-
-    if hasattr(optimizer_config, "provide"):
-        optimizer = optimizer_config.provide(
-            model_chunks=model,
-            config_overrides=config_overrides,
-            use_gloo_process_groups=use_gloo_process_groups,
-            pg_collection=pg_collection,
-        )
-    elif "muon" not in name and "soap" not in name:
-        optimizer = core.get_megatron_optimizer(
-            config=optimizer_config,
-            model_chunks=model,
-            config_overrides=config_overrides,
-            use_gloo_process_groups=use_gloo_process_groups,
-            pg_collection=pg_collection,
-        )
-    else:
-        muon = importlib.import_module("megatron.core.optimizer.muon")
-        optimizer = muon.get_megatron_muon_optimizer(
-            config=optimizer_config,
-            model_chunks=model,
-            config_overrides=config_overrides,
-            use_gloo_process_groups=use_gloo_process_groups,
-            layer_wise_distributed_optimizer="dist" in name,
-            pg_collection=pg_collection,
-        )
-
+    config_overrides = _config_overrides(
+        core, optimizer_config_override_provider, optimizer_config, scheduler_config, model
+    )
+    optimizer = _megatron_optimizer(
+        core,
+        name,
+        optimizer_config,
+        model,
+        config_overrides=config_overrides,
+        use_gloo_process_groups=use_gloo_process_groups,
+        pg_collection=pg_collection,
+    )
     if ddp_config is None:
         ddp_config = _ddp_config_of(model_chunks)
     stack_config = StackConfig.from_megatron(optimizer_config, ddp_config, overrides=stack)
     wrapped = wrap(optimizer, stack_config)
     scheduler = _megatron_scheduler(optimizer_config, scheduler_config, wrapped)
     return wrapped, scheduler
+
+
+def _config_overrides(
+    core: Any, provider: Any, optimizer_config: Any, scheduler_config: Any, model: Any
+) -> Any:
+    """Bridge's param-group overrides: the provider's (default: megatron-core's standard
+    ones), with muP overrides on top when the model config has ``use_mup``."""
+    from megatron.core.utils import get_model_config
+
+    if provider is None:
+        provider = OptimizerConfigOverrideProvider()
+    config_overrides = provider.build_config_overrides(
+        OptimizerConfigOverrideProviderContext(scheduler_config, optimizer_config, model)
+    )
+    model_chunks = model if isinstance(model, list) else [model]
+    model_config = get_model_config(model_chunks[0])
+    if not getattr(model_config, "use_mup", False):
+        return config_overrides
+    get_mup_config_overrides = getattr(core, "get_mup_config_overrides", None)
+    if get_mup_config_overrides is None:
+        raise ImportError(
+            "the model config has use_mup=True, which needs a megatron-core with "
+            "megatron.core.optimizer.get_mup_config_overrides (newer than the one installed)"
+        )
+    mup_overrides = get_mup_config_overrides(
+        config=optimizer_config,
+        mup_width_mult=model_config.mup_width_mult,
+        optimizer_type=optimizer_config.optimizer,
+    )
+    if mup_overrides:
+        config_overrides = {**(config_overrides or {}), **mup_overrides}
+        logger.info(
+            "muP enabled (width_mult=%.4g): applied %d optimizer param-group override(s)",
+            model_config.mup_width_mult,
+            len(mup_overrides),
+        )
+    return config_overrides
+
+
+def _megatron_optimizer(
+    core: Any, name: str, optimizer_config: Any, model: Any, **options: Any
+) -> Any:
+    """The optimizer Bridge builds: the config's ``provide`` hook, else megatron-core's
+    builder (the Muon one for ``muon``/``soap`` names, layer-wise when ``dist``);
+    ``options`` are ``config_overrides``, ``use_gloo_process_groups``, ``pg_collection``."""
+    if hasattr(optimizer_config, "provide"):
+        return optimizer_config.provide(model_chunks=model, **options)
+    if "muon" not in name and "soap" not in name:
+        return core.get_megatron_optimizer(config=optimizer_config, model_chunks=model, **options)
+    muon = importlib.import_module("megatron.core.optimizer.muon")
+    return muon.get_megatron_muon_optimizer(
+        config=optimizer_config,
+        model_chunks=model,
+        layer_wise_distributed_optimizer="dist" in name,
+        **options,
+    )
 
 
 def _megatron_scheduler(optimizer_config: Any, scheduler_config: Any, optimizer: Any) -> Any:
