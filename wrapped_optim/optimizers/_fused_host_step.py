@@ -1,37 +1,12 @@
 """HybridOffloadOptimizer's fused host step: grad in, AdamW update and param out in one pass.
 
-Stepping a bf16 parameter's FP32 host copy takes three passes: the grad cast into an FP32
-buffer (2 + 4 bytes per parameter), the host optimizer's step (28) and the param cast out
-(4 + 2). The compiled kernel of :mod:`~wrapped_optim.optimizers.cpu_kernel` does all three at
-once: it reads the bf16 (or FP32) grad, takes the FP32 host copy as the *master* of the bf16
-param, updates master and moments, and writes the param rounded to nearest even — the cast
-the copy-out makes — 2 + 8 + 16 + 2 = 28 bytes per parameter with FP32 moments, a bare
-fused step's bytes (20 with bf16 moments). An FP32 parameter's host copy is stepped the same
-way, the param written with the copy's exact value (the copy-out's copy): it reads the FP32
-grad and writes the param, 4 + 8 + 16 + 4 = 32 bytes against 36 unfused (its grad is not
-copied in, the copy steps with it; 44 where the grad is copied).
-
-It applies to an offloaded parameter when its formats allow (a contiguous bf16 CPU param with
-an FP32 host copy and a bf16 or FP32 grad, or a contiguous FP32 CPU param with its FP32 host
-copy and an FP32 grad; the grad of the param's numel, on the CPU), the kernel can be built,
-and the host optimizer is one of:
-
-- :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW`, for a copy it would itself update
-  with the kernel (bf16/fp16/FP8 moments, or FP32 moments with ``fused=False``): the same
-  kernel arithmetic on the same values, so masters, moments, scales and params are bitwise
-  those of the unfused path (its state must exist: the first step, unfused, creates it);
-- torch's ``AdamW`` when HybridOffloadOptimizer picked its implementation (no ``fused`` or
-  ``foreach`` from the caller) and no option the kernel lacks is on (``amsgrad``,
-  ``maximize``, ``capturable``, ``differentiable``): torch's state, its per-param step count
-  and its checkpoint format (created as torch's first step creates it, so every step of such
-  a param takes this path, whatever came before), updated by the kernel's single-rounding
-  form of the same formula — equal to torch's ``AdamW(fused=True)`` up to FP32 rounding (a
-  few ulps of the master per step), not bitwise.
-
-Everything else (CUDA params, fp16 params, other host optimizers) keeps the unfused
-path. The host optimizer's own ``step`` runs first, for the other copies (a fused
-copy's ``grad`` is None then, so it skips it; a PrecisionAwareAdamW advances its group step),
-then :func:`run` updates the fused ones.
+:func:`plan` picks the offloaded params whose formats the CPU kernel of
+:mod:`~wrapped_optim.optimizers.cpu_kernel` takes (a contiguous bf16 or FP32 CPU param with an
+FP32 host copy) under a host optimizer it reproduces: PrecisionAwareAdamW, bitwise, for a copy
+it would itself hand to the kernel; torch's ``AdamW`` with the implementation left to
+HybridOffloadOptimizer, within FP32 rounding of torch's. :func:`run` updates them after the
+host optimizer's own ``step`` has stepped the others. See docs/hybrid.md, "The fused host
+step", for the rules and the bytes it saves.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""The per-parameter ``state`` HybridOffloadOptimizer exposes, and why writes land on the host.
+"""The per-parameter ``state`` HybridOffloadOptimizer exposes, whose host entries take writes
+in place.
 
-Generic "move the optimizer state to the device" utilities (Lightning's
-``_optimizer_to_device`` after every resume, user loops over ``optimizer.state``) write
-``state[p][name] = tensor.to(device)``. Exposing the host sub-optimizer's own dict would let
-that replace its host tensors with device copies: the offload silently undone, or a host step
-over mixed devices. Each host-side param's state is therefore exposed as :class:`InPlaceState`,
-whose writes over a tensor of the same shape and dtype copy into it, so the values arrive and
-the storage stays. A tensor of another dtype is not a moved copy (and would be wrongly cast
-into a precision-aware holder's raw fp16/FP8 storage, which has a scale): it is a dict write.
+A host-side param's state is an :class:`InPlaceState`: a tensor written over a state tensor
+of the same shape and dtype is copied into it, so generic "move the optimizer state to the
+device" code leaves the host state on the host (see docs/hybrid.md).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Host <-> device copies of many tensors at once, overlapped instead of blocking one by one.
 
-HybridOffloadOptimizer copies every offloaded gradient to its host copy before the host step
-and every stepped copy back into its parameter after it. A plain ``copy_`` between a CUDA
-tensor and host memory blocks the host until that one transfer is done, so the copies ran one
-after another with the host idle. Here all of them are issued with ``non_blocking=True`` on a
-side stream (which first waits for the work already queued on the current stream, so the
-gradients are complete and nothing still reads the parameters), and the host waits once, for
-the stream, before anyone reads or rewrites the host buffers. Copies that involve no CUDA
-tensor (a CPU-only run) are plain ``copy_`` calls.
+:func:`copy_all` issues every copy between a CUDA device and the host with
+``non_blocking=True`` on a side stream (which first waits for the current stream) and waits
+once, at the end; copies without a CUDA tensor are plain ``copy_`` calls.
 """
 
 from __future__ import annotations
