@@ -76,9 +76,6 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         ['exp_avg', 'exp_avg_sq', 'master_param', 'step']
     """
 
-    atomic_step: bool = False
-    fused_host_step: bool | None = None
-
     def __init__(
         self,
         params: Iterable[Any],
@@ -107,7 +104,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         self.gpu_optimizer_cls = gpu_optimizer_cls
         self.param_update_in_fp32 = bool(param_update_in_fp32)
         self.atomic_step = bool(atomic_step)
-        self.fused_host_step = fused_host_step
+        self.fused_host_step: bool | None = fused_host_step
         self._copy_back_pending = False
         self._fused_params: frozenset[torch.Tensor] = frozenset()  # written by the fused step
         self._built = False
