@@ -49,16 +49,7 @@ from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper, find_layer, layers, unwrap
 
-__all__ = [
-    "LAYERS",
-    "LayerSpec",
-    "find_layer",
-    "layer_spec",
-    "layers",
-    "spec_of",
-    "unwrap",
-    "wrap",
-]
+__all__ = ["find_layer", "layers", "unwrap", "wrap"]
 
 
 # ----------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 
 from wrapped_optim._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
-__all__ = ["OptimizerWrapper", "find_layer", "layers", "unwrap"]
+__all__ = ["OptimizerWrapper"]
 
 T = TypeVar("T")
 
