@@ -224,7 +224,7 @@ class StackConfig:
 
         ``table`` selects a nested table holding them (e.g. ``"tool.wrapped_optim"`` in a
         pyproject.toml); without it the whole document is the config and any other table is
-        an error. Python 3.10 needs the ``tomli`` package.
+        an error.
 
         Example:
             >>> import pathlib, tempfile
