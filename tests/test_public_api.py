@@ -124,7 +124,6 @@ PUBLIC_API: dict[str, list[str]] = {
         "ParamSpec",
         "Setup",
         "StackSpec",
-        "available_layers",
         "available_optimizer_kinds",
         "group_options",
         "optimizer_configs",
