@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from wrapped_optim._formats import codecs
+from wrapped_optim._formats import remainders
 from wrapped_optim.optimizers import cpu_kernel
 
 # gcc or clang is part of every supported build machine; without one the kernel is off and
@@ -29,8 +29,8 @@ def param_and_master(values: torch.Tensor, master: str) -> tuple[torch.Tensor, A
         return values.to(torch.bfloat16), values.clone(), values
     if master == "fp32 copy":  # an FP32 master and the FP32 param that gets its value
         return values.clone(), values.clone(), values
-    param, remainder = codecs.split_master(values)
-    return param, remainder, codecs.join_master(param, remainder)
+    param, remainder = remainders.split_master(values)
+    return param, remainder, remainders.join_master(param, remainder)
 
 
 #: The fp16/FP8 moment loop families this CPU runs, fastest first (the portable loops at

@@ -14,7 +14,7 @@ from cpu_peak import SLACK, peak_cpu_bytes
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wrapped_optim._formats import codecs
+from wrapped_optim._formats import codecs, remainders
 
 F32 = np.float32
 
@@ -251,20 +251,22 @@ def test_exact_scale_makes_reload_lossless(xs: list[float], dtype: torch.dtype) 
 def test_remainder_split_join_bit_arithmetic(ints: list[int]) -> None:
     bits = np.array(ints, dtype=np.int64).astype(np.uint32)
     master = torch.from_numpy(bits.view(np.int32).copy()).view(torch.float32)
-    hi, rem = codecs.split_master(master)
+    hi, rem = remainders.split_master(master)
     ref_hi, ref_lo = ref_split(bits)
     assert np.array_equal(hi.view(torch.int16).numpy().view(np.uint16), ref_hi)
     assert np.array_equal(rem.numpy().view(np.uint16), ref_lo)
-    joined = codecs.join_master(hi, rem)
+    joined = remainders.join_master(hi, rem)
     assert np.array_equal(joined.view(torch.int32).numpy().view(np.uint32), bits)
     into = torch.full_like(master, 7.0)
-    codecs.join_master(hi, rem, out=into)  # the allocation-free forms used by the step
+    remainders.join_master(hi, rem, out=into)  # the allocation-free forms used by the step
     assert torch.equal(into.view(torch.int32), master.view(torch.int32))
     into.fill_(7.0)
-    codecs.join_master(hi, rem, out=into, scratch=torch.empty(len(ints), dtype=torch.int32))
+    remainders.join_master(hi, rem, out=into, scratch=torch.empty(len(ints), dtype=torch.int32))
     assert torch.equal(into.view(torch.int32), master.view(torch.int32))
     hi2, rem2 = torch.empty_like(hi), torch.empty_like(rem)
-    codecs.split_master_into(master, hi2, rem2, scratch=torch.empty(len(ints), dtype=torch.int32))
+    remainders.split_master_into(
+        master, hi2, rem2, scratch=torch.empty(len(ints), dtype=torch.int32)
+    )
     assert torch.equal(hi2.view(torch.int16), hi.view(torch.int16)) and torch.equal(rem2, rem)
     assert np.array_equal(ref_join(ref_hi, ref_lo), bits)
 
@@ -272,7 +274,7 @@ def test_remainder_split_join_bit_arithmetic(ints: list[int]) -> None:
 @given(st.lists(finite32, min_size=1, max_size=32))
 def test_remainder_param_is_nearest_bf16_by_magnitude(xs: list[float]) -> None:
     x = t(xs)
-    hi, _ = codecs.split_master(x)
+    hi, _ = remainders.split_master(x)
     # Candidates: truncation toward zero and one bf16 step away from zero.
     trunc = (x.view(torch.int32) >> 16).to(torch.int16)
     down = trunc.view(torch.bfloat16).double()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -191,30 +189,6 @@ def test_from_toml_reports_toml_errors_and_field_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         StackConfig.from_toml(wrong)
     assert info.value.field == "hybrid.on_stale"
-
-
-def test_python310_falls_back_to_tomli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import tomllib
-
-    from wrapped_optim import config as config_module
-
-    path = tmp_path / "s.toml"
-    path.write_text("hybrid = true\n")
-    monkeypatch.setattr(sys, "version_info", (3, 10, 12, "final", 0))
-    monkeypatch.setitem(sys.modules, "tomli", None)  # not installed
-    with pytest.raises(ImportError, match="tomli"):
-        StackConfig.from_toml(path)
-    fake = types.ModuleType("tomli")
-    calls: list[Any] = []
-
-    def load(handle: Any) -> Any:
-        calls.append(handle)
-        return tomllib.load(handle)
-
-    fake.load = load  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "tomli", fake)
-    assert config_module.StackConfig.from_toml(path).hybrid == HybridConfig()
-    assert len(calls) == 1
 
 
 # ----------------------------------------------------------------------------------------

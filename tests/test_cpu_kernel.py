@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.kernel_support import CPU_FAMILIES, needs_kernel, param_and_master, running
-from wrapped_optim._formats import codecs
+from wrapped_optim._formats import codecs, remainders
 from wrapped_optim.optimizers import PrecisionAwareAdamW, _kernel_build, cpu_kernel
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -138,7 +138,7 @@ def test_kernel_equals_single_torch_ops_bitwise(
         assert torch.equal(master_t, want_p) and torch.equal(param, want_p)
     else:
         assert master_t is not None
-        assert torch.equal(codecs.join_master(param, master_t), want_p)
+        assert torch.equal(remainders.join_master(param, master_t), want_p)
 
 
 @needs_kernel
@@ -706,7 +706,7 @@ def test_optimizer_steps_are_the_kernel_formula(config: str, adam_w_mode: bool) 
         if "master_param" not in state:
             p32 = p.detach().float()
         elif opt._uses_remainder(p):
-            p32 = codecs.join_master(p.detach(), state["master_param"])
+            p32 = remainders.join_master(p.detach(), state["master_param"])
         else:
             p32 = state["master_param"]
         ref[i] = [p32.reshape(-1).clone(), torch.zeros(p.numel()), torch.zeros(p.numel())]
@@ -744,7 +744,7 @@ def test_optimizer_steps_are_the_kernel_formula(config: str, adam_w_mode: bool) 
         assert torch.equal(p.detach().view(-1), p32.to(dtype))
         if "master_param" in opt.state[p]:
             master = (
-                codecs.join_master(p.data, opt.state[p]["master_param"])
+                remainders.join_master(p.data, opt.state[p]["master_param"])
                 if opt._uses_remainder(p)
                 else opt.state[p]["master_param"]
             )
@@ -920,7 +920,7 @@ def test_scaled_moments_equal_reference_and_codecs_bitwise(
         if got is not None:
             assert same_bits(got, want)
     p_now = param if master == "none" else (
-        master_t if master in ("fp32", "fp32 copy") else codecs.join_master(param, master_t)
+        master_t if master in ("fp32", "fp32 copy") else remainders.join_master(param, master_t)
     )  # fmt: skip
     assert p_now is not None and same_bits(p_now, want_p)
     if master == "fp32":

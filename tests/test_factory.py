@@ -798,7 +798,7 @@ def _check_resume(
         },
         checkpoint,
     )
-    staged = optimizer.find(StagedCheckpointOptimizer)
+    staged = optimizer.find_layer(StagedCheckpointOptimizer)
     if "PrecisionAwareAdamW" in layers:  # compressed state really went through the stager
         assert staged.last_stats.staged_holders == 1 and staged.last_stats.chunked_reads > 0
     _train(model, optimizer, scheduler, batches[split:])

@@ -18,7 +18,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from test_cpu_kernel import reference_moment, reference_step, same_bits
 
-from wrapped_optim._formats import codecs
+from wrapped_optim._formats import codecs, remainders
 from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
 from wrapped_optim.optimizers import _fused_gpu as fused_gpu
 
@@ -170,7 +170,7 @@ def _expected(
     if master is None or p.dtype == FP32:
         p32 = p.detach().float().clone()
     elif opt._uses_remainder(p):
-        p32 = codecs.join_master(p.detach(), master)
+        p32 = remainders.join_master(p.detach(), master)
     else:
         p32 = opt.get_unscaled_state(p, "master_param").clone()
     m_old = opt.get_unscaled_state(p, "exp_avg").clone()
@@ -187,7 +187,7 @@ def _expected(
         "exp_avg_sq": reference_moment(want_v, opt.exp_avg_sq_dtype),
     }
     if master is not None and opt._uses_remainder(p):
-        out["param"], out["master_param"] = codecs.split_master(want_p)
+        out["param"], out["master_param"] = remainders.split_master(want_p)
         out["master_param"] = (out["master_param"], None)
     else:
         out["param"] = want_p.to(p.dtype)

@@ -22,9 +22,9 @@ def test_every_check_module_imports_without_cuda_and_has_run() -> None:
     for name in gpu_all.CHECKS:
         module = importlib.import_module(f"tests.gpu.{name}")
         assert callable(module.run), name
-    # Only the entry point that hands over to tests/gpu stays in the package.
-    in_package = [p.name for p in (ROOT / "wrapped_optim" / "bench").glob("gpu_*")]
-    assert in_package == ["gpu_all.py"], in_package
+    # The checks are test code: nothing of them ships in the package.
+    in_package = [p.name for p in (ROOT / "wrapped_optim").rglob("gpu_*")]
+    assert in_package == [], in_package
 
 
 def _fake_checks(monkeypatch: pytest.MonkeyPatch, modules: dict[str, object]) -> None:
@@ -132,24 +132,3 @@ def test_without_cuda_the_command_fails_and_says_so() -> None:
     )  # fmt: skip
     assert result.returncode == 1
     assert "no CUDA device; nothing was checked" in result.stderr
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA answer")
-def test_the_packaged_entry_point_hands_over_to_the_checkout(tmp_path: Path) -> None:
-    # From an unrelated directory: the editable install's checkout is found, its gpu_all runs.
-    result = subprocess.run(
-        [sys.executable, "-m", "wrapped_optim.bench.gpu_all", "--no-setup"],
-        cwd=tmp_path, capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 1
-    assert "tests.gpu.gpu_all: no CUDA device; nothing was checked" in result.stderr
-
-
-def test_the_packaged_entry_point_without_a_checkout_is_not_run(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from wrapped_optim.bench import gpu_all as entry
-
-    assert entry.main(["--no-setup"], roots=[tmp_path]) == gpu_all.exit_code([], ["x"])
-    assert "no source checkout with tests/gpu found" in capsys.readouterr().err
-    assert entry.find_checkout([tmp_path, ROOT]) == ROOT

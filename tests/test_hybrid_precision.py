@@ -225,7 +225,7 @@ def test_resume_is_bit_identical_to_uninterrupted_training(fraction, kind):
     resumed_model.load_state_dict(model_payload)
     resumed.load_state_dict(payload)
     if kind in ("wrap", "staged_outer"):
-        stats = resumed.find(StagedCheckpointOptimizer).last_stats
+        stats = resumed.find_layer(StagedCheckpointOptimizer).last_stats
         assert stats.staged_holders == len(resumed.sub_optimizers)
         assert stats.chunked_writes == 2 * len(payload["state"])  # both moments, chunked
     assert train(resumed_model, resumed, 3, start=3) == losses

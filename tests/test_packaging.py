@@ -7,6 +7,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import wrapped_optim
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,11 +22,16 @@ def test_the_sdist_carries_the_suite_and_no_built_library(tmp_path: Path) -> Non
     name = result.stdout.strip().splitlines()[-1]
     with tarfile.open(tmp_path / name) as archive:
         members = {m.split("/", 1)[1] for m in archive.getnames() if "/" in m}
+        info = archive.extractfile(f"{name.removesuffix('.tar.gz')}/PKG-INFO")
+        assert info is not None
+        metadata = info.read().decode()
     in_repo = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("*.py")
                if "__pycache__" not in p.parts}  # fmt: skip
     assert in_repo <= members, sorted(in_repo - members)  # conftest, subfolders, helpers
     assert {"setup.py", "mkdocs.yml", "README.md", "docs/index.md"} <= members
     assert not [m for m in members if m.endswith(".so")]
+    # The one version source: the package's __version__, read by setuptools.
+    assert f"\nVersion: {wrapped_optim.__version__}\n" in metadata
 
 
 def test_the_license_is_an_spdx_expression() -> None:
@@ -32,3 +39,25 @@ def test_the_license_is_an_spdx_expression() -> None:
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["license"] == "Apache-2.0"
+
+
+def test_the_version_is_written_once() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert f"\n## [{wrapped_optim.__version__}] - " in changelog  # each release has its entry
+
+
+def test_pre_commit_runs_the_checks_ci_runs() -> None:
+    import yaml
+
+    config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+    entries = {hook["entry"] for repo in config["repos"] for hook in repo["hooks"]}
+    ci_checks = {
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.startswith((".venv/bin/ruff", ".venv/bin/mypy"))
+    }
+    assert len(ci_checks) == 3 and ci_checks == entries

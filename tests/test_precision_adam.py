@@ -17,7 +17,7 @@ from wrapped_optim._adapters.precision import (
     is_precision_aware_holder,
     supports_chunked_state,
 )
-from wrapped_optim._formats import codecs
+from wrapped_optim._formats import codecs, remainders
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
@@ -152,7 +152,7 @@ def test_initialize_state_layout() -> None:
     assert [st_[k].dtype for k in st_] == [BF16, FP16, torch.int16]
     assert torch.equal(st_["master_param"], torch.zeros(5, dtype=torch.int16))
     # The master reconstructed from param + zero remainder is the param itself.
-    assert torch.equal(codecs.join_master(p.data, st_["master_param"]), p.data.float())
+    assert torch.equal(remainders.join_master(p.data, st_["master_param"]), p.data.float())
     with pytest.raises(ValueError, match="contradicts"):
         opt.initialize_state(p, False)
     q = torch.nn.Parameter(torch.randn(3).to(BF16))
@@ -318,7 +318,7 @@ def test_step_tracks_fp32_reference(
     assert (err / moved).item() <= tol, (config, dtype, (err / moved).item(), tol)
     if master and config != "fp16-master-mixed":  # the FP32 master itself is much closer
         full = [
-            codecs.join_master(p.data, opt.state[p]["master_param"])
+            remainders.join_master(p.data, opt.state[p]["master_param"])
             if opt._uses_remainder(p)
             else opt.get_unscaled_state(p, "master_param")
             for p in params

@@ -37,7 +37,7 @@ from wrapped_optim.testing import (
 from wrapped_optim.testing import strategies as ws
 
 KINDS = ws.available_optimizer_kinds()
-LAYERS = ws.available_layers()
+LAYERS = ws.LAYER_ORDER
 
 # Per (kind, layer set): examples per property, from the active profile (8 of "ci"'s 25).
 EXAMPLES = max(2, settings().max_examples // 3)

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import ast
-import importlib
 import itertools
-import warnings
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,7 +11,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-import wrapped_optim
 from wrapped_optim import (
     FSDPAwareOptimizer,
     HybridSyncOptimizer,
@@ -102,7 +97,7 @@ def test_free_functions_agree_with_the_wrapper_methods(setup: ws.Setup) -> None:
         assert stack.layers() == chain
         assert stack.unwrap() is unwrap(stack)
         for spec in LAYERS:
-            assert stack.find(spec.wrapper) is find_layer(stack, spec.wrapper)
+            assert stack.find_layer(spec.wrapper) is find_layer(stack, spec.wrapper)
 
 
 # ----------------------------------------------------------------------------------------
@@ -164,119 +159,6 @@ def test_from_megatron_and_the_staging_engine_follow_one_policy(
         assert [d.reason for d in staging_decisions(container)] == [blocker]
     if (blocker := no_copy_blocker(settings_)) is not None:
         assert [d.reason for d in no_copy_decisions(container)] == [blocker]
-
-
-# ----------------------------------------------------------------------------------------
-# Public API and import paths
-# ----------------------------------------------------------------------------------------
-def test_the_package_exports_one_schedule_family_and_no_internals() -> None:
-    exported = set(wrapped_optim.__all__)
-    assert {"LRScheduleConfig", "layers", "find_layer", "unwrap"} <= exported
-    assert not {"SchedulerConfig", "patch_attribute"} & exported
-    for name, home in (
-        ("SchedulerConfig", "wrapped_optim.integrations.bridge"),
-        ("patch_attribute", "wrapped_optim.patching"),
-    ):
-        with pytest.warns(DeprecationWarning, match=f"moved to {home}.{name}"):
-            moved = getattr(wrapped_optim, name)
-        assert moved is getattr(importlib.import_module(home), name)
-    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
-        wrapped_optim.nothing_here  # noqa: B018
-
-
-@pytest.mark.parametrize(
-    ("old", "new", "names"),
-    [
-        (
-            "wrapped_optim.factory",
-            "wrapped_optim.stack",
-            ["wrap"],
-        ),
-        (
-            "wrapped_optim.factory",
-            "wrapped_optim._builder",
-            ["build_optimizer", "resolve_optimizer_class"],
-        ),
-        (
-            "wrapped_optim.factory",
-            "wrapped_optim.integrations.bridge",
-            [
-                "setup_optimizer",
-                "OptimizerConfigOverrideProvider",
-                "OptimizerConfigOverrideProviderContext",
-            ],
-        ),
-        (
-            "wrapped_optim.config",
-            "wrapped_optim._builder",
-            ["BuildConfig", "LRScheduleConfig", "OptimizerSpec"],
-        ),
-        ("wrapped_optim.config", "wrapped_optim.integrations.bridge", ["SchedulerConfig"]),
-        ("wrapped_optim.config", "wrapped_optim._config_fields", ["ConfigError"]),
-    ],
-)
-def test_old_import_paths_give_the_moved_objects(old: str, new: str, names: list[str]) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # module paths re-export silently
-        for name in names:
-            assert getattr(importlib.import_module(old), name) is getattr(
-                importlib.import_module(new), name
-            )
-
-
-def _module_level_imports(path: Path, module: str, modules: set[str]) -> set[str]:
-    found: set[str] = set()
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-                visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-                for handler in node.handlers:
-                    visit(handler.body)
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*parts, base] if base else parts)
-                for alias in node.names:
-                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
-
-    visit(ast.parse(path.read_text()).body)
-    return found & modules
-
-
-def test_no_import_cycle_among_the_package_modules() -> None:
-    """Module-level imports only: a cycle there breaks whichever module is imported first."""
-    root = Path(wrapped_optim.__file__).parent
-    paths = {}
-    for path in root.rglob("*.py"):
-        parts = path.relative_to(root.parent).with_suffix("").parts
-        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    modules = set(paths)
-    # The package __init__ runs before any submodule anyway: edges into it are not cycles.
-    graph = {
-        name: _module_level_imports(path, name, modules) - {name, "wrapped_optim"}
-        for name, path in paths.items()
-    }
-
-    def reach(start: str) -> set[str]:
-        seen: set[str] = set()
-        todo = list(graph[start])
-        while todo:
-            node = todo.pop()
-            if node not in seen:
-                seen.add(node)
-                todo.extend(graph[node])
-        return seen
-
-    cycles = sorted(name for name in graph if name in reach(name))
-    assert cycles == []
 
 
 @pytest.mark.parametrize(

@@ -152,9 +152,9 @@ def test_layers_unwrap_find_repr() -> None:
     outer = OptimizerWrapper(middle)
     assert outer.layers() == [outer, middle, sgd]
     assert outer.unwrap() is sgd
-    assert outer.find(Tagged) is middle
-    assert outer.find(OptimizerWrapper) is outer
-    assert outer.find(torch.optim.Adam) is None
+    assert outer.find_layer(Tagged) is middle
+    assert outer.find_layer(OptimizerWrapper) is outer
+    assert outer.find_layer(torch.optim.Adam) is None
     text = repr(outer)
     assert text.splitlines() == [
         "OptimizerWrapper()",
@@ -245,7 +245,7 @@ def test_deepcopy_and_pickle() -> None:
     assert isinstance(torch.load(buffer, weights_only=False), Tagged)
 
 
-def test_state_loaded_notifies_every_layer_innermost_first() -> None:
+def test_sync_after_load_notifies_every_layer_innermost_first() -> None:
     seen: list[str] = []
 
     class Noting(OptimizerWrapper):
@@ -258,7 +258,7 @@ def test_state_loaded_notifies_every_layer_innermost_first() -> None:
 
     sgd = torch.optim.SGD(make_params(), lr=0.1)
     stack = Noting(OptimizerWrapper(Noting(sgd, "inner")), "outer")
-    stack.state_loaded()
+    stack.sync_after_load()
     assert seen == ["inner", "outer"]
 
 

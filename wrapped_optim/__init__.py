@@ -6,10 +6,6 @@ have their own modules: :mod:`wrapped_optim.integrations.bridge` (Megatron-Bridg
 :mod:`wrapped_optim.compat` (drop-in Megatron helpers).
 """
 
-import importlib
-import warnings
-from typing import Any
-
 from wrapped_optim import _quiet_torch  # noqa: F401  (first: imports torch quietly)
 from wrapped_optim._builder import BuildConfig, LRScheduleConfig, OptimizerSpec, build_optimizer
 from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer, save_optimizer
@@ -52,21 +48,3 @@ __all__ = [
     "unwrap",
     "wrap",
 ]
-
-# Names this package once exported that now live in their own namespace: still importable
-# from here, with a DeprecationWarning naming the new home.
-_MOVED = {
-    "SchedulerConfig": "wrapped_optim.integrations.bridge",
-    "patch_attribute": "wrapped_optim.patching",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        warnings.warn(
-            f"wrapped_optim.{name} moved to {_MOVED[name]}.{name}; import it from there",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import math
 import re
-import sys
+import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar, cast
 
 import attrs
@@ -264,21 +263,6 @@ def from_mapping(cls: Callable[..., S], data: Mapping[str, Any], where: str) -> 
         raise (error.under(where) if where else error) from None
 
 
-def _toml_module() -> ModuleType:
-    if sys.version_info >= (3, 11):
-        import tomllib
-
-        return tomllib
-    try:
-        import tomli
-    except ImportError:
-        raise ImportError(
-            "reading TOML on Python 3.10 needs the 'tomli' package (pip install tomli); "
-            "Python 3.11+ has tomllib built in"
-        ) from None
-    return cast(ModuleType, tomli)
-
-
 def read_toml(path: str | Path, table: str | None) -> dict[str, Any]:
     """A TOML document, or its nested ``table`` (dotted path), as a dict.
 
@@ -289,9 +273,8 @@ def read_toml(path: str | Path, table: str | None) -> dict[str, Any]:
         >>> read_toml(path, "tool.x")
         {'lr': 0.1}
     """
-    toml = _toml_module()
     with open(path, "rb") as handle:
-        document = cast(dict[str, Any], toml.load(handle))
+        document = tomllib.load(handle)
     if table is None:
         return document
     node: Any = document

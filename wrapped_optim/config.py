@@ -18,12 +18,11 @@ The plain-torch build config (:class:`~wrapped_optim._builder.BuildConfig`,
 :class:`~wrapped_optim._builder.LRScheduleConfig`) lives with :func:`wrapped_optim.build_optimizer`
 in :mod:`wrapped_optim._builder`; Megatron-Bridge's
 :class:`~wrapped_optim.integrations.bridge.SchedulerConfig` with ``setup_optimizer`` in
-:mod:`wrapped_optim.integrations.bridge`. Both are still importable from here.
+:mod:`wrapped_optim.integrations.bridge`.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -50,21 +49,6 @@ __all__ = [
     "StackConfig",
     "StagedConfig",
 ]
-
-# Names that moved to the module doing their job; ``from wrapped_optim.config import X`` keeps
-# working (imported on first use: those modules import this one).
-_MOVED = {
-    "BuildConfig": "wrapped_optim._builder",
-    "LRScheduleConfig": "wrapped_optim._builder",
-    "OptimizerSpec": "wrapped_optim._builder",
-    "SchedulerConfig": "wrapped_optim.integrations.bridge",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -240,7 +224,7 @@ class StackConfig:
 
         ``table`` selects a nested table holding them (e.g. ``"tool.wrapped_optim"`` in a
         pyproject.toml); without it the whole document is the config and any other table is
-        an error. Python 3.10 needs the ``tomli`` package.
+        an error.
 
         Example:
             >>> import pathlib, tempfile

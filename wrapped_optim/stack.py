@@ -20,7 +20,7 @@ Why this order:
 
 :func:`layers`, :func:`find_layer` and :func:`unwrap` walk any optimizer's chain, wrapped or
 bare: :func:`wrap` hands the bare optimizer back when it adds nothing, so code that may get
-either uses these rather than the wrapper methods ``.layers()`` / ``.find()``.
+either uses these rather than the wrapper methods ``.layers()`` / ``.find_layer()``.
 """
 
 from __future__ import annotations
@@ -49,16 +49,7 @@ from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper, find_layer, layers, unwrap
 
-__all__ = [
-    "LAYERS",
-    "LayerSpec",
-    "find_layer",
-    "layer_spec",
-    "layers",
-    "spec_of",
-    "unwrap",
-    "wrap",
-]
+__all__ = ["find_layer", "layers", "unwrap", "wrap"]
 
 
 # ----------------------------------------------------------------------------------------

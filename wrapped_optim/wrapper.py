@@ -16,7 +16,7 @@ import torch
 
 from wrapped_optim._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
-__all__ = ["OptimizerWrapper", "find_layer", "layers", "unwrap"]
+__all__ = ["OptimizerWrapper"]
 
 T = TypeVar("T")
 
@@ -280,22 +280,23 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
 
-    def state_loaded(self) -> None:
-        """Tells every layer that state was written into the stack by another path.
+    def sync_after_load(self) -> None:
+        """Has every layer re-establish what it derives from the state, innermost first.
 
-        ``load_state_dict`` lets each layer re-establish its invariants (e.g. hybrid master
-        copies pushed everywhere). A loader that writes state directly into the optimizer's
-        tensors -- :func:`wrapped_optim.checkpoint.load_optimizer`, or your own -- calls this
-        afterwards so the layers do the same.
+        ``load_state_dict`` does this itself (e.g. hybrid master copies pushed everywhere). A
+        loader that writes state directly into the optimizer's tensors --
+        :func:`wrapped_optim.checkpoint.load_optimizer`, or your own -- calls this afterwards
+        so the layers do the same.
 
         Example:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> opt = OptimizerWrapper(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1))
-            >>> opt.state_loaded()  # a plain wrapper has nothing to re-establish
+            >>> opt.sync_after_load()  # a plain wrapper has nothing to re-establish
         """
-        for layer in reversed(layers(self)[:-1]):  # the wrappers, innermost first
-            layer._on_state_loaded()
+        if isinstance(self.inner, OptimizerWrapper):
+            self.inner.sync_after_load()
+        self._on_state_loaded()
 
     def _on_state_loaded(self) -> None:
         """What this layer re-establishes after its stack's state was loaded."""
@@ -330,16 +331,16 @@ class OptimizerWrapper(torch.optim.Optimizer):
         """
         return unwrap(self)
 
-    def find(self, cls: type[T]) -> T | None:
+    def find_layer(self, cls: type[T]) -> T | None:
         """The outermost layer that is an instance of ``cls``, or ``None``.
 
         Example:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
-            >>> OptimizerWrapper(sgd).find(torch.optim.SGD) is sgd
+            >>> OptimizerWrapper(sgd).find_layer(torch.optim.SGD) is sgd
             True
-            >>> OptimizerWrapper(sgd).find(torch.optim.Adam) is None
+            >>> OptimizerWrapper(sgd).find_layer(torch.optim.Adam) is None
             True
         """
         return find_layer(self, cls)
@@ -352,16 +353,15 @@ class OptimizerWrapper(torch.optim.Optimizer):
         return ""
 
     def __repr__(self) -> str:
-        lines = []
-        for depth, layer in enumerate(_chain(self)):
-            prefix = "" if depth == 0 else "   " * (depth - 1) + "└─ "
-            if isinstance(layer, OptimizerWrapper):
-                lines.append(f"{prefix}{type(layer).__name__}({layer._extra_repr()})")
-            else:
-                groups = getattr(layer, "param_groups", None)
-                count = len(groups) if isinstance(groups, list) else "?"
-                lines.append(f"{prefix}{type(layer).__name__}(param_groups={count})")
-        return "\n".join(lines)
+        # One line per layer: this one, then the inner stack's lines indented under it.
+        if isinstance(self.inner, OptimizerWrapper):
+            first, *rest = repr(self.inner).split("\n")
+        else:
+            groups = getattr(self.inner, "param_groups", None)
+            count = len(groups) if isinstance(groups, list) else "?"
+            first, rest = f"{type(self.inner).__name__}(param_groups={count})", []
+        own = f"{type(self).__name__}({self._extra_repr()})"
+        return "\n".join([own, "└─ " + first, *("   " + line for line in rest)])
 
     def __getstate__(self) -> dict[str, Any]:
         # Hooks and an LR scheduler's instance-level ``step`` patch hold closures and weak

@@ -64,8 +64,7 @@ def _scenario(name: str, flags: dict[str, Any], expected: list[str]) -> str:
     from megatron.core.transformer.module import MegatronModule
 
     from wrapped_optim import compat
-    from wrapped_optim.config import SchedulerConfig
-    from wrapped_optim.integrations.bridge import setup_optimizer
+    from wrapped_optim.integrations.bridge import SchedulerConfig, setup_optimizer
     from wrapped_optim.wrapper import OptimizerWrapper
 
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)

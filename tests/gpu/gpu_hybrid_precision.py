@@ -85,7 +85,7 @@ def _case(device: str, fraction: float, m: Any, v: Any) -> tuple[str, bool, str]
         _step(params, opt, step)
     with DeviceMemoryProbe(device) as probe:
         saved = opt.state_dict()
-    stats = opt.find(StagedCheckpointOptimizer).last_stats
+    stats = opt.find_layer(StagedCheckpointOptimizer).last_stats
     n_states = 2 * len(saved["state"])
     moments = [e[n] for e in saved["state"].values() for n in ("exp_avg", "exp_avg_sq")]
     portable = (
@@ -102,7 +102,7 @@ def _case(device: str, fraction: float, m: Any, v: Any) -> tuple[str, bool, str]
             t.copy_(p)
     twin = _stack(twin_params, fraction, m, v)
     twin.load_state_dict(payload)
-    load_stats = twin.find(StagedCheckpointOptimizer).last_stats
+    load_stats = twin.find_layer(StagedCheckpointOptimizer).last_stats
     for step in range(3, 5):
         _step(twin_params, twin, step)
     identical = _same([p.detach() for p in twin_params], [p.detach() for p in params]) and _same(

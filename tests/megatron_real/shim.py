@@ -75,6 +75,26 @@ def _is_cpu_device(device: Any) -> bool:
     return isinstance(device, torch.device) and device.type == "cpu"
 
 
+_NOT_A_DEVICE_METHOD = object()
+
+
+def _device_method(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What the tensor methods that ask for or move to a device return under the shim, or
+    ``_NOT_A_DEVICE_METHOD`` for any other function."""
+    if func == _IS_CUDA:
+        return not _is_host(args[0])
+    if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+        name = func(*args)
+        return name if _is_host(args[0]) else name.replace("torch.", "torch.cuda.", 1)
+    if func is torch.Tensor.pin_memory:
+        return _mark_host(args[0].clone())
+    if func is torch.Tensor.cuda:
+        return args[0].clone() if _is_host(args[0]) else args[0]
+    if func is torch.Tensor.cpu:
+        return args[0] if _is_host(args[0]) else _mark_host(args[0].detach().clone())
+    return _NOT_A_DEVICE_METHOD
+
+
 class _CudaOnCpu(TorchFunctionMode):
     """The tensor half of the shim (see the module docstring)."""
 
@@ -86,17 +106,9 @@ class _CudaOnCpu(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if func == _IS_CUDA:
-            return not _is_host(args[0])
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if _is_host(args[0]) else name.replace("torch.", "torch.cuda.", 1)
-        if func is torch.Tensor.pin_memory:
-            return _mark_host(args[0].clone())
-        if func is torch.Tensor.cuda:
-            return args[0].clone() if _is_host(args[0]) else args[0]
-        if func is torch.Tensor.cpu:
-            return args[0] if _is_host(args[0]) else _mark_host(args[0].detach().clone())
+        answer = _device_method(func, args, kwargs)
+        if answer is not _NOT_A_DEVICE_METHOD:
+            return answer
         to_host = False
         if func is torch.Tensor.to:
             positional = list(args)

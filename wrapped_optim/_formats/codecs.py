@@ -24,15 +24,14 @@ element. FP32 subnormal inputs are kept (IEEE); CUDA builds with flush-to-zero m
 
 ``store_param_remainders`` splits an FP32 master into a bf16 parameter (the high 16 bits,
 rounded half away from zero by magnitude) and an int16 remainder (the low 16 bits):
-:func:`split_master` and :func:`join_master` are TE's exact bit arithmetic (they live in
-:mod:`wrapped_optim._formats.remainders` and are re-exported here).
+:mod:`wrapped_optim._formats.remainders` holds TE's exact bit arithmetic for that split.
 
 Everything works on whole tensors or on one flat slice at a time (``*_into`` functions and
 :func:`amax_of` + :func:`combine_amax`), so a host buffer can be filled chunk by chunk.
 
 Example:
     >>> import torch
-    >>> from wrapped_optim import codecs
+    >>> from wrapped_optim._formats import codecs
     >>> x = torch.tensor([0.5, -2.0, 3.0])
     >>> stored, scale = codecs.encode(x, torch.uint8)
     >>> stored.dtype, [round(v, 3) for v in codecs.decode(stored, torch.uint8, scale).tolist()]
@@ -45,8 +44,6 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
-
-from wrapped_optim._formats.remainders import join_master, split_master, split_master_into
 
 __all__ = [
     "FP8_E4M3",
@@ -65,10 +62,7 @@ __all__ = [
     "encode_multiplier",
     "exact_scale",
     "is_scaled",
-    "join_master",
     "scale_from_amax",
-    "split_master",
-    "split_master_into",
     "storage_range",
 ]
 
@@ -394,7 +388,7 @@ def exact_scale(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim import codecs
+        >>> from wrapped_optim._formats import codecs
         >>> stored, scale = codecs.encode(torch.tensor([0.1, -0.3]), torch.float16)
         >>> x = codecs.decode(stored, torch.float16, scale)
         >>> bool(codecs.exact_scale(lambda: [x], torch.float16, x.device) == scale)
@@ -444,7 +438,7 @@ def encode_chunked(source: Tensor, out: Tensor, dtype: torch.dtype, chunk_numel:
 
     Example:
         >>> import torch
-        >>> from wrapped_optim import codecs
+        >>> from wrapped_optim._formats import codecs
         >>> out = torch.empty(5, dtype=torch.uint8)
         >>> scale = codecs.encode_chunked(torch.tensor([1.0, 2, 3, 4, 448]), out, torch.uint8, 3)
         >>> out.tolist(), scale.tolist()

@@ -8,7 +8,7 @@ This is integer bit arithmetic only, separate from the scaled moment formats of
 
 Example:
     >>> import torch
-    >>> from wrapped_optim._formats.codecs import join_master, split_master
+    >>> from wrapped_optim._formats.remainders import join_master, split_master
     >>> hi, rem = split_master(torch.tensor([1.0 + 2**-20]))
     >>> join_master(hi, rem).item() == 1.0 + 2**-20
     True
@@ -31,7 +31,7 @@ def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
 
     Example:
         >>> import torch
-        >>> from wrapped_optim._formats.codecs import join_master, split_master
+        >>> from wrapped_optim._formats.remainders import join_master, split_master
         >>> x = torch.tensor([1.0 + 2**-20, -3.3])
         >>> hi, rem = split_master(x)
         >>> bool((join_master(hi, rem) == x).all())
@@ -54,7 +54,7 @@ def split_master_into(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim._formats.codecs import split_master_into
+        >>> from wrapped_optim._formats.remainders import split_master_into
         >>> param = torch.empty(1, dtype=torch.bfloat16)
         >>> rem = torch.empty(1, dtype=torch.int16)
         >>> split_master_into(torch.tensor([1.0]), param, rem)
@@ -85,7 +85,7 @@ def join_master(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim._formats.codecs import join_master
+        >>> from wrapped_optim._formats.remainders import join_master
         >>> param = torch.tensor([2.0], dtype=torch.bfloat16)
         >>> join_master(param, torch.zeros(1, dtype=torch.int16))
         tensor([2.])

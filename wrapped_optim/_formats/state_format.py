@@ -248,60 +248,61 @@ def check_hyper_parameters(
     for key, mine in current.items():
         if key in ("params", "param_names", "step"):
             continue
-        numeric = _is_number(mine) or (
-            isinstance(mine, tuple | list) and len(mine) > 0 and all(_is_number(v) for v in mine)
-        )
         if key not in saved:
-            if numeric:
+            if _is_numeric(mine):
                 raise _fault(where, f"missing hyper-parameter {key!r}")
             continue
-        value = saved[key]
-        if isinstance(value, TensorMeta):
-            # A tensor hyper-parameter seen before its data (a streaming load): its kind only.
-            if _is_number(mine) and math.prod(value.shape) == 1 and value.dtype.is_floating_point:
-                continue
-            raise _fault(
-                where,
-                f"hyper-parameter {key!r} must be a finite number like {mine!r}, got a "
-                f"{value.dtype} tensor of shape {value.shape}",
-            )
-        # The Adam-family ranges, where this optimizer's option has their form (Adafactor's
-        # eps, for one, is a pair).
-        if key in _NON_NEGATIVE:
-            adam_form = _is_number(mine)
-        else:
-            adam_form = key == "betas" and isinstance(mine, tuple | list) and len(mine) == 2
-        if adam_form:
-            problem = hyper_parameter_problem(key, value)
-            if problem is not None:
-                raise _fault(where, problem)
-            continue
+        problem = _saved_value_problem(key, mine, saved[key])
+        if problem is not None:
+            raise _fault(where, problem)
 
-        if _is_number(mine):
-            number = _as_number(value)
-            if number is None or not math.isfinite(number):
-                raise _fault(
-                    where,
-                    f"hyper-parameter {key!r} must be a finite number like {mine!r}, got {value!r}",
-                )
-        elif numeric:
-            if (
-                not isinstance(value, tuple | list)
-                or len(value) != len(mine)
-                or not all(_as_number(v) is not None and math.isfinite(_as_number(v) or 0.0)
-                           for v in value)
-            ):  # fmt: skip
-                raise _fault(
-                    where,
-                    f"hyper-parameter {key!r} must be {len(mine)} finite numbers like {mine!r}, "
-                    f"got {value!r}",
-                )
-        elif isinstance(mine, bool | str) and not isinstance(value, type(mine)):
-            raise _fault(
-                where,
-                f"hyper-parameter {key!r} must be a {type(mine).__name__} like {mine!r}, got "
-                f"{value!r}",
+
+def _is_numeric(option: Any) -> bool:
+    """A number, or a non-empty tuple/list of numbers (such as ``betas``)."""
+    return _is_number(option) or (
+        isinstance(option, tuple | list) and len(option) > 0 and all(_is_number(v) for v in option)
+    )
+
+
+def _saved_value_problem(key: str, mine: Any, value: Any) -> str | None:
+    """What is wrong with the saved ``value`` of the option ``key`` whose value here is
+    ``mine`` (it must be of the same kind), or None."""
+    if isinstance(value, TensorMeta):
+        # A tensor hyper-parameter seen before its data (a streaming load): its kind only.
+        if _is_number(mine) and math.prod(value.shape) == 1 and value.dtype.is_floating_point:
+            return None
+        return (
+            f"hyper-parameter {key!r} must be a finite number like {mine!r}, got a "
+            f"{value.dtype} tensor of shape {value.shape}"
+        )
+    # The Adam-family ranges, where this optimizer's option has their form (Adafactor's eps,
+    # for one, is a pair).
+    if key in _NON_NEGATIVE:
+        adam_form = _is_number(mine)
+    else:
+        adam_form = key == "betas" and isinstance(mine, tuple | list) and len(mine) == 2
+    if adam_form:
+        return hyper_parameter_problem(key, value)
+    if _is_number(mine):
+        number = _as_number(value)
+        if number is None or not math.isfinite(number):
+            return f"hyper-parameter {key!r} must be a finite number like {mine!r}, got {value!r}"
+    elif _is_numeric(mine):
+        if (
+            not isinstance(value, tuple | list)
+            or len(value) != len(mine)
+            or not all(_as_number(v) is not None and math.isfinite(_as_number(v) or 0.0)
+                       for v in value)
+        ):  # fmt: skip
+            return (
+                f"hyper-parameter {key!r} must be {len(mine)} finite numbers like {mine!r}, "
+                f"got {value!r}"
             )
+    elif isinstance(mine, bool | str) and not isinstance(value, type(mine)):
+        return (
+            f"hyper-parameter {key!r} must be a {type(mine).__name__} like {mine!r}, got {value!r}"
+        )
+    return None
 
 
 def check_step(where: str, value: Any) -> int:

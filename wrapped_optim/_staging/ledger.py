@@ -16,15 +16,13 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from collections.abc import Callable
 
 __all__ = ["LedgerObserver", "device_ledger"]
 
 
-class LedgerObserver(Protocol):
-    """What the ledger tells of each new level (a probe keeps the highest)."""
-
-    def _observe(self, live: int) -> None: ...
+#: Called with each new level (a probe keeps the highest).
+LedgerObserver = Callable[[int], None]
 
 
 class _DeviceLedger:
@@ -33,7 +31,7 @@ class _DeviceLedger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live = 0
-        self._probes: list[LedgerObserver] = []
+        self._observers: list[LedgerObserver] = []
 
     @property
     def live_bytes(self) -> int:
@@ -44,22 +42,24 @@ class _DeviceLedger:
         """Records ``nbytes`` newly alive on a source device."""
         with self._lock:
             self._live += nbytes
-            for probe in self._probes:
-                probe._observe(self._live)
+            for observer in self._observers:
+                observer(self._live)
 
     def release(self, nbytes: int) -> None:
         """Records ``nbytes`` freed again."""
         with self._lock:
             self._live -= nbytes
 
-    def _attach(self, probe: LedgerObserver) -> int:
+    def attach(self, observer: LedgerObserver) -> int:
+        """Calls ``observer`` with each new level from now on; returns the level now."""
         with self._lock:
-            self._probes.append(probe)
+            self._observers.append(observer)
             return self._live
 
-    def _detach(self, probe: LedgerObserver) -> None:
+    def detach(self, observer: LedgerObserver) -> None:
+        """Stops calling ``observer`` (one attached earlier)."""
         with self._lock:
-            self._probes.remove(probe)
+            self._observers.remove(observer)
 
 
 device_ledger = _DeviceLedger()

@@ -361,7 +361,7 @@ def render_report(
         True
     """
     mode = "quick mode (`--quick`, smaller sizes)" if quick else "full mode"
-    stamp = date.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = date.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = "wrapped-optim bench" + (" --quick" if quick else "") + f" --out {page_dir.name}"
     parts = [
         "# Benchmarks",
@@ -519,7 +519,7 @@ def run_benchmarks(
             page_dir=out,
             quick=quick,
             machine=machine_summary(),
-            date=datetime.datetime.now(datetime.timezone.utc),
+            date=datetime.datetime.now(datetime.UTC),
             plots_note=note,
             summary_plot=summary_plot,
         )

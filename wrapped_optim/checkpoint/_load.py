@@ -131,7 +131,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             is_precision_aware_holder(sub) for sub in getattr(leaf, "sub_optimizers", None) or ()
         )
         self.undo: _Undo | None = None  # what reading in place overwrites, to put it back
-        self.wrapped = False  # a wrapper's state_loaded() runs after the load (writes weights)
+        self.wrapped = False  # a wrapper's sync_after_load() runs after the load (writes weights)
         self.atomic = True  # journal what reading overwrites, to undo a failed load
         self.journal_dir: str | os.PathLike[str] | None = None  # where (default: temp dir)
         self.saved_as: dict[str, tuple[Any, str]] = {}  # fqn -> (param index, state name)
@@ -505,7 +505,7 @@ def _apply(optimizer: Any, leaf: torch.optim.Optimizer, planner: StreamingLoadPl
         # (the optimizer had none) gets the whole payload and may copy it.
         leaf.load_state_dict(state_dict)
     if isinstance(optimizer, OptimizerWrapper):
-        optimizer.state_loaded()  # e.g. hybrid masters -> copies, sub-optimizers, weights
+        optimizer.sync_after_load()  # e.g. hybrid masters -> copies, sub-optimizers, weights
 
 
 def _apply_in_place(leaf: torch.optim.Optimizer, planner: StreamingLoadPlanner) -> None:

@@ -24,7 +24,7 @@ class _Undo:
     The bytes of every region the load will overwrite in place (``writes``: live state
     tensors read into, a holder's storage that a scaled state is quantized into) go to an
     undo journal on disk (:class:`~wrapped_optim.checkpoint._journal.UndoJournal`), each just
-    before it is written (:meth:`keep`); under a wrapper, whose ``state_loaded()`` may write
+    before it is written (:meth:`keep`); under a wrapper, whose ``sync_after_load()`` may write
     the weights, the params are journaled too. In memory stay only references: the state
     entries and group options as they were, and a precision-aware holder's param-keyed tables
     (its scales, cloned: one value per tensor). :meth:`restore` copies the journal back into
@@ -55,7 +55,7 @@ class _Undo:
                 self.journal.plan(key, tensor)
             params = (
                 list({id(p): p for g in leaf.param_groups for p in g["params"]}.values())
-                if with_params  # a wrapper's state_loaded() writes weights (HybridSyncOptimizer)
+                if with_params  # a wrapper's sync_after_load() writes weights (HybridSyncOptimizer)
                 else []
             )
             extra = sum(p.numel() * p.element_size() for p in params)

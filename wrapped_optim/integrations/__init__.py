@@ -3,3 +3,5 @@
 * :mod:`wrapped_optim.integrations.bridge` -- Megatron-Bridge's ``setup_optimizer`` and
   ``SchedulerConfig``.
 """
+
+__all__: list[str] = []

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import codecs
+from wrapped_optim._formats.remainders import join_master, split_master_into
 from wrapped_optim.optimizers import _fused_gpu
 
 if TYPE_CHECKING:
@@ -306,7 +307,7 @@ def _flush_pack(
                 ps.append(p_buf[sl])
         elif opt._uses_remainder(param):
             rem = state["master_param"].view(-1)
-            ps.append(codecs.join_master(p_flat, rem, out=p_buf[sl], scratch=t2[sl]))
+            ps.append(join_master(p_flat, rem, out=p_buf[sl], scratch=t2[sl]))
             remainders.append((p_buf[sl], p_flat, rem, t1[sl].view(torch.int32)))
         else:
             master = state["master_param"].view(-1)
@@ -320,7 +321,7 @@ def _flush_pack(
     if write_param:
         torch._foreach_copy_([d for d, _ in write_param], [src for _, src in write_param])
     for values, p_flat, rem, bits in remainders:
-        codecs.split_master_into(values, p_flat, rem, scratch=bits)
+        split_master_into(values, p_flat, rem, scratch=bits)
 
 
 def direct_views(
@@ -472,9 +473,7 @@ def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[st
             live = fp32_param and not trial
             p32 = p_flat[s:e] if live else p_buf[:k].copy_(p_flat[s:e])
         elif master == "remainder":
-            p32 = codecs.join_master(
-                p_flat[s:e], flat["master_param"][s:e], out=p_buf[:k], scratch=t2[:k]
-            )
+            p32 = join_master(p_flat[s:e], flat["master_param"][s:e], out=p_buf[:k], scratch=t2[:k])
         else:
             p32 = fp32_view("master_param", master, s, e, p_buf, trial)
 
@@ -506,7 +505,7 @@ def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[st
         values = update_slice(s, e, trial=False)
         # The parameter first: encoding below may scale the FP32 slices in place.
         if master == "remainder":
-            codecs.split_master_into(
+            split_master_into(
                 values["master_param"], p_flat[s:e], flat["master_param"][s:e],
                 scratch=bits_buf[: e - s],
             )  # fmt: skip

@@ -63,9 +63,6 @@ from wrapped_optim.optimizers import _kernel_build
 __all__ = [
     "LOOP_FAMILIES",
     "KernelStatus",
-    "adamw_step_",
-    "available",
-    "cache_dir_candidates",
     "status",
     "use_loops",
 ]

@@ -199,33 +199,50 @@ def _differences(
         if not (isinstance(a, Mapping) and isinstance(b, Mapping)):
             yield Difference(path, f"type {type(a).__name__} != {type(b).__name__}")
             return
-        for key in a:
-            if key not in b:
-                yield Difference((*path, key), f"present in {names[0]}, missing in {names[1]}")
-        for key in b:
-            if key not in a:
-                yield Difference((*path, key), f"missing in {names[0]}, present in {names[1]}")
-        for key in a:
-            if key in b:
-                yield from _differences(
-                    a[key], b[key], (*path, key), ignore_device=ignore_device, names=names
-                )
+        yield from _mapping_differences(a, b, path, ignore_device=ignore_device, names=names)
         return
     if isinstance(a, list | tuple) or isinstance(b, list | tuple):
-        if type(a) is not type(b):
-            yield Difference(path, f"type {type(a).__name__} != {type(b).__name__}")
-            return
-        if len(a) != len(b):
-            yield Difference(path, f"length {len(a)} != {len(b)}")
-            return
-        for index, (item_a, item_b) in enumerate(zip(a, b, strict=True)):
-            yield from _differences(
-                item_a, item_b, (*path, index), ignore_device=ignore_device, names=names
-            )
+        yield from _sequence_differences(a, b, path, ignore_device=ignore_device, names=names)
         return
     detail = _scalar_difference(a, b)
     if detail is not None:
         yield Difference(path, detail)
+
+
+def _mapping_differences(
+    a: Mapping[Any, Any],
+    b: Mapping[Any, Any],
+    path: tuple[Any, ...],
+    *,
+    ignore_device: bool,
+    names: tuple[str, str],
+) -> Iterator[Difference]:
+    for key in a:
+        if key not in b:
+            yield Difference((*path, key), f"present in {names[0]}, missing in {names[1]}")
+    for key in b:
+        if key not in a:
+            yield Difference((*path, key), f"missing in {names[0]}, present in {names[1]}")
+    for key in a:
+        if key in b:
+            yield from _differences(
+                a[key], b[key], (*path, key), ignore_device=ignore_device, names=names
+            )
+
+
+def _sequence_differences(
+    a: Any, b: Any, path: tuple[Any, ...], *, ignore_device: bool, names: tuple[str, str]
+) -> Iterator[Difference]:
+    if type(a) is not type(b):
+        yield Difference(path, f"type {type(a).__name__} != {type(b).__name__}")
+        return
+    if len(a) != len(b):
+        yield Difference(path, f"length {len(a)} != {len(b)}")
+        return
+    for index, (item_a, item_b) in enumerate(zip(a, b, strict=True)):
+        yield from _differences(
+            item_a, item_b, (*path, index), ignore_device=ignore_device, names=names
+        )
 
 
 def state_dict_differences(

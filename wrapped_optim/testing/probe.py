@@ -64,7 +64,7 @@ class DeviceMemoryProbe:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_start = torch.cuda.memory_allocated(self.device)
-        self._ledger_start = device_ledger._attach(self)
+        self._ledger_start = device_ledger.attach(self._observe)
         self._ledger_peak = self._ledger_start
         self._open = True
         return self
@@ -75,7 +75,7 @@ class DeviceMemoryProbe:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        device_ledger._detach(self)
+        device_ledger.detach(self._observe)
         if self.source == "cuda":
             torch.cuda.synchronize(self.device)
             self._cuda_peak = torch.cuda.max_memory_allocated(self.device)

@@ -29,7 +29,6 @@ __all__ = [
     "ParamSpec",
     "Setup",
     "StackSpec",
-    "available_layers",
     "available_optimizer_kinds",
     "group_options",
     "optimizer_configs",
@@ -67,16 +66,6 @@ def available_optimizer_kinds() -> tuple[str, ...]:
         True
     """
     return tuple(_OPTIMIZER_CLASSES)
-
-
-def available_layers() -> tuple[str, ...]:
-    """Every wrapper layer, outermost first (kept for callers; equal to :data:`LAYER_ORDER`).
-
-    Example:
-        >>> available_layers() == LAYER_ORDER
-        True
-    """
-    return LAYER_ORDER
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,7 +453,7 @@ def stack_configs(
         >>> find(stack_configs(layers=[]), lambda s: True)
         StackSpec(layers=())
     """
-    layers = list(layers) if layers is not None else list(available_layers())
+    layers = list(layers) if layers is not None else list(LAYER_ORDER)
     chosen = [
         name for name in LAYER_ORDER if name in layers and (require_all or draw(st.booleans()))
     ]

@@ -1,0 +1,221 @@
+"""The public surface, listed once: every public module's ``__all__``, and nothing else public.
+
+A user imports these names and the docs show them; everything else lives under an underscored
+path (a private module or subpackage) and may change without notice. ``wrapped_optim.bench``
+is the ``wrapped-optim bench`` command's namespace (topics run with ``python -m``), not API.
+Changing this list is changing the API: say so in CHANGELOG.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "wrapped_optim"
+
+PUBLIC_API: dict[str, list[str]] = {
+    "wrapped_optim": [
+        "BuildConfig",
+        "ConfigError",
+        "FSDPAwareOptimizer",
+        "FSDPConfig",
+        "HybridConfig",
+        "HybridOffloadOptimizer",
+        "HybridSyncOptimizer",
+        "LRScheduleConfig",
+        "OptimizerCheckpointError",
+        "OptimizerSpec",
+        "OptimizerWrapper",
+        "PrecisionAwareAdamW",
+        "StackConfig",
+        "StagedCheckpointOptimizer",
+        "StagedConfig",
+        "StaleMasterError",
+        "__version__",
+        "build_optimizer",
+        "find_layer",
+        "init_optimizer_state",
+        "layers",
+        "load_optimizer",
+        "save_optimizer",
+        "setup_optimizer",
+        "unwrap",
+        "wrap",
+    ],
+    "wrapped_optim.config": [
+        "ConfigError",
+        "FSDPConfig",
+        "HybridConfig",
+        "StackConfig",
+        "StagedConfig",
+    ],
+    "wrapped_optim.wrapper": ["OptimizerWrapper"],
+    "wrapped_optim.staged": ["StagedCheckpointOptimizer"],
+    "wrapped_optim.hybrid": ["HybridSyncOptimizer", "StaleMasterError"],
+    "wrapped_optim.fsdp": ["FSDPAwareOptimizer", "init_optimizer_state"],
+    "wrapped_optim.stack": ["find_layer", "layers", "unwrap", "wrap"],
+    "wrapped_optim.optimizers": [
+        "HybridOffloadOptimizer",
+        "PrecisionAwareAdamW",
+        "TorchAdamFormatError",
+        "from_torch_adam",
+        "to_torch_adam",
+    ],
+    "wrapped_optim.optimizers.cpu_kernel": ["KernelStatus", "LOOP_FAMILIES", "status", "use_loops"],
+    "wrapped_optim.checkpoint": [
+        "DEFAULT_CHUNK_BYTES",
+        "DeferredState",
+        "OptimizerCheckpointError",
+        "RollbackError",
+        "StreamingLoadPlanner",
+        "StreamingSavePlanner",
+        "UndoJournalError",
+        "load_optimizer",
+        "save_optimizer",
+    ],
+    "wrapped_optim.compat": [
+        "fully_shard_optimizer",
+        "hybrid_optimizer_state_loading",
+        "init_optimizer_state",
+        "memory_efficient_fp32_optimizer_state_loading",
+        "memory_efficient_precision_aware_optimizer_state_checkpointing",
+        "sync_hybrid_device_optimizer_fp32_master_copies",
+    ],
+    "wrapped_optim.patching": ["ConcurrentPatchError", "patch_attribute"],
+    "wrapped_optim.integrations": [],
+    "wrapped_optim.integrations.bridge": [
+        "OptimizerConfigOverrideProvider",
+        "OptimizerConfigOverrideProviderContext",
+        "SchedulerConfig",
+        "setup_optimizer",
+    ],
+    "wrapped_optim.inspection": [
+        "CheckpointReport",
+        "InspectError",
+        "OptimizerReport",
+        "ParamGroupReport",
+        "StateFormat",
+        "StateTensor",
+        "format_report",
+        "inspect_checkpoint",
+    ],
+    "wrapped_optim.testing": [
+        "Difference",
+        "StateMismatchError",
+        "assert_resume_equivalent",
+        "assert_state_dict_equal",
+        "assert_transparent",
+        "checkpoint_roundtrip",
+        "optimizer_params",
+        "state_dict_differences",
+        "synthetic_gradients",
+    ],
+    "wrapped_optim.testing.strategies": [
+        "LAYER_ORDER",
+        "TORCH_KINDS",
+        "OptimizerSpec",
+        "ParamSetModel",
+        "ParamSetSpec",
+        "ParamSpec",
+        "Setup",
+        "StackSpec",
+        "available_optimizer_kinds",
+        "group_options",
+        "optimizer_configs",
+        "param_sets",
+        "param_specs",
+        "setups",
+        "shapes",
+        "stack_configs",
+    ],
+    "wrapped_optim.testing.faults": ["COMMIT_CRASH_POINTS", "crash_save_at"],
+    "wrapped_optim.testing.hostile": ["HOSTILE_CHECKPOINTS", "HOSTILE_SAVE_TARGETS"],
+    "wrapped_optim.testing.probe": [
+        "DeviceMemoryProbe",
+        "count_unstaged_expansions",
+        "device_ledger",
+    ],
+}
+
+#: Not API: the `wrapped-optim bench` command (topics run as `python -m wrapped_optim.bench.X`).
+CLI_NAMESPACE = "wrapped_optim.bench"
+
+
+def _package_modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC_API))
+def test_each_public_module_exports_exactly_its_public_names(module: str) -> None:
+    imported = importlib.import_module(module)
+    assert sorted(imported.__all__) == sorted(PUBLIC_API[module])
+    for name in PUBLIC_API[module]:
+        assert hasattr(imported, name), f"{module}.{name} is in __all__ but does not import"
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC_API))
+def test_no_public_module_resolves_names_lazily(module: str) -> None:
+    """A module-level ``__getattr__`` is how moved-name redirects come back: none."""
+    tree = ast.parse(_package_modules()[module].read_text())
+    lazy = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"]
+    assert lazy == []
+
+
+def test_every_other_module_is_private() -> None:
+    """Outside the public modules (and the bench CLI namespace), a path component is private."""
+    public_paths = [
+        module
+        for module in _package_modules()
+        if module not in PUBLIC_API
+        and not (module == CLI_NAMESPACE or module.startswith(CLI_NAMESPACE + "."))
+        and not any(part.startswith("_") for part in module.split("."))
+    ]
+    assert public_paths == [], (
+        f"{public_paths} are importable without an underscore: list them (and their names) in "
+        "PUBLIC_API here and in CHANGELOG.md, or make the module private (_name.py)"
+    )
+
+
+def test_every_public_module_exists() -> None:
+    assert set(PUBLIC_API) <= set(_package_modules())
+
+
+_IMPORT = re.compile(r"^[ \t>.]*from (wrapped_optim[\w.]*) import (\([^)]*\)|[^\n]*)", re.MULTILINE)
+
+
+def _shown_imports() -> list[tuple[str, str, str]]:
+    """``(file, module, name)`` of every ``from wrapped_optim... import name`` the docs show."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    files += sorted((ROOT / "docs").rglob("*.py"))
+    shown = []
+    for path in files:
+        for match in _IMPORT.finditer(path.read_text()):
+            names = re.sub(r"#[^\n]*", "", match.group(2)).strip("()")
+            for item in names.replace("\n", " ").split(","):
+                name = item.split(" as ")[0].strip()
+                if name:
+                    shown.append((str(path.relative_to(ROOT)), match.group(1), name))
+    return shown
+
+
+def test_the_docs_show_imports() -> None:
+    assert len(_shown_imports()) > 20  # the pattern still finds them
+
+
+@pytest.mark.parametrize(("where", "module", "name"), _shown_imports())
+def test_every_import_the_docs_show_works_and_is_public(where: str, module: str, name: str) -> None:
+    imported = importlib.import_module(module)
+    assert hasattr(imported, name), f"{where}: from {module} import {name} fails"
+    assert module in PUBLIC_API, f"{where} imports from {module}, which is not public"
+    assert name in PUBLIC_API[module] or f"{module}.{name}" in PUBLIC_API, (
+        f"{where} shows {module}.{name}, which is not in the public API"
+    )
