@@ -92,7 +92,7 @@ class OptimizerSpec:
         options: constructor keywords (``lr``, ``weight_decay``...). TOML arrays become
             tuples and ``*dtype`` strings (``"bf16"``, ``"fp8"``) become torch dtypes.
 
-    Example:
+    Examples:
         >>> spec = OptimizerSpec.from_dict({"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.95]})
         >>> spec.name, spec.options["betas"]
         ('adamw', (0.9, 0.95))
@@ -105,7 +105,7 @@ class OptimizerSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> OptimizerSpec:
         """``{"name": ..., <keyword>: <value>, ...}`` -> spec (every other key is an option).
 
-        Example:
+        Examples:
             >>> OptimizerSpec.from_dict({"name": "sgd", "lr": 0.1}).options
             {'lr': 0.1}
         """
@@ -154,7 +154,7 @@ class LRScheduleConfig:
         backend: ``"torch"`` or ``"megatron"``.
         wsd_decay_steps / wsd_style: WSD's annealing length and shape (Megatron only).
 
-    Example:
+    Examples:
         >>> LRScheduleConfig(warmup_steps=10, style="cosine", decay_steps=100).min_lr
         0.0
     """
@@ -204,7 +204,7 @@ class LRScheduleConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> LRScheduleConfig:
         """Builds the schedule from a mapping, rejecting unknown keys.
 
-        Example:
+        Examples:
             >>> LRScheduleConfig.from_dict({"warmup_steps": 5}).warmup_steps
             5
         """
@@ -219,7 +219,7 @@ class BuildConfig:
     :class:`LRScheduleConfig`) and the stack sections ``[staged]``, ``[hybrid]``,
     ``[fsdp]`` (or ``staged = false``...).
 
-    Example:
+    Examples:
         >>> config = BuildConfig.from_dict({
         ...     "optimizer": {"name": "adamw", "lr": 1e-3},
         ...     "schedule": {"warmup_steps": 2, "style": "cosine", "decay_steps": 10},
@@ -236,7 +236,7 @@ class BuildConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> BuildConfig:
         """Builds the config from ``{"optimizer": {...}, "schedule": {...}, "staged": ...}``.
 
-        Example:
+        Examples:
             >>> BuildConfig.from_dict({"optimizer": {"name": "sgd", "lr": 0.1}}).schedule is None
             True
         """
@@ -263,7 +263,7 @@ class BuildConfig:
     def from_toml(cls, path: str | Path, *, table: str | None = None) -> BuildConfig:
         """Reads a build config from TOML (``table`` selects a nested table).
 
-        Example:
+        Examples:
             >>> import pathlib, tempfile
             >>> path = pathlib.Path(tempfile.mkdtemp()) / "train.toml"
             >>> _ = path.write_text('[optimizer]\\nname = "adamw"\\nlr = 0.001\\n')
@@ -300,7 +300,7 @@ def resolve_optimizer_class(name: str, *, field: str = "optimizer.name") -> type
     A ``torch.optim`` class name in any case, a portable optimizer (``precision_adamw``,
     ``hybrid_offload``), or ``"package.module:Class"``.
 
-    Example:
+    Examples:
         >>> resolve_optimizer_class("adamw").__name__
         'AdamW'
     """
@@ -369,7 +369,7 @@ def build_optimizer(
     ``torch.optim.lr_scheduler`` pieces (step it with ``scheduler.step()``) or megatron-core's
     ``OptimizerParamScheduler`` with ``backend = "megatron"`` (``scheduler.step(1)``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim import build_optimizer
         >>> model = torch.nn.Linear(2, 1)

@@ -44,7 +44,7 @@ class ConfigError(ValueError):
     ``field`` is the dotted path of the offending setting (``"staged.chunk_bytes"``), also the
     first word of the message.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.config import StagedConfig
         >>> try:
         ...     StagedConfig(chunk_bytes=0)
@@ -76,7 +76,7 @@ def to_bytes(value: Any) -> Any:
 
     Anything else is left for the field's validator to reject.
 
-    Example:
+    Examples:
         >>> to_bytes("64MiB"), to_bytes("1 GB"), to_bytes(7), to_bytes("lots")
         (67108864, 1000000000, 7, 'lots')
     """
@@ -91,7 +91,7 @@ def to_bytes(value: Any) -> Any:
 def check_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     """attrs validator: ``value`` is a real bool (``1`` and ``"yes"`` are rejected).
 
-    Example:
+    Examples:
         >>> import attrs
         >>> @attrs.frozen
         ... class Switch:
@@ -108,7 +108,7 @@ def check_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> No
 def check_choice(*choices: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     """attrs validator factory: the value is one of ``choices``.
 
-    Example:
+    Examples:
         >>> import attrs
         >>> @attrs.frozen
         ... class Mode:
@@ -129,7 +129,7 @@ def check_choice(*choices: str) -> Callable[[Any, attrs.Attribute[Any], Any], No
 def is_int(value: Any) -> bool:
     """An int that is not a bool.
 
-    Example:
+    Examples:
         >>> is_int(3), is_int(True), is_int(3.0)
         (True, False, False)
     """
@@ -139,7 +139,7 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """An int or float that is not a bool.
 
-    Example:
+    Examples:
         >>> is_number(0.5), is_number(False)
         (True, False)
     """
@@ -149,7 +149,7 @@ def is_number(value: Any) -> bool:
 def check_int_at_least(minimum: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     """attrs validator factory: an int (not a bool) of at least ``minimum``.
 
-    Example:
+    Examples:
         >>> import attrs
         >>> @attrs.frozen
         ... class Count:
@@ -168,7 +168,7 @@ def check_int_at_least(minimum: int) -> Callable[[Any, attrs.Attribute[Any], Any
 def check_optional_int_at_least(minimum: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     """attrs validator factory: ``None`` or an int of at least ``minimum``.
 
-    Example:
+    Examples:
         >>> import attrs
         >>> @attrs.frozen
         ... class Limit:
@@ -190,7 +190,7 @@ def check_float(
 ) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     """attrs validator factory: a finite number within ``[minimum, maximum]`` (or ``None``).
 
-    Example:
+    Examples:
         >>> import attrs
         >>> @attrs.frozen
         ... class Fraction:
@@ -215,7 +215,7 @@ def check_float(
 def known_keys(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``data`` as a dict, after rejecting every key that is not an init field of ``cls``.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.config import HybridConfig
         >>> known_keys(HybridConfig, {"on_stale": "raise"}, "hybrid")
         {'on_stale': 'raise'}
@@ -236,7 +236,7 @@ def known_keys(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]
 def closest(word: str, names: list[str]) -> str:
     """A "did you mean" hint for a misspelt ``word``, or ``""``.
 
-    Example:
+    Examples:
         >>> closest("stagd", ["staged", "hybrid"])
         " (did you mean 'staged'?)"
     """
@@ -249,7 +249,7 @@ def closest(word: str, names: list[str]) -> str:
 def from_mapping(cls: Callable[..., S], data: Mapping[str, Any], where: str) -> S:
     """``cls(**data)``, unknown keys rejected and errors named under ``where``.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.config import HybridConfig
         >>> try:
         ...     from_mapping(HybridConfig, {"on_stale": "never"}, "hybrid")
@@ -282,7 +282,7 @@ def _toml_module() -> ModuleType:
 def read_toml(path: str | Path, table: str | None) -> dict[str, Any]:
     """A TOML document, or its nested ``table`` (dotted path), as a dict.
 
-    Example:
+    Examples:
         >>> import pathlib, tempfile
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "x.toml"
         >>> _ = path.write_text("[tool.x]\\nlr = 0.1\\n")
@@ -307,7 +307,7 @@ def read_toml(path: str | Path, table: str | None) -> dict[str, Any]:
 def toml_value(value: Any) -> str:
     """One scalar as TOML text.
 
-    Example:
+    Examples:
         >>> toml_value(True), toml_value(4096), toml_value('say "hi"')
         ('true', '4096', '"say \\\\"hi\\\\""')
     """

@@ -66,7 +66,7 @@ def memory_efficient_precision_aware_optimizer_state_checkpointing(
     the block raises. A holder whose ``get_unscaled_state`` returns a non-tensor raises
     ``TypeError``; one without a callable accessor ``RuntimeError``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> with memory_efficient_precision_aware_optimizer_state_checkpointing(
@@ -100,7 +100,7 @@ def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[in
     scaffold of a fresh optimizer, per-parameter steps, HybridDeviceOptimizer's FP32 update,
     its optimizer classes for the weights-only read).
 
-    Example:
+    Examples:
         >>> import torch
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> with memory_efficient_fp32_optimizer_state_loading(sgd) as patched:
@@ -136,7 +136,7 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
     the next step continues from them. :func:`sync_hybrid_device_optimizer_fp32_master_copies`
     after it (Bridge's order) keeps them.
 
-    Example:
+    Examples:
         >>> import torch
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> with hybrid_optimizer_state_loading(sgd) as prepared:
@@ -212,7 +212,7 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
     Returns ``True`` when the stack has a hybrid offload optimizer (synced), ``False`` (doing
     nothing) otherwise or for ``None``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
         >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
@@ -255,7 +255,7 @@ def fully_shard_optimizer(optimizer: Any, *, precision_aware: bool = False) -> A
     the outermost of the canonical stack); an optimizer that already has it is returned as it
     is, or with the top layer rebuilt when ``precision_aware`` differs (never a doubled layer).
 
-    Example:
+    Examples:
         >>> import torch
         >>> p = torch.nn.Parameter(torch.ones(2))
         >>> p.grad_dtype = torch.bfloat16
@@ -290,7 +290,7 @@ def init_optimizer_state(optimizer: Any) -> bool:
     This project's own (neither Bridge nor Megatron-FSDP has it). See
     :func:`wrapped_optim.fsdp.init_optimizer_state`; returns ``True`` when it created state.
 
-    Example:
+    Examples:
         >>> import torch
         >>> opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1)
         >>> init_optimizer_state(opt), sorted(opt.state_dict()["state"][0])

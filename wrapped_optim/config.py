@@ -84,7 +84,7 @@ class StagedConfig:
     A section with all three switches off would be a layer that does nothing: turn the layer
     off with ``staged=False`` instead.
 
-    Example:
+    Examples:
         >>> StagedConfig(chunk_bytes="1MiB").chunk_bytes
         1048576
         >>> StagedConfig(stage_save=False).no_copy_load
@@ -110,7 +110,7 @@ class StagedConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> StagedConfig:
         """Builds the section from a mapping, rejecting unknown keys.
 
-        Example:
+        Examples:
             >>> StagedConfig.from_dict({"chunk_bytes": 4096}).chunk_bytes
             4096
         """
@@ -125,7 +125,7 @@ class HybridConfig:
         on_stale: what ``step`` does when a master copy is stale: ``"refresh"`` it from the
             model weights, ``"raise"``, or ``"ignore"`` (step anyway).
 
-    Example:
+    Examples:
         >>> HybridConfig().on_stale
         'refresh'
     """
@@ -138,7 +138,7 @@ class HybridConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> HybridConfig:
         """Builds the section from a mapping, rejecting unknown keys.
 
-        Example:
+        Examples:
             >>> HybridConfig.from_dict({"on_stale": "raise"})
             HybridConfig(on_stale='raise')
         """
@@ -153,7 +153,7 @@ class FSDPConfig:
         precision_aware: the inner optimizer consumes grads of a different dtype itself (TE's
             precision-aware FusedAdam), so grads are not cast before the step.
 
-    Example:
+    Examples:
         >>> FSDPConfig(precision_aware=True).precision_aware
         True
     """
@@ -164,7 +164,7 @@ class FSDPConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> FSDPConfig:
         """Builds the section from a mapping, rejecting unknown keys.
 
-        Example:
+        Examples:
             >>> FSDPConfig.from_dict({})
             FSDPConfig(precision_aware=False)
         """
@@ -211,7 +211,7 @@ class StackConfig:
     Each section is a section object (layer on), ``False`` (layer off) or ``None`` (let
     derivation decide). ``True`` and mappings are converted to section objects.
 
-    Example:
+    Examples:
         >>> config = StackConfig.from_dict({"staged": {"chunk_bytes": "8MiB"}, "hybrid": False})
         >>> config.staged.chunk_bytes, config.hybrid, config.fsdp
         (8388608, False, None)
@@ -228,7 +228,7 @@ class StackConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> StackConfig:
         """Builds a config from ``{"staged": {...} | bool, "hybrid": ..., "fsdp": ...}``.
 
-        Example:
+        Examples:
             >>> StackConfig.from_dict({"fsdp": {"precision_aware": True}}).fsdp.precision_aware
             True
         """
@@ -242,7 +242,7 @@ class StackConfig:
         pyproject.toml); without it the whole document is the config and any other table is
         an error. Python 3.10 needs the ``tomli`` package.
 
-        Example:
+        Examples:
             >>> import pathlib, tempfile
             >>> path = pathlib.Path(tempfile.mkdtemp()) / "stack.toml"
             >>> _ = path.write_text('hybrid = false\\n[staged]\\nchunk_bytes = "4MiB"\\n')
@@ -277,7 +277,7 @@ class StackConfig:
         FSDP section stays ``None`` (derive from the optimizer). ``overrides`` (explicit
         settings) win over derived ones; see :meth:`override`.
 
-        Example:
+        Examples:
             >>> from types import SimpleNamespace
             >>> megatron = SimpleNamespace(use_precision_aware_optimizer=True,
             ...     use_distributed_optimizer=True, optimizer="adam")
@@ -300,7 +300,7 @@ class StackConfig:
         (or into the defaults when the section is off or undecided), ``True``/``False`` and
         section objects replace it, and absent keys keep it.
 
-        Example:
+        Examples:
             >>> base = StackConfig(staged=StagedConfig(stage_save=False))
             >>> base.override({"staged": {"chunk_bytes": 1024}}).staged.stage_save
             False
@@ -332,7 +332,7 @@ class StackConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data (``from_dict(to_dict())`` gives it back).
 
-        Example:
+        Examples:
             >>> StackConfig(hybrid=True, staged=False).to_dict()
             {'staged': False, 'hybrid': {'on_stale': 'refresh'}}
         """
@@ -347,7 +347,7 @@ class StackConfig:
     def to_toml(self) -> str:
         """The config as TOML text that :meth:`from_toml` reads back.
 
-        Example:
+        Examples:
             >>> print(StackConfig(fsdp=True, hybrid=False).to_toml())
             hybrid = false
             <BLANKLINE>

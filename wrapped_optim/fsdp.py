@@ -177,7 +177,7 @@ class FSDPAwareOptimizer(OptimizerWrapper):
             by Megatron-FSDP, after every successful step (e.g. to copy FP32 masters into the
             model's compute weights).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.fsdp import FSDPAwareOptimizer
         >>> p = torch.nn.Parameter(torch.ones(2))
@@ -224,7 +224,7 @@ class FSDPAwareOptimizer(OptimizerWrapper):
         that raised. Collective under Megatron-FSDP when compute and main weights are
         placed differently: call it on every rank.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.fsdp import FSDPAwareOptimizer
             >>> p = torch.nn.Parameter(torch.ones(1))
@@ -258,7 +258,7 @@ class FSDPAwareOptimizer(OptimizerWrapper):
     def release_cast_buffers(self) -> None:
         """Frees the kept cast buffers (the next step allocates them again).
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.fsdp import FSDPAwareOptimizer
             >>> opt = FSDPAwareOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
@@ -272,7 +272,7 @@ class FSDPAwareOptimizer(OptimizerWrapper):
     def cast_buffer_bytes(self) -> int:
         """Rank-local bytes held by the kept cast buffers.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.fsdp import FSDPAwareOptimizer
             >>> p = torch.nn.Parameter(torch.ones(4))
@@ -473,7 +473,7 @@ def init_optimizer_state(optimizer: Any) -> bool:
     Returns ``True`` when state was created; ``False`` (doing nothing) when every leaf
     already had state.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.fsdp import init_optimizer_state
         >>> p = torch.nn.Parameter(torch.ones(2))

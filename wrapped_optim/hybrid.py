@@ -46,7 +46,7 @@ class StaleMasterError(RuntimeError):
 
     Raised by the first step after construction or a load when ``on_stale="raise"``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
         >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
@@ -82,7 +82,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
     HybridDeviceOptimizer inside DistributedOptimizer / ChainedOptimizer. A stack without one
     passes through unchanged.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
         >>> model = torch.nn.Linear(2, 1).to(torch.bfloat16)
@@ -112,7 +112,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
     def hybrid_optimizers(self) -> list[Any]:
         """The hybrid offload optimizers this wrapper keeps in sync.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
             >>> inner = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(2))])
@@ -125,7 +125,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
     def guard_armed(self) -> bool:
         """Whether the next step first checks the masters against the model weights.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
             >>> p = torch.nn.Parameter(torch.ones(2))
@@ -164,7 +164,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
     def stale_masters(self) -> list[MasterCopies]:
         """Entries with a level that, rounded to the model dtype, differs from the weight.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
             >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
@@ -179,7 +179,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
     def check_masters(self) -> list[MasterCopies]:
         """Runs the stale-master guard now (and disarms it); returns the stale entries found.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
             >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
@@ -212,7 +212,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
         Megatron's name: a Megatron optimizer inside is asked to reload first (with
         ``state_dict`` when given), then every hybrid level is refreshed.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
             >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
@@ -239,7 +239,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
     def sync_from_masters(self) -> None:
         """Full-state sync: the masters go to every copy, sub-optimizer and model weight.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
             >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))

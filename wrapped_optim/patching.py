@@ -86,7 +86,7 @@ def patch_attribute(obj: Any, name: str, value: Any) -> Iterator[Any]:
     patched raises :class:`ConcurrentPatchError` before changing anything. Yields the value
     that was visible before the patch (handy for delegating to it).
 
-    Example:
+    Examples:
         >>> class Holder:
         ...     def read(self):
         ...         return "device"

@@ -111,7 +111,7 @@ class LayerSpec:
         carried: constructor options that are not config options (a callable, say), kept
             when the layer is rebuilt elsewhere in a stack.
 
-    Example:
+    Examples:
         >>> spec = layer_spec("staged")
         >>> spec.wrapper.__name__, spec.config.__name__
         ('StagedCheckpointOptimizer', 'StagedConfig')
@@ -126,7 +126,7 @@ class LayerSpec:
     def options_of(self, layer: Any) -> dict[str, Any]:
         """The options ``layer`` (this spec's wrapper) was built with, to rebuild it.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import HybridSyncOptimizer
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
@@ -173,7 +173,7 @@ if {spec.section: spec.config for spec in LAYERS} != SECTIONS:  # pragma: no cov
 def layer_spec(section: str) -> LayerSpec:
     """The spec of the layer configured by ``section``.
 
-    Example:
+    Examples:
         >>> layer_spec("fsdp").wrapper.__name__
         'FSDPAwareOptimizer'
     """
@@ -188,7 +188,7 @@ def layer_spec(section: str) -> LayerSpec:
 def spec_of(layer: Any) -> LayerSpec | None:
     """The spec of the canonical layer ``layer`` is, or ``None`` (bare or foreign object).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim import wrap
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -250,7 +250,7 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
     bare optimizer with their options (hooks registered on the replaced wrapper objects are
     not carried over). A canonical layer below a foreign wrapper is left where it is.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim import layers, wrap
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)

@@ -36,7 +36,7 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
 
     ``last_stats`` records what the engine did in the latest checkpoint call.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.staged import StagedCheckpointOptimizer
         >>> p = torch.nn.Parameter(torch.ones(3))

@@ -71,7 +71,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
     Subclasses override :meth:`_step`, :meth:`_state_dict` and :meth:`_load_state_dict`
     (the public methods add the hook handling) and :meth:`_extra_repr`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim import OptimizerWrapper
         >>> p = torch.nn.Parameter(torch.ones(2))
@@ -166,7 +166,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         every layer's work and every hook registered on the wrapper must happen. The closure
         goes down to the inner optimizer and the loss it returns comes back up.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> p = torch.nn.Parameter(torch.ones(2))
@@ -206,7 +206,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forwards to the inner optimizer, which alone knows its params (and grad buffers).
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> p = torch.nn.Parameter(torch.ones(2))
@@ -221,7 +221,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Forwards to the inner optimizer, so the new group gets the inner defaults.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1, momentum=0.9)
@@ -238,7 +238,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         Keeping the bare optimizer's format means a checkpoint does not depend on which
         wrappers were stacked when it was written; hooks registered on the wrapper still run.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> p = torch.nn.Parameter(torch.ones(2))
@@ -263,7 +263,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         The format is the inner optimizer's own, so resuming works whatever wrappers were
         stacked at save time; hooks registered on the wrapper run around the whole load.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> p = torch.nn.Parameter(torch.ones(2))
@@ -288,7 +288,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         tensors -- :func:`wrapped_optim.checkpoint.load_optimizer`, or your own -- calls this
         afterwards so the layers do the same.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> opt = OptimizerWrapper(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1))
@@ -308,7 +308,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
         :func:`wrapped_optim.layers` does the same for any optimizer, wrapped or bare.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -321,7 +321,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def unwrap(self) -> Any:
         """The innermost optimizer: the first object of the chain that is not a wrapper.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -333,7 +333,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def find(self, cls: type[T]) -> T | None:
         """The outermost layer that is an instance of ``cls``, or ``None``.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -409,7 +409,7 @@ def layers(optimizer: Any) -> list[Any]:
     Works on any optimizer: a bare one (``wrap`` hands it back unchanged when it adds no
     layer) is its own one-element chain.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim import OptimizerWrapper, layers
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -424,7 +424,7 @@ def layers(optimizer: Any) -> list[Any]:
 def unwrap(optimizer: Any) -> Any:
     """The innermost optimizer of ``optimizer``'s chain (``optimizer`` itself when bare).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim import OptimizerWrapper, unwrap
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -442,7 +442,7 @@ def find_layer(optimizer: Any, cls: type[T]) -> T | None:
 
     Works on any optimizer, wrapped or bare, so code need not check for a wrapper first.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim import StagedCheckpointOptimizer, find_layer, wrap
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)

@@ -15,7 +15,7 @@ class OptimizerCheckpointError(ValueError):
     optimizer, so a caller can catch it and go on with the optimizer as it was; a
     ``ValueError``, like torch's own ``load_state_dict``.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from wrapped_optim.checkpoint import load_optimizer, save_optimizer
         >>> p = torch.nn.Parameter(torch.ones(4))
@@ -42,7 +42,7 @@ class UndoJournalError(OSError):
     both cases the optimizer is left exactly as it was. Pass ``journal_dir=`` a local
     directory with room, or ``atomic=False``.
 
-    Example:
+    Examples:
         >>> import errno
         >>> error = UndoJournalError(errno.ENOSPC, "the undo journal needs 4,096 bytes")
         >>> isinstance(error, OSError), error.errno == errno.ENOSPC
@@ -56,7 +56,7 @@ class RollbackError(RuntimeError):
     The optimizer is then partly loaded; load a good checkpoint into it before training. The
     load's own failure is the error's ``__context__``.
 
-    Example:
+    Examples:
         >>> str(RollbackError("record 3: checksum mismatch"))
         'record 3: checksum mismatch'
     """

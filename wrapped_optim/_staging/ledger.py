@@ -4,7 +4,7 @@ A leaf module (it imports only the standard library), so the engine writes to it
 testing kit's :class:`~wrapped_optim.testing.probe.DeviceMemoryProbe` reads it, without
 either importing the other. Every open probe is told each new level.
 
-Example:
+Examples:
     >>> from wrapped_optim._staging.ledger import device_ledger
     >>> before = device_ledger.live_bytes
     >>> device_ledger.allocate(64)

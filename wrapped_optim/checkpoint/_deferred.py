@@ -61,7 +61,7 @@ class DeferredState:
         name: the state name (``"exp_avg"``, ...).
         dtype: the expansion dtype (float32; int16 for a remainder master).
 
-    Example:
+    Examples:
         >>> import torch
         >>> p = torch.nn.Parameter(torch.zeros(3))
         >>> DeferredState(holder=None, param=p, name="exp_avg", dtype=torch.float32).shape

@@ -96,7 +96,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     elementwise); a scaled (fp16, FP8) holder state is gathered in a host FP32 accumulator and
     quantized into the holder's storage as soon as its last chunk arrives.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from wrapped_optim.checkpoint import load_optimizer, save_optimizer
         >>> p = torch.nn.Parameter(torch.ones(2))
@@ -561,7 +561,7 @@ def load_optimizer(
         journal_dir: where the undo journal goes (default: the system temp dir, ``TMPDIR``);
             a local disk with room for the stored state (a tmpfs would hold it in memory).
 
-    Example:
+    Examples:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
         >>> p = torch.nn.Parameter(torch.ones(3))
         >>> opt = torch.optim.Adam([p], lr=0.01)

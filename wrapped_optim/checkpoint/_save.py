@@ -137,7 +137,7 @@ class StreamingSavePlanner(DefaultSavePlanner):
     keeps a reference of its own until the file is closed). DTensors and objects are planned
     exactly as :class:`DefaultSavePlanner` plans them.
 
-    Example:
+    Examples:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
         >>> sd = {"w": torch.arange(6.0).reshape(3, 2)}
         >>> with tempfile.TemporaryDirectory() as path:
@@ -302,7 +302,7 @@ def save_optimizer(
     Returns:
         The DCP metadata of the checkpoint; with ``async_``, a future of it.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from wrapped_optim.checkpoint import load_optimizer
         >>> p = torch.nn.Parameter(torch.ones(4))

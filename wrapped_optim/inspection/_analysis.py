@@ -48,7 +48,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, trusted: bool = False) -
             no optimizer state
             dict (a mapping with ``state`` and ``param_groups``).
 
-    Example:
+    Examples:
         >>> import tempfile, torch, warnings
         >>> import torch.distributed.checkpoint as dcp
         >>> from wrapped_optim.inspection import inspect_checkpoint

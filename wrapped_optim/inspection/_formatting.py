@@ -18,7 +18,7 @@ def format_report(report: CheckpointReport, *, per_param: bool = True) -> str:
     With ``per_param=False`` only the per-state summary is shown (one line per state name),
     which keeps the output short for models with thousands of parameters.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from pathlib import Path
         >>> from wrapped_optim.inspection import (CheckpointReport, OptimizerReport,

@@ -53,7 +53,7 @@ class SchedulerConfig:
     ``start_weight_decay`` / ``end_weight_decay`` left ``None`` take the optimizer config's
     ``weight_decay`` in :func:`setup_optimizer`.
 
-    Example:
+    Examples:
         >>> config = SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=10)
         >>> config = config.with_steps(train_iters=100, global_batch_size=8)
         >>> config.lr_warmup_steps, config.lr_decay_steps, config.wd_incr_steps
@@ -169,7 +169,7 @@ class SchedulerConfig:
         (``train_samples``) as in Bridge; steps are counted in samples, and a warmup as long
         as the decay is capped to ``lr_decay_steps - 1`` with a warning.
 
-        Example:
+        Examples:
             >>> SchedulerConfig(lr_warmup_samples=10).with_steps(train_samples=1000).lr_decay_steps
             1000
         """
@@ -254,7 +254,7 @@ class SchedulerConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> SchedulerConfig:
         """Builds the config from a mapping, rejecting unknown keys.
 
-        Example:
+        Examples:
             >>> SchedulerConfig.from_dict({"lr_decay_style": "cosine"}).lr_decay_style
             'cosine'
         """
@@ -265,7 +265,7 @@ class SchedulerConfig:
 class OptimizerConfigOverrideProviderContext:
     """What an override provider sees (Bridge's context, same attribute names).
 
-    Example:
+    Examples:
         >>> OptimizerConfigOverrideProviderContext(None, None, []).model
         []
     """
@@ -281,7 +281,7 @@ class OptimizerConfigOverrideProvider:
     Subclass it (or pass any object with ``build_config_overrides(context)``) to change
     per-parameter-group settings (weight-decay skips, decoupled LR...).
 
-    Example:
+    Examples:
         >>> callable(OptimizerConfigOverrideProvider().build_config_overrides)
         True
     """
@@ -330,7 +330,7 @@ def setup_optimizer(
 
     A config with Bridge's ``provide`` hook runs on a CPU, as in this example.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from types import SimpleNamespace
         >>> from wrapped_optim.integrations.bridge import SchedulerConfig, setup_optimizer

@@ -41,7 +41,7 @@ class TorchAdamFormatError(OptimizerCheckpointError):
 def is_torch_adam_layout(state_dict: Any) -> bool:
     """Whether ``state_dict`` has torch's Adam/AdamW layout (a ``step`` per parameter).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers._torch_adam_format import is_torch_adam_layout
         >>> p = torch.nn.Parameter(torch.ones(2))
@@ -85,7 +85,7 @@ def from_torch_adam(state_dict: Mapping[str, Any], *, adam_w_mode: bool = True) 
     ``adam_w_mode=True``; torch's Adam adds it to the gradient, like ``adam_w_mode=False``;
     with ``weight_decay=0`` either is fine). Raises :class:`TorchAdamFormatError` otherwise.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> from wrapped_optim.optimizers._torch_adam_format import from_torch_adam
@@ -150,7 +150,7 @@ def to_torch_adam(state_dict: Mapping[str, Any], *, drop_masters: bool = False) 
     ``opt.get_unscaled_state(p, "master_param")``, or the precision they hold is lost).
     Load the result into ``AdamW`` for ``adam_w_mode=True`` (the default), ``Adam`` otherwise.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> from wrapped_optim.optimizers._torch_adam_format import to_torch_adam

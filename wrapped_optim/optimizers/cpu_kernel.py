@@ -129,7 +129,7 @@ class KernelStatus:
     """Whether the compiled kernel is in use, where it came from (and whether it can use
     several threads), or why it is not in use.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> s = cpu_kernel.status()
         >>> s.available == (s.library is not None) == (s.reason is None)
@@ -156,7 +156,7 @@ _loaded_in_pid = 0  # the process that loaded the library (and may use its OpenM
 def status() -> KernelStatus:
     """Build and load the kernel on first call (then cached); never raises.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> isinstance(cpu_kernel.status().available, bool)
         True
@@ -178,7 +178,7 @@ def use_loops(family: str | None = None) -> str:
     another thread steps. ``WRAPPED_OPTIM_CPU_LOOPS`` makes the same choice when the library
     is loaded.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> if cpu_kernel.available():
         ...     assert cpu_kernel.use_loops("portable") == "portable"
@@ -211,7 +211,7 @@ def _set_family(lib: ctypes.CDLL, family: str | None, supported: tuple[str, ...]
 def available() -> bool:
     """Whether :func:`adamw_step_` can run here.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> cpu_kernel.available() == cpu_kernel.status().available
         True
@@ -390,7 +390,7 @@ def cache_dir_candidates() -> list[Path]:
     directory ``$WRAPPED_OPTIM_KERNEL_CACHE`` names, else the user's cache and a per-user
     directory in the temporary directory (never one shared by all users).
 
-    Example:
+    Examples:
         >>> from pathlib import Path
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> all(isinstance(d, Path) for d in cpu_kernel.cache_dir_candidates())
@@ -595,7 +595,7 @@ def adamw_step_(
     there never returns, torch's own included). Every operand is checked before anything is
     written. Raises ``RuntimeError`` when the kernel is unavailable (see :func:`status`).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> p, g = torch.ones(3), torch.full((3,), 0.5)

@@ -6,7 +6,7 @@ for parameter sets, optimizers and wrapper stacks) also needs ``hypothesis``;
 :mod:`wrapped_optim.testing.hostile` (checkpoints and save targets crafted against readers
 and savers) need only torch.
 
-Example:
+Examples:
     >>> import torch
     >>> from wrapped_optim.testing import assert_resume_equivalent
     >>> def make():

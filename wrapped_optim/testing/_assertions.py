@@ -43,7 +43,7 @@ class Difference:
         path: keys from the root to the differing value, e.g. ``("state", 3, "exp_avg")``.
         detail: what differs there (dtype, shape, which element, a missing key, ...).
 
-    Example:
+    Examples:
         >>> d = Difference(("state", 3, "exp_avg"), "dtype torch.float32 != torch.bfloat16")
         >>> d.param_index, d.state_name
         (3, 'exp_avg')
@@ -106,7 +106,7 @@ class StateMismatchError(AssertionError):
     ``differences[0]`` is the first one in traversal order; ``param_index`` and ``state_name``
     are its parameter index and state name (``None`` when it is not a per-parameter state).
 
-    Example:
+    Examples:
         >>> import torch
         >>> a = {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": []}
         >>> b = {"state": {0: {"step": torch.tensor(2.0)}}, "param_groups": []}
@@ -233,7 +233,7 @@ def state_dict_differences(
 ) -> list[Difference]:
     """Every difference between two state dicts (empty when they are bitwise equal).
 
-    Example:
+    Examples:
         >>> import torch
         >>> a = {"state": {0: {"exp_avg": torch.zeros(2)}}}
         >>> b = {"state": {0: {"exp_avg": torch.zeros(2, dtype=torch.bfloat16)}}}
@@ -259,7 +259,7 @@ def assert_state_dict_equal(
     On failure raises :class:`StateMismatchError` naming each parameter index and state name
     that differs.
 
-    Example:
+    Examples:
         >>> import torch
         >>> p = torch.nn.Parameter(torch.ones(2))
         >>> opt = torch.optim.Adam([p])
@@ -285,7 +285,7 @@ def assert_state_dict_equal(
 def optimizer_params(optimizer: Any) -> list[torch.Tensor]:
     """The optimizer's parameters in state-dict order (the index is the ``state`` key).
 
-    Example:
+    Examples:
         >>> import torch
         >>> a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(2))
         >>> opt = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.5}], lr=0.1)
@@ -308,7 +308,7 @@ def synthetic_gradients(optimizer: Any, step: int, *, seed: int = 0) -> None:
     (``param.grad_dtype`` where set, e.g. bf16 main grads of fp32 FSDP shards). Parameters with
     ``requires_grad=False`` (frozen) get no gradient.
 
-    Example:
+    Examples:
         >>> import torch
         >>> p = torch.nn.Parameter(torch.zeros(3))
         >>> opt = torch.optim.SGD([p], lr=0.1)
@@ -330,7 +330,7 @@ def synthetic_gradients(optimizer: Any, step: int, *, seed: int = 0) -> None:
 def checkpoint_roundtrip(obj: Any) -> Any:
     """``obj`` after ``torch.save`` and ``torch.load(weights_only=True)``: a fresh, unaliased copy.
 
-    Example:
+    Examples:
         >>> import torch
         >>> sd = {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": []}
         >>> copy = checkpoint_roundtrip(sd)
@@ -405,7 +405,7 @@ def assert_resume_equivalent(
     ``loss_fn(model, step) -> loss``, autograd. Model parameters and optimizer state dicts of
     all three must agree bitwise; a failure names the run, the parameter index and state name.
 
-    Example:
+    Examples:
         >>> import torch
         >>> def make():
         ...     torch.manual_seed(0)
@@ -462,7 +462,7 @@ def assert_transparent(stack: Any, *, ignore_device: bool = True) -> None:
     checkpoint into the stack and the wrapped one into the bare optimizer both succeed and
     leave the state as it was. Step the stack first so that there is state to compare.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim import OptimizerWrapper
         >>> p = torch.nn.Parameter(torch.ones(2))

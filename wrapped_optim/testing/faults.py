@@ -78,7 +78,7 @@ def crash_save_at(point: str, save: Callable[[], Any], *, timeout: float = 300.0
     Raises ``AssertionError`` if the child was not killed there (the point was never reached,
     or ``save`` raised). POSIX only (``os.fork``). See :data:`COMMIT_CRASH_POINTS`.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from pathlib import Path
         >>> from wrapped_optim.checkpoint import load_optimizer, save_optimizer

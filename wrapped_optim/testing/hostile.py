@@ -118,7 +118,7 @@ HOSTILE_CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
 }
 """Builders of hostile checkpoints (see the module doc).
 
-Example:
+Examples:
     >>> import contextlib, io, tempfile
     >>> from pathlib import Path
     >>> from wrapped_optim._cli import run_inspect

@@ -38,7 +38,7 @@ class DeviceMemoryProbe:
     buffers and chunks it keeps on the source device; used when ``device`` is not CUDA).
     ``ledger_peak_bytes`` is always available, on CUDA too.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.testing.probe import DeviceMemoryProbe, device_ledger
         >>> with DeviceMemoryProbe("cpu") as probe:
         ...     device_ledger.allocate(4096)
@@ -88,7 +88,7 @@ class DeviceMemoryProbe:
         Kept on CUDA probes too, so a benchmark can set what the engine says it held next to
         what the allocator saw; bytes already alive at entry are not counted.
 
-        Example:
+        Examples:
             >>> from wrapped_optim.testing.probe import DeviceMemoryProbe, device_ledger
             >>> device_ledger.allocate(1000)  # alive before the block: not counted
             >>> with DeviceMemoryProbe("cpu") as probe:
@@ -107,7 +107,7 @@ class DeviceMemoryProbe:
         The one figure to check a staged call's bound against, whatever the device: the CUDA
         allocator's peak where there is one, else the ledger's.
 
-        Example:
+        Examples:
             >>> from wrapped_optim.testing.probe import DeviceMemoryProbe, device_ledger
             >>> with DeviceMemoryProbe("cpu") as probe:
             ...     device_ledger.allocate(100)
@@ -129,7 +129,7 @@ class DeviceMemoryProbe:
     def summary(self) -> dict[str, Any]:
         """The figures as a dict, so benchmark tables and JSON reports need no probe logic.
 
-        Example:
+        Examples:
             >>> from wrapped_optim.testing.probe import DeviceMemoryProbe, device_ledger
             >>> with DeviceMemoryProbe("cpu") as probe:
             ...     device_ledger.allocate(256)
@@ -181,7 +181,7 @@ def count_unstaged_expansions(stack: Any) -> Iterator[None]:
     needs at least for a host checkpoint (a model of that loader, not a measurement of the
     holder's own code). CUDA probes measure instead; this is for CPU runs.
 
-    Example:
+    Examples:
         >>> import torch
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> with DeviceMemoryProbe() as probe, count_unstaged_expansions(sgd):

@@ -62,7 +62,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 def available_optimizer_kinds() -> tuple[str, ...]:
     """Every optimizer kind the strategies draw (all of them import wherever torch does).
 
-    Example:
+    Examples:
         >>> {"sgd", "adam", "adamw", "precision_adamw"} <= set(available_optimizer_kinds())
         True
     """
@@ -72,7 +72,7 @@ def available_optimizer_kinds() -> tuple[str, ...]:
 def available_layers() -> tuple[str, ...]:
     """Every wrapper layer, outermost first (kept for callers; equal to :data:`LAYER_ORDER`).
 
-    Example:
+    Examples:
         >>> available_layers() == LAYER_ORDER
         True
     """
@@ -86,7 +86,7 @@ def available_layers() -> tuple[str, ...]:
 class ParamSpec:
     """One parameter: its shape, dtype, whether it is frozen and its gradient dtype.
 
-    Example:
+    Examples:
         >>> spec = ParamSpec(shape=(2, 0), dtype=torch.bfloat16)
         >>> p = spec.build(torch.Generator().manual_seed(0))
         >>> p.shape, p.dtype, p.requires_grad
@@ -110,7 +110,7 @@ class ParamSpec:
 class ParamSetModel(torch.nn.Module):
     """The model built from a :class:`ParamSetSpec`: its parameters in ``params``, plus groups.
 
-    Example:
+    Examples:
         >>> spec = ParamSetSpec(groups=(((ParamSpec((2,)),), ()),))
         >>> model = spec.build()
         >>> [name for name, _ in model.named_parameters()]
@@ -139,7 +139,7 @@ class ParamSetModel(torch.nn.Module):
 class ParamSetSpec:
     """Parameter groups: each a tuple of :class:`ParamSpec` and its hyper-parameter overrides.
 
-    Example:
+    Examples:
         >>> spec = ParamSetSpec(groups=(((ParamSpec((2,)),), (("lr", 0.5),)),))
         >>> model = spec.build()
         >>> [g["lr"] for g in model.param_groups()]
@@ -172,7 +172,7 @@ def shapes(
 ) -> tuple[int, ...]:
     """Small tensor shapes, including 0-d ``()`` and empty ones (a zero-length side).
 
-    Example:
+    Examples:
         >>> from hypothesis import find
         >>> find(shapes(), lambda s: len(s) == 0)
         ()
@@ -190,7 +190,7 @@ def param_specs(
 ) -> st.SearchStrategy[ParamSpec]:
     """One :class:`ParamSpec`; ``grad_dtypes`` (e.g. ``[torch.bfloat16]``) may set grad_dtype.
 
-    Example:
+    Examples:
         >>> from hypothesis import find
         >>> find(param_specs(), lambda p: p.frozen).frozen
         True
@@ -212,7 +212,7 @@ _BETAS = st.sampled_from([(0.9, 0.999), (0.8, 0.99), (0.5, 0.9)])
 def group_options(kind: str) -> st.SearchStrategy[dict[str, Any]]:
     """Per-group hyper-parameter overrides that optimizer ``kind`` accepts (maybe none).
 
-    Example:
+    Examples:
         >>> from hypothesis import find
         >>> set(find(group_options("sgd"), lambda o: len(o) > 1)) <= {"lr", "weight_decay"}
         True
@@ -240,7 +240,7 @@ def param_sets(
 
     At least one parameter is trainable, so an optimizer always has something to update.
 
-    Example:
+    Examples:
         >>> from hypothesis import find
         >>> spec = find(param_sets(), lambda s: len(s.groups) == 2)
         >>> len(spec.build().param_groups())
@@ -271,7 +271,7 @@ class OptimizerSpec:
     """An optimizer kind (``"sgd"``, ``"adam"``, ``"adamw"``, ``"precision_adamw"``,
     ``"hybrid_offload"``) and its constructor options.
 
-    Example:
+    Examples:
         >>> spec = OptimizerSpec("sgd", (("lr", 0.1), ("momentum", 0.9)))
         >>> opt = spec.build([torch.nn.Parameter(torch.ones(2))])
         >>> type(opt).__name__, opt.defaults["momentum"]
@@ -316,7 +316,7 @@ def _options(draw: Any, choices: dict[str, st.SearchStrategy[Any]]) -> Options:
 def optimizer_configs(draw: Any, *, kinds: Sequence[str] | None = None) -> OptimizerSpec:
     """An :class:`OptimizerSpec` of one of ``kinds`` (default: every available kind).
 
-    Example:
+    Examples:
         >>> from hypothesis import find
         >>> find(optimizer_configs(kinds=["adam"]), lambda s: True).kind
         'adam'
@@ -370,7 +370,7 @@ _STATE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
 def precision_adamw_options(draw: Any) -> Options:
     """Constructor options of PrecisionAwareAdamW: state dtypes, masters, remainders.
 
-    Example:
+    Examples:
         >>> from hypothesis import find
         >>> dict(find(precision_adamw_options(), lambda o: True))["lr"] > 0
         True
@@ -395,7 +395,7 @@ def precision_adamw_options(draw: Any) -> Options:
 def hybrid_offload_options(draw: Any) -> Options:
     """Constructor options of HybridOffloadOptimizer: offload fraction and sub-optimizers.
 
-    Example:
+    Examples:
         >>> from hypothesis import find
         >>> 0 <= dict(find(hybrid_offload_options(), lambda o: True))["offload_fraction"] <= 1
         True
@@ -416,7 +416,7 @@ def hybrid_offload_options(draw: Any) -> Options:
 class StackSpec:
     """Wrapper layers, outermost first, each with its options; ``()`` is the bare optimizer.
 
-    Example:
+    Examples:
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> StackSpec(()).build(sgd) is sgd
         True
@@ -459,7 +459,7 @@ def stack_configs(
     """A :class:`StackSpec`: any subset of ``layers`` (default: every available one; all of
     them with ``require_all``), in canonical order, each with drawn options.
 
-    Example:
+    Examples:
         >>> from hypothesis import find
         >>> find(stack_configs(layers=[]), lambda s: True)
         StackSpec(layers=())
@@ -475,7 +475,7 @@ def stack_configs(
 class Setup:
     """A parameter set, an optimizer and a stack: ``make()`` builds them, fresh each time.
 
-    Example:
+    Examples:
         >>> setup = Setup(
         ...     ParamSetSpec(groups=(((ParamSpec((3,)),), ()),)),
         ...     OptimizerSpec("adam", (("lr", 0.1),)),
@@ -509,7 +509,7 @@ def setups(
 ) -> Setup:
     """A :class:`Setup` whose parameter dtypes and group options suit the drawn optimizer.
 
-    Example:
+    Examples:
         >>> from hypothesis import find
         >>> setup = find(setups(kinds=["sgd"], layers=[]), lambda s: True)
         >>> type(setup.make()[1]).__name__
