@@ -1,11 +1,11 @@
 """The plain-PyTorch builder: optimizer, LR schedule and wrapper stack from one config.
 
-:func:`build_optimizer` takes a :class:`BuildConfig` (or its dict form, or a TOML file):
+``build_optimizer`` takes a ``BuildConfig`` (or its dict form, or a TOML file):
 ``[optimizer]`` names any ``torch.optim`` class or a portable optimizer with its keywords,
 ``[schedule]`` assembles warmup and decay from ``torch.optim.lr_scheduler`` (or megatron-core's
 scheduler), and ``[staged]`` / ``[hybrid]`` / ``[fsdp]`` configure the stack that
-:func:`wrapped_optim.wrap` builds. Megatron's own builders are driven by
-:func:`wrapped_optim.integrations.bridge.setup_optimizer` instead.
+``wrapped_optim.wrap`` builds. Megatron's own builders are driven by
+``wrapped_optim.integrations.bridge.setup_optimizer`` instead.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _check_name(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> N
 
 @attrs.frozen
 class OptimizerSpec:
-    """Which optimizer :func:`wrapped_optim.build_optimizer` builds, and its keyword arguments.
+    """Which optimizer ``wrapped_optim.build_optimizer`` builds, and its keyword arguments.
 
     Attributes:
         name: a ``torch.optim`` class name (any case: ``"adamw"``, ``"SGD"``), one of the
@@ -135,7 +135,7 @@ MEGATRON_LR_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WS
 
 @attrs.frozen(kw_only=True)
 class LRScheduleConfig:
-    """Warmup and decay for :func:`wrapped_optim.build_optimizer`, in optimizer steps.
+    """Warmup and decay for ``wrapped_optim.build_optimizer``, in optimizer steps.
 
     With ``backend="torch"`` the schedule is assembled from ``torch.optim.lr_scheduler``
     (``LinearLR`` warmup, then ``LinearLR``/``CosineAnnealingLR`` decay, then a constant
@@ -213,10 +213,10 @@ class LRScheduleConfig:
 
 @attrs.frozen(kw_only=True)
 class BuildConfig:
-    """Everything :func:`wrapped_optim.build_optimizer` needs, e.g. from one TOML file.
+    """Everything ``wrapped_optim.build_optimizer`` needs, e.g. from one TOML file.
 
     TOML layout: ``[optimizer]`` (``name`` + keywords), ``[schedule]`` (optional, see
-    :class:`LRScheduleConfig`) and the stack sections ``[staged]``, ``[hybrid]``,
+    ``LRScheduleConfig``) and the stack sections ``[staged]``, ``[hybrid]``,
     ``[fsdp]`` (or ``staged = false``...).
 
     Examples:
@@ -362,10 +362,10 @@ def build_optimizer(
 ) -> tuple[Any, Any]:
     """Builds ``(wrapped optimizer, LR scheduler or None)`` from a config for plain PyTorch.
 
-    ``config`` is a :class:`BuildConfig`, its dict form or a TOML file
+    ``config`` is a ``BuildConfig``, its dict form or a TOML file
     path. The optimizer comes from ``[optimizer]`` (``name`` + keywords; ``*_cls`` options
     are resolved by name too), the stack from ``[staged]``/``[hybrid]``/``[fsdp]`` (absent
-    sections derived, see :func:`wrapped_optim.wrap`), and the scheduler from ``[schedule]``:
+    sections derived, see ``wrapped_optim.wrap``), and the scheduler from ``[schedule]``:
     ``torch.optim.lr_scheduler`` pieces (step it with ``scheduler.step()``) or megatron-core's
     ``OptimizerParamScheduler`` with ``backend = "megatron"`` (``scheduler.step(1)``).
 

@@ -1,9 +1,9 @@
-"""What every configuration class shares: :class:`ConfigError`, field checks, TOML I/O.
+"""What every configuration class shares: ``ConfigError``, field checks, TOML I/O.
 
 A leaf module (attrs and the standard library only), so the stack's configs
-(:mod:`wrapped_optim.config`), the plain-torch builder (:mod:`wrapped_optim._builder`), the
-Megatron-Bridge port (:mod:`wrapped_optim.integrations.bridge`) and the layer policy
-(:mod:`wrapped_optim._layer_policy`) validate the same way without importing each other.
+(``wrapped_optim.config``), the plain-torch builder (``wrapped_optim._builder``), the
+Megatron-Bridge port (``wrapped_optim.integrations.bridge``) and the layer policy
+(``wrapped_optim._layer_policy``) validate the same way without importing each other.
 """
 
 from __future__ import annotations

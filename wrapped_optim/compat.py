@@ -9,19 +9,19 @@ Code written against Megatron-Bridge (``megatron.bridge.training.optim``) or Meg
 Whose specification each function follows (the signatures match the release named;
 ``tests/test_bridge_parity.py`` pins them):
 
-* Megatron-Bridge 0.6.2: :func:`memory_efficient_fp32_optimizer_state_loading`,
-  :func:`sync_hybrid_device_optimizer_fp32_master_copies`;
-* Megatron-FSDP 0.6.1: :func:`fully_shard_optimizer`;
+* Megatron-Bridge 0.6.2: ``memory_efficient_fp32_optimizer_state_loading``,
+  ``sync_hybrid_device_optimizer_fp32_master_copies``;
+* Megatron-FSDP 0.6.1: ``fully_shard_optimizer``;
 * the newer Bridge specification, in no Bridge release up to 0.6.2:
-  :func:`memory_efficient_precision_aware_optimizer_state_checkpointing`,
-  :func:`hybrid_optimizer_state_loading`, and a post-load sync that keeps restored masters
+  ``memory_efficient_precision_aware_optimizer_state_checkpointing``,
+  ``hybrid_optimizer_state_loading``, and a post-load sync that keeps restored masters
   after a full resume (Bridge 0.6.2 calls the sync after every load and rebuilds them from
   the weights);
-* this project's own: :func:`init_optimizer_state`.
+* this project's own: ``init_optimizer_state``.
 
 Each function runs the engine the corresponding wrapper uses (the staging engine of
-:class:`~wrapped_optim.staged.StagedCheckpointOptimizer`, the master-copy adapter of
-:class:`~wrapped_optim.hybrid.HybridSyncOptimizer`, :class:`~wrapped_optim.fsdp.FSDPAwareOptimizer`)
+``StagedCheckpointOptimizer``, the master-copy adapter of
+``HybridSyncOptimizer``, ``FSDPAwareOptimizer``)
 and yields / returns what the reference does. Differences, all deliberate:
 
 * eligibility is decided by structure (protocols, Megatron config flags) on every leaf of the
@@ -29,7 +29,7 @@ and yields / returns what the reference does. Differences, all deliberate:
   work;
 * save staging reads compressed state chunk by chunk when the holder can (one chunk of
   expansion on the device instead of one whole tensor);
-* :func:`fully_shard_optimizer` *returns* a decorated optimizer instead of registering step
+* ``fully_shard_optimizer`` *returns* a decorated optimizer instead of registering step
   hooks in place (use the result), so a failing step still restores the grads.
 """
 
@@ -96,7 +96,7 @@ def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[in
 
     Bridge wraps its whole checkpoint load in this context, so the block also carries the
     repairs megatron-core's distributed checkpoint loaders need for an exact resume
-    (:func:`wrapped_optim._adapters.megatron_checkpoint.megatron_load_repairs`: loading
+    (``wrapped_optim._adapters.megatron_checkpoint.megatron_load_repairs``: loading
     scaffold of a fresh optimizer, per-parameter steps, HybridDeviceOptimizer's FP32 update,
     its optimizer classes for the weights-only read).
 
@@ -124,7 +124,7 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
 
     Follows the newer Bridge specification; not in Megatron-Bridge 0.6.2 (whose loads leave
     the hybrid optimizer's copies as they were and then rebuild every master from the model's
-    weights, see :func:`sync_hybrid_device_optimizer_fp32_master_copies`).
+    weights, see ``sync_hybrid_device_optimizer_fp32_master_copies``).
 
     Inside the block, hybrid offload optimizers load checkpoints that keep Adam's step in the
     group metadata only, or drop the ``master_param`` alias (fully reshardable payloads):
@@ -133,7 +133,7 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
     entries put back into (a copy of) the torch-format state dict. Yields the number of
     optimizers prepared; everything is restored on exit, also on error. After a block that did
     not raise, the loaded masters are pushed to every copy level and the model weights, so
-    the next step continues from them. :func:`sync_hybrid_device_optimizer_fp32_master_copies`
+    the next step continues from them. ``sync_hybrid_device_optimizer_fp32_master_copies``
     after it (Bridge's order) keeps them.
 
     Examples:
@@ -288,7 +288,7 @@ def init_optimizer_state(optimizer: Any) -> bool:
     """Creates the state a DCP load fills, without touching weights, grads or hyper-parameters.
 
     This project's own (neither Bridge nor Megatron-FSDP has it). See
-    :func:`wrapped_optim.fsdp.init_optimizer_state`; returns ``True`` when it created state.
+    ``wrapped_optim.fsdp.init_optimizer_state``; returns ``True`` when it created state.
 
     Examples:
         >>> import torch

@@ -1,24 +1,24 @@
 """Validated, frozen configuration of the wrapper stack: which layers, and their options.
 
-Users configure, they do not hand-assemble. A :class:`StackConfig` holds one optional section
+Users configure, they do not hand-assemble. A ``StackConfig`` holds one optional section
 per wrapper (``staged``, ``hybrid``, ``fsdp``). Each section is three-valued:
 
 * a section object (``StagedConfig(...)``, or ``true`` / a table in TOML) turns the layer on
   with those options;
 * ``False`` turns it off, whatever derivation would say;
 * ``None`` (absent) leaves the decision to derivation -- from the optimizer itself
-  (:func:`wrapped_optim.wrap`) or from Megatron's configs (:meth:`StackConfig.from_megatron`);
-  both follow :mod:`wrapped_optim._layer_policy`.
+  (``wrapped_optim.wrap``) or from Megatron's configs (``StackConfig.from_megatron``);
+  both follow ``wrapped_optim._layer_policy``.
 
 The same shape reads from a dict, a TOML file (``[staged]``, ``[hybrid]``, ``[fsdp]`` tables)
-and the attrs classes, and every rejected value raises :class:`ConfigError` naming the field.
+and the attrs classes, and every rejected value raises ``ConfigError`` naming the field.
 
-The plain-torch build config (:class:`~wrapped_optim._builder.BuildConfig`,
-:class:`~wrapped_optim._builder.OptimizerSpec`,
-:class:`~wrapped_optim._builder.LRScheduleConfig`) lives with :func:`wrapped_optim.build_optimizer`
-in :mod:`wrapped_optim._builder`; Megatron-Bridge's
-:class:`~wrapped_optim.integrations.bridge.SchedulerConfig` with ``setup_optimizer`` in
-:mod:`wrapped_optim.integrations.bridge`. Both are still importable from here.
+The plain-torch build config (``BuildConfig``,
+``OptimizerSpec``,
+``LRScheduleConfig``) lives with ``wrapped_optim.build_optimizer``
+in ``wrapped_optim._builder``; Megatron-Bridge's
+``SchedulerConfig`` with ``setup_optimizer`` in
+``wrapped_optim.integrations.bridge``. Both are still importable from here.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def __getattr__(name: str) -> Any:
 # ----------------------------------------------------------------------------------------
 @attrs.frozen
 class StagedConfig:
-    """Options of :class:`wrapped_optim.StagedCheckpointOptimizer` (memory-bounded checkpoints).
+    """Options of ``wrapped_optim.StagedCheckpointOptimizer`` (memory-bounded checkpoints).
 
     Attributes:
         chunk_bytes: the most expanded (FP32) state held on the device at once; an int or a
@@ -119,7 +119,7 @@ class StagedConfig:
 
 @attrs.frozen
 class HybridConfig:
-    """Options of :class:`wrapped_optim.HybridSyncOptimizer` (CPU/GPU offloaded optimizers).
+    """Options of ``wrapped_optim.HybridSyncOptimizer`` (CPU/GPU offloaded optimizers).
 
     Attributes:
         on_stale: what ``step`` does when a master copy is stale: ``"refresh"`` it from the
@@ -147,7 +147,7 @@ class HybridConfig:
 
 @attrs.frozen
 class FSDPConfig:
-    """Options of :class:`wrapped_optim.FSDPAwareOptimizer` (sharded params, foreign grad dtypes).
+    """Options of ``wrapped_optim.FSDPAwareOptimizer`` (sharded params, foreign grad dtypes).
 
     Attributes:
         precision_aware: the inner optimizer consumes grads of a different dtype itself (TE's
@@ -263,7 +263,7 @@ class StackConfig:
 
         Any object with Megatron's attribute names works (megatron-core refuses
         ``use_precision_aware_optimizer=True`` without TE installed). Derivation (the rules of
-        :mod:`wrapped_optim._layer_policy`, which :func:`wrapped_optim.wrap` follows too):
+        ``wrapped_optim._layer_policy``, which ``wrapped_optim.wrap`` follows too):
 
         * ``use_precision_aware_optimizer`` -> staged save and chunked load;
         * distributed FP32 Adam (``use_distributed_optimizer``, ``optimizer="adam"``, FP32
@@ -275,7 +275,7 @@ class StackConfig:
 
         A flag that is known and false gives ``False`` (layer off); with no ``ddp_config`` the
         FSDP section stays ``None`` (derive from the optimizer). ``overrides`` (explicit
-        settings) win over derived ones; see :meth:`override`.
+        settings) win over derived ones; see ``override``.
 
         Examples:
             >>> from types import SimpleNamespace
@@ -295,7 +295,7 @@ class StackConfig:
     def override(self, explicit: StackConfig | Mapping[str, Any]) -> StackConfig:
         """This config with ``explicit`` settings put on top.
 
-        A :class:`StackConfig` replaces every section it does not leave ``None``. A mapping is
+        A ``StackConfig`` replaces every section it does not leave ``None``. A mapping is
         finer grained: a table of options is merged field by field into this config's section
         (or into the defaults when the section is off or undecided), ``True``/``False`` and
         section objects replace it, and absent keys keep it.
@@ -345,7 +345,7 @@ class StackConfig:
         return result
 
     def to_toml(self) -> str:
-        """The config as TOML text that :meth:`from_toml` reads back.
+        """The config as TOML text that ``from_toml`` reads back.
 
         Examples:
             >>> print(StackConfig(fsdp=True, hybrid=False).to_toml())

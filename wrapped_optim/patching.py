@@ -2,13 +2,13 @@
 
 Some fixes can only be made by changing what a foreign optimizer does *during one call* (e.g.
 TE's ``get_unscaled_state`` while a Megatron DistributedOptimizer builds its state dict).
-:func:`patch_attribute` does that on the instance only, for the length of a ``with`` block,
+``patch_attribute`` does that on the instance only, for the length of a ``with`` block,
 and puts the instance back exactly as it was: a previous instance attribute is restored, an
 attribute that was only on the class is removed from the instance again.
 
 A scoped patch belongs to the thread that made it. Patches of one attribute nest within a
 thread; another thread that tries to patch the same attribute of the same object while one is
-active gets :class:`ConcurrentPatchError` at once (two threads checkpointing one optimizer, for
+active gets ``ConcurrentPatchError`` at once (two threads checkpointing one optimizer, for
 example), since interleaved patches would restore each other's values and leave one behind.
 """
 
@@ -83,7 +83,7 @@ def patch_attribute(obj: Any, name: str, value: Any) -> Iterator[Any]:
     The instance ``__dict__`` is written directly (the object's own ``__setattr__`` is
     bypassed) and restored on exit, also when the block raises. Nested and repeated patches
     of the same attribute unwind in order; a patch of an attribute that another thread holds
-    patched raises :class:`ConcurrentPatchError` before changing anything. Yields the value
+    patched raises ``ConcurrentPatchError`` before changing anything. Yields the value
     that was visible before the patch (handy for delegating to it).
 
     Examples:

@@ -1,11 +1,7 @@
 """StagedCheckpointOptimizer: optimizer checkpoints in bounded device memory.
 
-A precision-aware optimizer stores its moments compressed (bf16, fp16, FP8) but checkpoints
-them as FP32. Built naively, a state dict expands every state on the device and keeps all
-expansions alive until the dict is complete, and a load makes whole FP32 copies on the
-device. This wrapper scopes three changes of the optimizers it decorates to the checkpoint
-calls only (see :mod:`wrapped_optim._staging.engine` for the engine): save staging to the host,
-chunked compressed loads and FP32 no-copy loads. The checkpoint format does not change.
+How it works (staging to the host, chunked and no-copy loads) is in the docs' page
+"Staged checkpoints".
 """
 
 from __future__ import annotations
@@ -24,17 +20,21 @@ __all__ = ["StagedCheckpointOptimizer"]
 class StagedCheckpointOptimizer(OptimizerWrapper):
     """Checkpoints the wrapped stack with at most one chunk of expanded state on the device.
 
-    Args:
-        inner: the optimizer to decorate: a torch optimizer (e.g. ``PrecisionAwareAdamW``),
-            a Megatron optimizer or ChainedOptimizer, or another wrapper.
-        chunk_bytes: device bytes one chunk of FP32 expansion may take (default 64 MiB).
-        stage_save: stage precision-aware state to the host in ``state_dict``,
-            ``sharded_state_dict`` and ``load_state_dict`` (Megatron builds its loading
-            scaffold by calling ``state_dict``).
-        no_copy_load: let standard FP32 distributed Adams adopt loaded tensors.
-        chunked_load: quantize FP32 checkpoint state into compressed storage chunk by chunk.
+    The checkpoint format does not change; ``last_stats`` records what the latest checkpoint
+    call did. See [Staged checkpoints](../staged.md).
 
-    ``last_stats`` records what the engine did in the latest checkpoint call.
+    Args:
+        inner: The optimizer to decorate: a torch optimizer (e.g. ``PrecisionAwareAdamW``),
+            a Megatron optimizer or ``ChainedOptimizer``, or another wrapper.
+        chunk_bytes: Device bytes one chunk of FP32 expansion may take (default 64 MiB).
+        stage_save: Stage precision-aware state to the host in ``state_dict``,
+            ``sharded_state_dict`` and ``load_state_dict``.
+        no_copy_load: Let standard FP32 distributed Adams adopt loaded tensors without a copy.
+        chunked_load: Quantize FP32 checkpoint state into compressed storage chunk by chunk.
+
+    Raises:
+        TypeError: ``chunk_bytes`` is not an int.
+        ValueError: ``chunk_bytes`` is below 4 (one FP32 element).
 
     Examples:
         >>> import torch
@@ -122,7 +122,7 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
 
         With ``is_loading=True`` Megatron also loads its scaffold into the inner optimizer,
         so the loading scopes apply as well (among them the repairs of Core's loaders, see
-        :func:`wrapped_optim._adapters.megatron_checkpoint.megatron_load_repairs`).
+        ``wrapped_optim._adapters.megatron_checkpoint.megatron_load_repairs``).
         """
         inner_method = getattr(self.inner, "sharded_state_dict", None)
         if inner_method is None:
@@ -137,7 +137,7 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
 
     def load_parameter_state(self, filename: str, **kwargs: Any) -> None:
         """Megatron's legacy parameter-state load (``save_parameter_state``'s file), inside
-        the same loading scopes as :meth:`load_state_dict`."""
+        the same loading scopes as ``load_state_dict``."""
         with self._loading(self._new_stats()):
             self.inner.load_parameter_state(filename, **kwargs)
 

@@ -1,9 +1,7 @@
-"""The decorator base every wrapper in this package builds on.
+"""The base class of every wrapper, and the walk down a stack of them.
 
-A wrapper must still *be* an optimizer: LR schedulers check ``isinstance(opt, Optimizer)``,
-checkpointers call ``state_dict``, training loops call ``step``. So :class:`OptimizerWrapper`
-subclasses :class:`torch.optim.Optimizer` without running its ``__init__``: the parameter
-groups, state and defaults stay owned by the wrapped object and are forwarded, never copied.
+A wrapper stays a ``torch.optim.Optimizer`` so that schedulers, checkpointers and training
+loops accept it unchanged.
 """
 
 from __future__ import annotations
@@ -50,26 +48,19 @@ def _forwarded_to_inner(name: str, doc: str) -> property:
 class OptimizerWrapper(torch.optim.Optimizer):
     """Decorates an optimizer while remaining one.
 
-    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects (reads
-    and assignments both go through), and any attribute the wrapper does not define is looked
-    up on the inner optimizer, so Megatron's API (``sharded_state_dict``,
-    ``reload_model_params``, ``get_loss_scale``, ``chained_optimizers``, ``config``, ...) works
-    through a whole stack. The inner object may be a torch optimizer, a Megatron optimizer
-    (which is not a torch ``Optimizer``) or another wrapper.
+    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects, and
+    any attribute the wrapper does not define is read from the inner optimizer, so Megatron's
+    optimizer API works through a whole stack. Hooks registered on a wrapper fire around the
+    whole stack below it. Subclasses override ``_step``, ``_state_dict``,
+    ``_load_state_dict`` and ``_extra_repr``; see [Concepts](../concepts.md#the-stack).
 
-    Hooks: hooks registered on a wrapper (``register_step_pre_hook``,
-    ``register_state_dict_post_hook``, ...) fire around the *whole* stack below it and receive
-    the wrapper as their optimizer argument; hooks registered on the inner optimizer keep
-    firing around the inner call only. Global optimizer hooks
-    (``torch.optim.optimizer.register_optimizer_step_pre_hook``) are not fired by wrappers:
-    they fire once per ``step`` of each torch optimizer inside, exactly as without wrappers.
+    Args:
+        inner: The optimizer to decorate: a torch optimizer, a Megatron optimizer or another
+            wrapper.
 
-    fp16 AMP: ``grad_scale`` and ``found_inf``, which torch's GradScaler sets on the optimizer
-    it steps for a fused leaf to unscale and skip with, are kept on the inner optimizer, so they
-    reach the leaf through any number of wrappers.
-
-    Subclasses override :meth:`_step`, :meth:`_state_dict` and :meth:`_load_state_dict`
-    (the public methods add the hook handling) and :meth:`_extra_repr`.
+    Raises:
+        TypeError: ``inner`` is ``None`` or has no ``step`` and ``state_dict``.
+        ValueError: one of this package's layers is already in ``inner``'s stack.
 
     Examples:
         >>> import torch
@@ -285,7 +276,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
         ``load_state_dict`` lets each layer re-establish its invariants (e.g. hybrid master
         copies pushed everywhere). A loader that writes state directly into the optimizer's
-        tensors -- :func:`wrapped_optim.checkpoint.load_optimizer`, or your own -- calls this
+        tensors -- ``wrapped_optim.checkpoint.load_optimizer``, or your own -- calls this
         afterwards so the layers do the same.
 
         Examples:
@@ -306,7 +297,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def layers(self) -> list[Any]:
         """Every object of the decorator chain, outermost (this wrapper) to innermost.
 
-        :func:`wrapped_optim.layers` does the same for any optimizer, wrapped or bare.
+        ``wrapped_optim.layers`` does the same for any optimizer, wrapped or bare.
 
         Examples:
             >>> import torch
@@ -404,10 +395,13 @@ def _refuse_a_second(cls: type, inner: Any) -> None:
 
 
 def layers(optimizer: Any) -> list[Any]:
-    """Every object of ``optimizer``'s decorator chain, outermost to innermost.
+    """Lists the objects of an optimizer's stack, outermost to innermost.
 
-    Works on any optimizer: a bare one (``wrap`` hands it back unchanged when it adds no
-    layer) is its own one-element chain.
+    Args:
+        optimizer: Any optimizer, wrapped or bare (a bare one is its own one-element stack).
+
+    Returns:
+        The wrappers, outermost first, then the innermost optimizer.
 
     Examples:
         >>> import torch
@@ -422,7 +416,13 @@ def layers(optimizer: Any) -> list[Any]:
 
 
 def unwrap(optimizer: Any) -> Any:
-    """The innermost optimizer of ``optimizer``'s chain (``optimizer`` itself when bare).
+    """Returns the innermost optimizer of a stack.
+
+    Args:
+        optimizer: Any optimizer, wrapped or bare.
+
+    Returns:
+        The first object below every wrapper (``optimizer`` itself when it is bare).
 
     Examples:
         >>> import torch
@@ -438,9 +438,14 @@ def unwrap(optimizer: Any) -> Any:
 
 
 def find_layer(optimizer: Any, cls: type[T]) -> T | None:
-    """The outermost layer of ``optimizer``'s chain that is a ``cls``, or ``None``.
+    """Finds the outermost layer of a stack that is an instance of a class.
 
-    Works on any optimizer, wrapped or bare, so code need not check for a wrapper first.
+    Args:
+        optimizer: Any optimizer, wrapped or bare.
+        cls: The class to look for (a wrapper or an optimizer class).
+
+    Returns:
+        The outermost layer that is a ``cls``, or ``None`` when there is none.
 
     Examples:
         >>> import torch

@@ -15,13 +15,13 @@ again before ``load_state_dict`` quantizes it. Here DCP drives the copy instead:
 
 The files are ordinary DCP checkpoints with the optimizer's own ``state_dict`` layout
 (``state.<param index>.<name>`` tensors, ``param_groups`` as DCP objects): plain ``dcp.load``
-reads them and :func:`load_optimizer` reads what plain ``dcp.save(optimizer.state_dict())``
+reads them and ``load_optimizer`` reads what plain ``dcp.save(optimizer.state_dict())``
 wrote. Large tensors are written as several DCP chunks (rows of ``chunk_bytes``), which any DCP
 reader reassembles.
 
-The package's modules: :mod:`~wrapped_optim.checkpoint._deferred` (compressed state as
-placeholders), :mod:`~wrapped_optim.checkpoint._save`, :mod:`~wrapped_optim.checkpoint._load` and
-its undo journal, :mod:`~wrapped_optim.checkpoint._journal` (the atomic load's rollback on disk).
+The package's modules: ``_deferred`` (compressed state as
+placeholders), ``_save``, ``_load`` and
+its undo journal, ``_journal`` (the atomic load's rollback on disk).
 """
 
 from wrapped_optim._formats.errors import RollbackError, UndoJournalError

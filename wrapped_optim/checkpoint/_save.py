@@ -130,12 +130,12 @@ def _flat_start(shape: torch.Size, offsets: torch.Size) -> int:
 class StreamingSavePlanner(DefaultSavePlanner):
     """Writes a state dict whose large or compressed tensors are materialised one chunk at a time.
 
-    Plain tensors (and :class:`DeferredState` placeholders, keyed by their flattened DCP key)
+    Plain tensors (and ``DeferredState`` placeholders, keyed by their flattened DCP key)
     larger than ``chunk_bytes`` are written as several row chunks; each chunk is produced only
-    in :meth:`resolve_data` and, with ``release_after_write``, its buffer is released when the
+    in ``resolve_data`` and, with ``release_after_write``, its buffer is released when the
     same writer thread asks for its next item (by then DCP's file writer has written it; it
     keeps a reference of its own until the file is closed). DTensors and objects are planned
-    exactly as :class:`DefaultSavePlanner` plans them.
+    exactly as ``DefaultSavePlanner`` plans them.
 
     Examples:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
@@ -283,7 +283,7 @@ def save_optimizer(
 
     Saved into a directory (``checkpoint_id``, or a ``FileSystemWriter``'s path), the save is
     atomic: it is written into a staging directory beside the target and renamed into place
-    only once complete (:mod:`wrapped_optim.checkpoint._commit`); a save that raises leaves what
+    only once complete (``wrapped_optim.checkpoint._commit``); a save that raises leaves what
     the directory held before. With ``async_=True`` the call takes a copy of the state as
     stored (compressed moments stay compressed) and returns a ``concurrent.futures.Future``
     at once, as ``torch.distributed.checkpoint.async_save`` does; a background thread writes

@@ -2,8 +2,8 @@
 
 Questions like "did this run save bf16 or FP32 moments?", "is this TE's portable format or
 torch's?", "which step was it saved at?" come up whenever a checkpoint moves between stacks.
-:func:`inspect_checkpoint` answers them for ``torch.save`` files and for
-``torch.distributed.checkpoint`` (DCP) directories; :func:`format_report` renders the answer.
+``inspect_checkpoint`` answers them for ``torch.save`` files and for
+``torch.distributed.checkpoint`` (DCP) directories; ``format_report`` renders the answer.
 
 A DCP directory is described from its metadata alone (dtypes and shapes are recorded there);
 only the few small values a report shows — scalar step counters and param-group options — are
@@ -12,7 +12,7 @@ read from its data files. A ``torch.save`` file is opened memory-mapped with
 Checkpoints that pickle other objects (Megatron's ``args`` namespace, RNG states) need
 ``trusted=True`` (``--trust`` on the command line), which lets torch unpickle them.
 
-Detected formats (see :class:`StateFormat`):
+Detected formats (see ``StateFormat``):
 
 - torch optimizer state: per-parameter ``step`` tensors beside the moments (``torch.optim``);
 - precision-aware FP32-expanded state: TE FusedAdam's portable format (and

@@ -1,4 +1,4 @@
-"""Rendering a :class:`CheckpointReport` as text."""
+"""Rendering a ``CheckpointReport`` as text."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from wrapped_optim.inspection._model import (
 
 
 def format_report(report: CheckpointReport, *, per_param: bool = True) -> str:
-    """Renders a :class:`CheckpointReport` as plain text for a terminal.
+    """Renders a ``CheckpointReport`` as plain text for a terminal.
 
     With ``per_param=False`` only the per-state summary is shown (one line per state name),
     which keeps the output short for models with thousands of parameters.

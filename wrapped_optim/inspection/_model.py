@@ -20,7 +20,7 @@ _SEARCH_DEPTH = 4
 
 
 class InspectError(ValueError):
-    """The path is not something :func:`inspect_checkpoint` can describe.
+    """The path is not something ``inspect_checkpoint`` can describe.
 
     Raised for a path that does not exist, a file that is not a ``torch.save`` file, a
     directory that is not a DCP checkpoint, and a checkpoint without an optimizer state dict.
@@ -113,7 +113,7 @@ class OptimizerReport:
     Attributes:
         location: where it sits in the checkpoint (``""`` for the top level, else a path such
             as ``optim`` or ``[1]``).
-        format: the detected :class:`StateFormat`.
+        format: the detected ``StateFormat``.
         tensors: every per-parameter state tensor, in saved order.
         steps: the distinct step counters found (per-parameter ``step`` states, else the
             ``step`` option of the param groups), ascending.
@@ -194,7 +194,7 @@ class OptimizerReport:
 
 @attrs.frozen
 class CheckpointReport:
-    """Everything :func:`inspect_checkpoint` found in one checkpoint.
+    """Everything ``inspect_checkpoint`` found in one checkpoint.
 
     Attributes:
         path: the inspected file or directory.

@@ -1,9 +1,9 @@
 """The Megatron-Bridge port: ``setup_optimizer`` and its scheduler configuration.
 
-:func:`setup_optimizer` takes Bridge's arguments and makes Bridge's builder and scheduler
+``setup_optimizer`` takes Bridge's arguments and makes Bridge's builder and scheduler
 calls, then wraps the Megatron optimizer with the stack that
-:meth:`~wrapped_optim.config.StackConfig.from_megatron` derives from Megatron's configs.
-:class:`SchedulerConfig` mirrors Bridge's scheduler settings (and their validation). Needs
+``from_megatron`` derives from Megatron's configs.
+``SchedulerConfig`` mirrors Bridge's scheduler settings (and their validation). Needs
 megatron-core at call time only; importing this module does not import it.
 """
 
@@ -49,9 +49,9 @@ class SchedulerConfig:
     Field names and meanings follow Bridge (iterations *or* samples, never both; warmup by
     count or by fraction). The ``*_steps`` fields that megatron-core's
     ``OptimizerParamScheduler`` consumes are derived from the training length by
-    :meth:`with_steps` (Bridge computes them in its ConfigContainer), or set directly.
+    ``with_steps`` (Bridge computes them in its ConfigContainer), or set directly.
     ``start_weight_decay`` / ``end_weight_decay`` left ``None`` take the optimizer config's
-    ``weight_decay`` in :func:`setup_optimizer`.
+    ``weight_decay`` in ``setup_optimizer``.
 
     Examples:
         >>> config = SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=10)
@@ -320,13 +320,13 @@ def setup_optimizer(
     hook, else ``get_megatron_optimizer``, or ``get_megatron_muon_optimizer`` when the
     optimizer name contains ``muon`` or ``soap`` (layer-wise distributed when it contains
     ``dist``); then megatron-core's ``OptimizerParamScheduler``. The optimizer is wrapped with
-    :meth:`~wrapped_optim.config.StackConfig.from_megatron` (``ddp_config`` defaults to the
+    ``from_megatron`` (``ddp_config`` defaults to the
     first model chunk's ``ddp_config``; ``stack`` holds explicit settings that override
     derived ones).
 
     Needs megatron-core (and, for its optimizers, CUDA and initialised parallel state).
-    ``scheduler_config`` is a :class:`SchedulerConfig` with its step counts set
-    (:meth:`SchedulerConfig.with_steps`) or Bridge's own.
+    ``scheduler_config`` is a ``SchedulerConfig`` with its step counts set
+    (``SchedulerConfig.with_steps``) or Bridge's own.
 
     A config with Bridge's ``provide`` hook runs on a CPU, as in this example.
 

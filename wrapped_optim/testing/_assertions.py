@@ -101,7 +101,7 @@ def _format_keys(keys: Sequence[Any]) -> str:
 
 
 class StateMismatchError(AssertionError):
-    """Raised by the assertions of this module; lists every :class:`Difference` found.
+    """Raised by the assertions of this module; lists every ``Difference`` found.
 
     ``differences[0]`` is the first one in traversal order; ``param_index`` and ``state_name``
     are its parameter index and state name (``None`` when it is not a per-parameter state).
@@ -256,7 +256,7 @@ def assert_state_dict_equal(
     Tensors must match in dtype, shape, device (unless ``ignore_device``) and every bit (so
     ``-0.0 != 0.0`` and NaNs with equal payloads are equal). Python scalars must match in type
     (a ``step`` that became a float is a difference) and value; lists and tuples are distinct.
-    On failure raises :class:`StateMismatchError` naming each parameter index and state name
+    On failure raises ``StateMismatchError`` naming each parameter index and state name
     that differs.
 
     Examples:
@@ -401,7 +401,7 @@ def assert_resume_equivalent(
     * the *resumed* run loads that checkpoint into a fresh ``make()`` and takes the remaining
       ``steps_after`` steps.
 
-    Each step uses :func:`synthetic_gradients` (seeded, in each param's grad dtype) or, with
+    Each step uses ``synthetic_gradients`` (seeded, in each param's grad dtype) or, with
     ``loss_fn(model, step) -> loss``, autograd. Model parameters and optimizer state dicts of
     all three must agree bitwise; a failure names the run, the parameter index and state name.
 

@@ -1,8 +1,8 @@
 """Faults at exact points, for users' own suites: process death inside a checkpoint commit.
 
-:func:`crash_save_at` runs a save in a forked child process and kills it (``SIGKILL``, no
+``crash_save_at`` runs a save in a forked child process and kills it (``SIGKILL``, no
 clean-up of any kind) at one named point of the commit protocol of
-:mod:`wrapped_optim.checkpoint._commit`; :data:`COMMIT_CRASH_POINTS` says, for each point,
+``wrapped_optim.checkpoint._commit``; ``COMMIT_CRASH_POINTS`` says, for each point,
 which checkpoint the next load returns. The parent's own objects are untouched (the child is
 a copy), so a test then loads from the directory and compares.
 """
@@ -27,7 +27,7 @@ COMMIT_CRASH_POINTS: dict[str, str] = {
     "renamed": "new",  # both renames done; nothing moved back or removed yet
     "removing-old": "new",  # side files rescued; before .<name>.old is removed
 }
-"""Each kill point of :func:`crash_save_at` and the checkpoint (``"old"``: the one the
+"""Each kill point of ``crash_save_at`` and the checkpoint (``"old"``: the one the
 directory held before, ``"new"``: the one being saved) the next load returns. In every case
 the files saved beside the checkpoint are still there after the next save."""
 
@@ -76,7 +76,7 @@ def crash_save_at(point: str, save: Callable[[], Any], *, timeout: float = 300.0
     """Runs ``save()`` in a forked child killed with ``SIGKILL`` at ``point`` of the commit.
 
     Raises ``AssertionError`` if the child was not killed there (the point was never reached,
-    or ``save`` raised). POSIX only (``os.fork``). See :data:`COMMIT_CRASH_POINTS`.
+    or ``save`` raised). POSIX only (``os.fork``). See ``COMMIT_CRASH_POINTS``.
 
     Examples:
         >>> import tempfile, torch

@@ -1,10 +1,10 @@
 """Hostile checkpoints and directories, for users' own suites (bad-input catalogue, part 2).
 
-Each entry of :data:`HOSTILE_CHECKPOINTS` builds, inside an empty directory, a file or
+Each entry of ``HOSTILE_CHECKPOINTS`` builds, inside an empty directory, a file or
 directory crafted to break a checkpoint reader (unbounded recursion, reads outside the
 checkpoint directory, a read that never returns) and returns the path to hand to
-``wrapped-optim inspect`` (:func:`wrapped_optim._cli.run_inspect`) or to a loader: a careful
-reader refuses each with a one-line error, promptly. Each entry of :data:`HOSTILE_SAVE_TARGETS`
+``wrapped-optim inspect`` (``wrapped_optim._cli.run_inspect``) or to a loader: a careful
+reader refuses each with a one-line error, promptly. Each entry of ``HOSTILE_SAVE_TARGETS``
 plants something beside a checkpoint directory (symlinks at the names a save reserves for
 itself, a symlinked target, ``..`` after a symlink) and returns the path to save to and the
 directory whose files must survive untouched.

@@ -1,7 +1,7 @@
 """How much extra device memory a checkpoint call needs, measured the same way everywhere.
 
 Part of the testing kit: the staging engine only writes to the leaf
-:mod:`wrapped_optim._staging.ledger`; this module reads it (and the CUDA allocator).
+``wrapped_optim._staging.ledger``; this module reads it (and the CUDA allocator).
 
 Staged checkpoints promise a bound: never more than one chunk of expanded state on the
 device. On CUDA the allocator itself says how much a call needed (peak allocation minus

@@ -2,8 +2,8 @@
 
 Every strategy draws a small, frozen *spec* (an attrs object with a readable repr, so a
 failing example prints as something you can paste into a test) that builds fresh, seeded
-tensors and optimizers on demand. :func:`setups` combines the three into a :class:`Setup`
-whose ``make`` is exactly what :func:`~wrapped_optim.testing.assert_resume_equivalent` wants.
+tensors and optimizers on demand. ``setups`` combines the three into a ``Setup``
+whose ``make`` is exactly what ``assert_resume_equivalent`` wants.
 
 Needs ``hypothesis`` (a test dependency, not a runtime one).
 """
@@ -45,7 +45,7 @@ Options = tuple[tuple[str, Any], ...]
 #: Torch's own optimizers the strategies cover.
 TORCH_KINDS: tuple[str, ...] = ("sgd", "adam", "adamw")
 
-#: Wrapper layers, outermost first (the canonical order of :data:`wrapped_optim.stack.LAYERS`).
+#: Wrapper layers, outermost first (the canonical order of ``wrapped_optim.stack.LAYERS``).
 LAYER_ORDER: tuple[str, ...] = tuple(spec.section for spec in LAYERS)
 
 _OPTIMIZER_CLASSES: dict[str, Any] = {
@@ -70,7 +70,7 @@ def available_optimizer_kinds() -> tuple[str, ...]:
 
 
 def available_layers() -> tuple[str, ...]:
-    """Every wrapper layer, outermost first (kept for callers; equal to :data:`LAYER_ORDER`).
+    """Every wrapper layer, outermost first (kept for callers; equal to ``LAYER_ORDER``).
 
     Examples:
         >>> available_layers() == LAYER_ORDER
@@ -108,7 +108,7 @@ class ParamSpec:
 
 
 class ParamSetModel(torch.nn.Module):
-    """The model built from a :class:`ParamSetSpec`: its parameters in ``params``, plus groups.
+    """The model built from a ``ParamSetSpec``: its parameters in ``params``, plus groups.
 
     Examples:
         >>> spec = ParamSetSpec(groups=(((ParamSpec((2,)),), ()),))
@@ -137,7 +137,7 @@ class ParamSetModel(torch.nn.Module):
 
 @attrs.frozen
 class ParamSetSpec:
-    """Parameter groups: each a tuple of :class:`ParamSpec` and its hyper-parameter overrides.
+    """Parameter groups: each a tuple of ``ParamSpec`` and its hyper-parameter overrides.
 
     Examples:
         >>> spec = ParamSetSpec(groups=(((ParamSpec((2,)),), (("lr", 0.5),)),))
@@ -188,7 +188,7 @@ def param_specs(
     grad_dtypes: Sequence[torch.dtype] = (),
     allow_zero_dim: bool = True,
 ) -> st.SearchStrategy[ParamSpec]:
-    """One :class:`ParamSpec`; ``grad_dtypes`` (e.g. ``[torch.bfloat16]``) may set grad_dtype.
+    """One ``ParamSpec``; ``grad_dtypes`` (e.g. ``[torch.bfloat16]``) may set grad_dtype.
 
     Examples:
         >>> from hypothesis import find
@@ -314,7 +314,7 @@ def _options(draw: Any, choices: dict[str, st.SearchStrategy[Any]]) -> Options:
 
 @st.composite
 def optimizer_configs(draw: Any, *, kinds: Sequence[str] | None = None) -> OptimizerSpec:
-    """An :class:`OptimizerSpec` of one of ``kinds`` (default: every available kind).
+    """An ``OptimizerSpec`` of one of ``kinds`` (default: every available kind).
 
     Examples:
         >>> from hypothesis import find
@@ -456,7 +456,7 @@ def _layer_options(name: str) -> st.SearchStrategy[Options]:
 def stack_configs(
     draw: Any, *, layers: Sequence[str] | None = None, require_all: bool = False
 ) -> StackSpec:
-    """A :class:`StackSpec`: any subset of ``layers`` (default: every available one; all of
+    """A ``StackSpec``: any subset of ``layers`` (default: every available one; all of
     them with ``require_all``), in canonical order, each with drawn options.
 
     Examples:
@@ -507,7 +507,7 @@ def setups(
     max_params: int = 3,
     allow_zero_dim: bool = True,
 ) -> Setup:
-    """A :class:`Setup` whose parameter dtypes and group options suit the drawn optimizer.
+    """A ``Setup`` whose parameter dtypes and group options suit the drawn optimizer.
 
     Examples:
         >>> from hypothesis import find
