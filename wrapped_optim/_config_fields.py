@@ -1,9 +1,6 @@
 """What every configuration class shares: ``ConfigError``, field checks, TOML I/O.
 
-A leaf module (attrs and the standard library only), so the stack's configs
-(``wrapped_optim.config``), the plain-torch builder (``wrapped_optim._builder``), the
-Megatron-Bridge port (``wrapped_optim.integrations.bridge``) and the layer policy
-(``wrapped_optim._layer_policy``) validate the same way without importing each other.
+A leaf module (attrs and the standard library only), so every config validates the same way.
 """
 
 from __future__ import annotations
@@ -41,8 +38,15 @@ S = TypeVar("S")
 class ConfigError(ValueError):
     """A configuration value or combination was rejected.
 
-    ``field`` is the dotted path of the offending setting (``"staged.chunk_bytes"``), also the
-    first word of the message.
+    The message is ``"<field>: <reason>"``.
+
+    Args:
+        field: The dotted path of the offending setting (``"staged.chunk_bytes"``).
+        reason: What is wrong and what to do.
+
+    Attributes:
+        field: The dotted path of the offending setting.
+        reason: What is wrong and what to do.
 
     Examples:
         >>> from wrapped_optim.config import StagedConfig
@@ -59,7 +63,15 @@ class ConfigError(ValueError):
         self.reason = reason
 
     def under(self, prefix: str) -> ConfigError:
-        """The same error with ``prefix.`` put in front of its field path."""
+        """Returns the same error with ``prefix.`` put in front of its field path.
+
+        Args:
+            prefix: The enclosing section's name.
+
+        Examples:
+            >>> ConfigError("chunk_bytes", "must be positive").under("staged").field
+            'staged.chunk_bytes'
+        """
         return ConfigError(f"{prefix}.{self.field}", self.reason)
 
 

@@ -135,7 +135,16 @@ class StreamingSavePlanner(DefaultSavePlanner):
     in ``resolve_data`` and, with ``release_after_write``, its buffer is released when the
     same writer thread asks for its next item (by then DCP's file writer has written it; it
     keeps a reference of its own until the file is closed). DTensors and objects are planned
-    exactly as ``DefaultSavePlanner`` plans them.
+    exactly as ``DefaultSavePlanner`` plans them. ``save_optimizer`` builds it; use it
+    directly only to drive ``dcp.save`` yourself.
+
+    Args:
+        deferred: Placeholders by flattened DCP key, expanded when their chunk is written.
+        chunk_bytes: The most bytes one write item materialises (``None``: whole tensors).
+        release_after_write: Release each chunk's buffer once the writer moves on.
+
+    Raises:
+        ValueError: ``chunk_bytes`` is not positive.
 
     Examples:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
@@ -282,12 +291,11 @@ def save_optimizer(
     call it on every rank (a collective, like ``dcp.save``); replicated state is written once.
 
     Saved into a directory (``checkpoint_id``, or a ``FileSystemWriter``'s path), the save is
-    atomic: it is written into a staging directory beside the target and renamed into place
-    only once complete (``wrapped_optim.checkpoint._commit``); a save that raises leaves what
-    the directory held before. With ``async_=True`` the call takes a copy of the state as
-    stored (compressed moments stay compressed) and returns a ``concurrent.futures.Future``
-    at once, as ``torch.distributed.checkpoint.async_save`` does; a background thread writes
-    that copy while training goes on, and the checkpoint holds the state at the call.
+    atomic: it is written beside the target and renamed into place only once complete; a save
+    that raises leaves what the directory held before. With ``async_=True`` the call takes a
+    copy of the state as stored (compressed moments stay compressed) and returns a
+    ``concurrent.futures.Future`` at once, as ``torch.distributed.checkpoint.async_save``
+    does; a background thread writes that copy while training goes on.
 
     Args:
         optimizer: the optimizer or wrapper stack.
@@ -301,6 +309,9 @@ def save_optimizer(
 
     Returns:
         The DCP metadata of the checkpoint; with ``async_``, a future of it.
+
+    Raises:
+        ValueError: neither ``checkpoint_id`` nor ``storage_writer`` is given.
 
     Examples:
         >>> import tempfile, torch
