@@ -63,4 +63,9 @@ class _DeviceLedger:
 
 
 device_ledger = _DeviceLedger()
-"""The process-wide ledger the staging engine writes to."""
+"""The process-wide ledger the staging engine writes to and ``DeviceMemoryProbe`` reads.
+
+``allocate(nbytes)`` records bytes newly alive on a source device, ``release(nbytes)`` records
+them freed, ``live_bytes`` is the current total. Call them yourself to put your own device
+buffers on the ledger.
+"""

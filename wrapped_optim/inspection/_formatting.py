@@ -15,8 +15,13 @@ from wrapped_optim.inspection._model import (
 def format_report(report: CheckpointReport, *, per_param: bool = True) -> str:
     """Renders a ``CheckpointReport`` as plain text for a terminal.
 
-    With ``per_param=False`` only the per-state summary is shown (one line per state name),
-    which keeps the output short for models with thousands of parameters.
+    Args:
+        report: What ``inspect_checkpoint`` returned.
+        per_param: List every state tensor; ``False`` shows only the summary per state name
+            (short output for models with thousands of parameters).
+
+    Returns:
+        The report as lines of text (what ``wrapped-optim inspect`` prints).
 
     Examples:
         >>> import torch

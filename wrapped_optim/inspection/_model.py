@@ -38,6 +38,14 @@ class InspectError(ValueError):
 class StateFormat(enum.Enum):
     """The layout an optimizer state dict was written in.
 
+    Attributes:
+        TORCH: ``torch.optim``'s: per-parameter ``step`` tensors beside the moments.
+        PRECISION_AWARE: TE FusedAdam's portable format (and ``PrecisionAwareAdamW``'s): FP32
+            moments and masters, the step counter in ``param_groups``.
+        REMAINDER_MASTERS: the same with an int16 ``master_param`` holding the low 16 bits of
+            each FP32 master beside bf16 params (``store_param_remainders``).
+        EMPTY: no per-parameter state (the optimizer has not stepped yet).
+
     Examples:
         >>> from wrapped_optim.inspection import StateFormat
         >>> StateFormat.PRECISION_AWARE.value
@@ -96,7 +104,13 @@ class ParamGroupReport:
     options: tuple[tuple[str, str], ...]
 
     def option(self, name: str) -> str | None:
-        """The repr of option ``name``, or None when the group has no such option.
+        """Looks up one option of the group.
+
+        Args:
+            name: The option's name (``"lr"``, ``"betas"``, ...).
+
+        Returns:
+            The option's value as its repr, or ``None`` when the group has no such option.
 
         Examples:
             >>> from wrapped_optim.inspection import ParamGroupReport

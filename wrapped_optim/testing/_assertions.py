@@ -103,8 +103,14 @@ def _format_keys(keys: Sequence[Any]) -> str:
 class StateMismatchError(AssertionError):
     """Raised by the assertions of this module; lists every ``Difference`` found.
 
-    ``differences[0]`` is the first one in traversal order; ``param_index`` and ``state_name``
-    are its parameter index and state name (``None`` when it is not a per-parameter state).
+    Args:
+        headline: What was compared (the message's first line).
+        differences: Every difference found, in traversal order.
+
+    Attributes:
+        differences: Every difference found, in traversal order.
+        param_index: The first difference's parameter index (``None`` outside ``state``).
+        state_name: The first difference's state name (``None`` outside ``state``).
 
     Examples:
         >>> import torch
@@ -231,7 +237,16 @@ def _differences(
 def state_dict_differences(
     a: Any, b: Any, *, ignore_device: bool = False, names: tuple[str, str] = ("a", "b")
 ) -> list[Difference]:
-    """Every difference between two state dicts (empty when they are bitwise equal).
+    """Lists every difference between two state dicts, compared as ``assert_state_dict_equal`` does.
+
+    Args:
+        a: The first state dict (or any nest of dicts, lists and tensors).
+        b: The second.
+        ignore_device: Let tensors on different devices compare equal.
+        names: What to call ``a`` and ``b`` in the details.
+
+    Returns:
+        The differences in traversal order; empty when the two are bitwise equal.
 
     Examples:
         >>> import torch
@@ -256,8 +271,15 @@ def assert_state_dict_equal(
     Tensors must match in dtype, shape, device (unless ``ignore_device``) and every bit (so
     ``-0.0 != 0.0`` and NaNs with equal payloads are equal). Python scalars must match in type
     (a ``step`` that became a float is a difference) and value; lists and tuples are distinct.
-    On failure raises ``StateMismatchError`` naming each parameter index and state name
-    that differs.
+    Args:
+        a: The first state dict (or any nest of dicts, lists and tensors).
+        b: The second.
+        ignore_device: Let tensors on different devices compare equal.
+        names: What to call ``a`` and ``b`` in the message.
+        headline: The message's first line (default ``"state dicts differ"``).
+
+    Raises:
+        StateMismatchError: they differ; it names each parameter index and state name.
 
     Examples:
         >>> import torch
@@ -283,7 +305,13 @@ def assert_state_dict_equal(
 # Driving an optimizer
 # ----------------------------------------------------------------------------------------------
 def optimizer_params(optimizer: Any) -> list[torch.Tensor]:
-    """The optimizer's parameters in state-dict order (the index is the ``state`` key).
+    """Lists an optimizer's parameters in state-dict order.
+
+    Args:
+        optimizer: Any optimizer or wrapper stack.
+
+    Returns:
+        The parameters of every group in order: position ``i`` is the ``state`` key ``i``.
 
     Examples:
         >>> import torch
@@ -308,6 +336,11 @@ def synthetic_gradients(optimizer: Any, step: int, *, seed: int = 0) -> None:
     (``param.grad_dtype`` where set, e.g. bf16 main grads of fp32 FSDP shards). Parameters with
     ``requires_grad=False`` (frozen) get no gradient.
 
+    Args:
+        optimizer: Any optimizer or wrapper stack.
+        step: The training step the gradients are for.
+        seed: Another seed gives other gradients.
+
     Examples:
         >>> import torch
         >>> p = torch.nn.Parameter(torch.zeros(3))
@@ -328,7 +361,13 @@ def synthetic_gradients(optimizer: Any, step: int, *, seed: int = 0) -> None:
 
 
 def checkpoint_roundtrip(obj: Any) -> Any:
-    """``obj`` after ``torch.save`` and ``torch.load(weights_only=True)``: a fresh, unaliased copy.
+    """Round-trips an object through ``torch.save`` and ``torch.load(weights_only=True)``.
+
+    Args:
+        obj: A state dict or any object ``weights_only`` loading accepts.
+
+    Returns:
+        A fresh, unaliased copy of ``obj``, as a checkpoint would give it back.
 
     Examples:
         >>> import torch
@@ -403,7 +442,20 @@ def assert_resume_equivalent(
 
     Each step uses ``synthetic_gradients`` (seeded, in each param's grad dtype) or, with
     ``loss_fn(model, step) -> loss``, autograd. Model parameters and optimizer state dicts of
-    all three must agree bitwise; a failure names the run, the parameter index and state name.
+    all three must agree bitwise.
+
+    Args:
+        make: Builds a fresh, deterministic ``(model, optimizer)`` pair.
+        steps_before: Steps before the checkpoint.
+        steps_after: Steps after it.
+        loss_fn: ``loss_fn(model, step) -> loss`` for autograd gradients; ``None`` for
+            ``synthetic_gradients``.
+        seed: The seed of the synthetic gradients.
+        ignore_device: Let tensors on different devices compare equal.
+
+    Raises:
+        StateMismatchError: a run differs; it names the run, the parameter index and state.
+        ValueError: a step count is negative.
 
     Examples:
         >>> import torch
@@ -461,6 +513,14 @@ def assert_transparent(stack: Any, *, ignore_device: bool = True) -> None:
     structure; devices may differ unless ``ignore_device=False``), that loading the bare
     checkpoint into the stack and the wrapped one into the bare optimizer both succeed and
     leave the state as it was. Step the stack first so that there is state to compare.
+
+    Args:
+        stack: A wrapper stack (anything with ``unwrap()``).
+        ignore_device: Let tensors on different devices compare equal.
+
+    Raises:
+        StateMismatchError: a state dict differs; it says which comparison and where.
+        TypeError: ``stack`` has no ``unwrap()``.
 
     Examples:
         >>> import torch

@@ -70,7 +70,7 @@ def available_optimizer_kinds() -> tuple[str, ...]:
 
 
 def available_layers() -> tuple[str, ...]:
-    """Every wrapper layer, outermost first (kept for callers; equal to ``LAYER_ORDER``).
+    """Every wrapper layer the strategies draw, outermost first (``LAYER_ORDER``).
 
     Examples:
         >>> available_layers() == LAYER_ORDER
@@ -86,6 +86,12 @@ def available_layers() -> tuple[str, ...]:
 class ParamSpec:
     """One parameter: its shape, dtype, whether it is frozen and its gradient dtype.
 
+    Attributes:
+        shape: The parameter's shape.
+        dtype: Its dtype.
+        frozen: ``requires_grad=False``.
+        grad_dtype: A ``grad_dtype`` other than ``dtype`` (FSDP's bf16 main grads), or ``None``.
+
     Examples:
         >>> spec = ParamSpec(shape=(2, 0), dtype=torch.bfloat16)
         >>> p = spec.build(torch.Generator().manual_seed(0))
@@ -99,7 +105,11 @@ class ParamSpec:
     grad_dtype: torch.dtype | None = None
 
     def build(self, generator: torch.Generator) -> torch.nn.Parameter:
-        """A fresh parameter with seeded values (drawn in fp32, then cast)."""
+        """Builds a fresh parameter with seeded values (drawn in fp32, then cast).
+
+        Args:
+            generator: The random generator the values are drawn from.
+        """
         values = torch.randn(self.shape, generator=generator, dtype=torch.float32)
         param = torch.nn.Parameter(values.to(self.dtype), requires_grad=not self.frozen)
         if self.grad_dtype is not None and self.grad_dtype != self.dtype:
@@ -109,6 +119,10 @@ class ParamSpec:
 
 class ParamSetModel(torch.nn.Module):
     """The model built from a ``ParamSetSpec``: its parameters in ``params``, plus groups.
+
+    Args:
+        params: The parameters, in optimizer order.
+        groups: The parameter-group dicts to hand to an optimizer.
 
     Examples:
         >>> spec = ParamSetSpec(groups=(((ParamSpec((2,)),), ()),))
@@ -138,6 +152,10 @@ class ParamSetModel(torch.nn.Module):
 @attrs.frozen
 class ParamSetSpec:
     """Parameter groups: each a tuple of ``ParamSpec`` and its hyper-parameter overrides.
+
+    Attributes:
+        groups: ``((param specs, options), ...)``, options as sorted ``(name, value)`` pairs.
+        seed: The seed of the parameters' values.
 
     Examples:
         >>> spec = ParamSetSpec(groups=(((ParamSpec((2,)),), (("lr", 0.5),)),))
@@ -170,7 +188,12 @@ class ParamSetSpec:
 def shapes(
     draw: Any, *, min_dims: int = 0, max_dims: int = 3, max_side: int = 4
 ) -> tuple[int, ...]:
-    """Small tensor shapes, including 0-d ``()`` and empty ones (a zero-length side).
+    """Draws small tensor shapes, including 0-d ``()`` and empty ones (a zero-length side).
+
+    Args:
+        min_dims: The fewest dimensions.
+        max_dims: The most dimensions.
+        max_side: The longest side.
 
     Examples:
         >>> from hypothesis import find
@@ -188,7 +211,13 @@ def param_specs(
     grad_dtypes: Sequence[torch.dtype] = (),
     allow_zero_dim: bool = True,
 ) -> st.SearchStrategy[ParamSpec]:
-    """One ``ParamSpec``; ``grad_dtypes`` (e.g. ``[torch.bfloat16]``) may set grad_dtype.
+    """Draws one ``ParamSpec``.
+
+    Args:
+        dtypes: The parameter dtypes to draw from.
+        allow_frozen: Whether a parameter may be frozen.
+        grad_dtypes: Gradient dtypes a parameter may get (e.g. ``[torch.bfloat16]``).
+        allow_zero_dim: Whether 0-d shapes are drawn.
 
     Examples:
         >>> from hypothesis import find
@@ -210,7 +239,10 @@ _BETAS = st.sampled_from([(0.9, 0.999), (0.8, 0.99), (0.5, 0.9)])
 
 
 def group_options(kind: str) -> st.SearchStrategy[dict[str, Any]]:
-    """Per-group hyper-parameter overrides that optimizer ``kind`` accepts (maybe none).
+    """Draws per-group hyper-parameter overrides that an optimizer kind accepts (maybe none).
+
+    Args:
+        kind: The optimizer kind (``"sgd"``, ``"adam"``, ...).
 
     Examples:
         >>> from hypothesis import find
@@ -240,6 +272,15 @@ def param_sets(
 
     At least one parameter is trainable, so an optimizer always has something to update.
 
+    Args:
+        dtypes: The parameter dtypes to draw from.
+        options: Draws each group's options (default: none).
+        max_groups: The most groups.
+        max_params: The most parameters per group.
+        allow_frozen: Whether a parameter may be frozen.
+        grad_dtypes: Gradient dtypes a parameter may get.
+        allow_zero_dim: Whether 0-d shapes are drawn.
+
     Examples:
         >>> from hypothesis import find
         >>> spec = find(param_sets(), lambda s: len(s.groups) == 2)
@@ -268,8 +309,11 @@ def param_sets(
 # ----------------------------------------------------------------------------------------------
 @attrs.frozen
 class OptimizerSpec:
-    """An optimizer kind (``"sgd"``, ``"adam"``, ``"adamw"``, ``"precision_adamw"``,
-    ``"hybrid_offload"``) and its constructor options.
+    """An optimizer kind and its constructor options.
+
+    Attributes:
+        kind: ``"sgd"``, ``"adam"``, ``"adamw"``, ``"precision_adamw"`` or ``"hybrid_offload"``.
+        options: Constructor keywords as sorted ``(name, value)`` pairs.
 
     Examples:
         >>> spec = OptimizerSpec("sgd", (("lr", 0.1), ("momentum", 0.9)))
@@ -292,7 +336,11 @@ class OptimizerSpec:
             ) from None
 
     def build(self, params: Any) -> Any:
-        """A fresh optimizer over ``params`` (a list of parameters or parameter groups)."""
+        """Builds a fresh optimizer.
+
+        Args:
+            params: A list of parameters or parameter groups.
+        """
         return self.cls(params, **dict(self.options))
 
 
@@ -314,7 +362,10 @@ def _options(draw: Any, choices: dict[str, st.SearchStrategy[Any]]) -> Options:
 
 @st.composite
 def optimizer_configs(draw: Any, *, kinds: Sequence[str] | None = None) -> OptimizerSpec:
-    """An ``OptimizerSpec`` of one of ``kinds`` (default: every available kind).
+    """Draws an ``OptimizerSpec`` with options its kind accepts.
+
+    Args:
+        kinds: The kinds to draw from (default: every available kind).
 
     Examples:
         >>> from hypothesis import find
@@ -416,6 +467,9 @@ def hybrid_offload_options(draw: Any) -> Options:
 class StackSpec:
     """Wrapper layers, outermost first, each with its options; ``()`` is the bare optimizer.
 
+    Attributes:
+        layers: ``((layer name, options), ...)``, outermost first.
+
     Examples:
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> StackSpec(()).build(sgd) is sgd
@@ -430,7 +484,11 @@ class StackSpec:
         return tuple(name for name, _ in self.layers)
 
     def build(self, optimizer: Any) -> Any:
-        """Wraps ``optimizer`` in the layers (innermost first)."""
+        """Wraps an optimizer in the layers.
+
+        Args:
+            optimizer: The optimizer to wrap.
+        """
         stack = optimizer
         for name, options in reversed(self.layers):
             stack = layer_spec(name).wrapper(stack, **dict(options))
@@ -456,8 +514,11 @@ def _layer_options(name: str) -> st.SearchStrategy[Options]:
 def stack_configs(
     draw: Any, *, layers: Sequence[str] | None = None, require_all: bool = False
 ) -> StackSpec:
-    """A ``StackSpec``: any subset of ``layers`` (default: every available one; all of
-    them with ``require_all``), in canonical order, each with drawn options.
+    """Draws a ``StackSpec``: a subset of the layers, in canonical order, with drawn options.
+
+    Args:
+        layers: The layers to draw from (default: every available one).
+        require_all: Take every layer of ``layers``, not a subset.
 
     Examples:
         >>> from hypothesis import find
@@ -474,6 +535,11 @@ def stack_configs(
 @attrs.frozen
 class Setup:
     """A parameter set, an optimizer and a stack: ``make()`` builds them, fresh each time.
+
+    Attributes:
+        params: The parameter groups.
+        optimizer: The optimizer.
+        stack: The wrapper stack (default: none).
 
     Examples:
         >>> setup = Setup(
@@ -507,7 +573,16 @@ def setups(
     max_params: int = 3,
     allow_zero_dim: bool = True,
 ) -> Setup:
-    """A ``Setup`` whose parameter dtypes and group options suit the drawn optimizer.
+    """Draws a ``Setup`` whose parameter dtypes and group options suit the drawn optimizer.
+
+    Args:
+        kinds: The optimizer kinds to draw from (default: every available kind).
+        layers: The layers to draw from (default: every available one).
+        optimizers: Draws the optimizer instead (overrides ``kinds``).
+        stacks: Draws the stack instead (overrides ``layers``).
+        max_groups: The most parameter groups.
+        max_params: The most parameters per group.
+        allow_zero_dim: Whether 0-d shapes are drawn.
 
     Examples:
         >>> from hypothesis import find
