@@ -121,8 +121,18 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
         """Megatron's ``sharded_state_dict`` of the wrapped stack, staged.
 
         With ``is_loading=True`` Megatron also loads its scaffold into the inner optimizer,
-        so the loading scopes apply as well (among them the repairs of Core's loaders, see
-        ``wrapped_optim._adapters.megatron_checkpoint.megatron_load_repairs``).
+        so the loading scopes (and the repairs of megatron-core's loaders) apply as well.
+
+        Args:
+            model_sharded_state_dict: The model's sharded state dict, as Megatron passes it.
+            is_loading: Whether Megatron builds the scaffold of a load.
+            **kwargs: Passed on to the inner optimizer's ``sharded_state_dict``.
+
+        Returns:
+            The inner optimizer's sharded state dict.
+
+        Raises:
+            AttributeError: the stack holds no Megatron optimizer.
         """
         inner_method = getattr(self.inner, "sharded_state_dict", None)
         if inner_method is None:
@@ -136,8 +146,12 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
         return result
 
     def load_parameter_state(self, filename: str, **kwargs: Any) -> None:
-        """Megatron's legacy parameter-state load (``save_parameter_state``'s file), inside
-        the same loading scopes as ``load_state_dict``."""
+        """Megatron's legacy parameter-state load, inside the loading scopes of ``load_state_dict``.
+
+        Args:
+            filename: The file Megatron's ``save_parameter_state`` wrote.
+            **kwargs: Passed on to the inner optimizer's ``load_parameter_state``.
+        """
         with self._loading(self._new_stats()):
             self.inner.load_parameter_state(filename, **kwargs)
 

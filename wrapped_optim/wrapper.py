@@ -153,9 +153,12 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Runs the wrapper's step, with the wrapper's own hooks around the whole stack below.
 
-        Training loops and LR schedulers only ever call the outermost object, so this is where
-        every layer's work and every hook registered on the wrapper must happen. The closure
-        goes down to the inner optimizer and the loss it returns comes back up.
+        Args:
+            closure: Re-evaluates the model and returns the loss; passed down to the inner
+                optimizer (Megatron optimizers take none).
+
+        Returns:
+            The loss the closure returned, or whatever the inner step returns.
 
         Examples:
             >>> import torch
@@ -195,7 +198,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
         return self.inner.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forwards to the inner optimizer, which alone knows its params (and grad buffers).
+        """Zeroes the gradients, through the inner optimizer (which alone knows its grad buffers).
+
+        Args:
+            set_to_none: Set the gradients to ``None`` instead of zero.
 
         Examples:
             >>> import torch
@@ -210,7 +216,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Forwards to the inner optimizer, so the new group gets the inner defaults.
+        """Adds a parameter group to the inner optimizer, with the inner optimizer's defaults.
+
+        Args:
+            param_group: The group: ``{"params": [...], <option>: <value>, ...}``.
 
         Examples:
             >>> import torch
@@ -224,10 +233,13 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self.inner.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict (the wrapper adds nothing to the format).
+        """Returns the inner optimizer's state dict; wrappers add nothing to the format.
 
-        Keeping the bare optimizer's format means a checkpoint does not depend on which
-        wrappers were stacked when it was written; hooks registered on the wrapper still run.
+        A checkpoint therefore does not depend on which wrappers were stacked when it was
+        written. Hooks registered on the wrapper run around the call.
+
+        Returns:
+            The state dict, in the bare optimizer's format.
 
         Examples:
             >>> import torch
@@ -253,6 +265,9 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
         The format is the inner optimizer's own, so resuming works whatever wrappers were
         stacked at save time; hooks registered on the wrapper run around the whole load.
+
+        Args:
+            state_dict: A state dict in the bare optimizer's format.
 
         Examples:
             >>> import torch

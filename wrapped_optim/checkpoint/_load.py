@@ -152,7 +152,13 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         metadata: Metadata | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        """Keeps the metadata; the targets are built (and checked) in create_local_plan."""
+        """Keeps the metadata; the targets are built (and checked) in ``create_local_plan``.
+
+        Args:
+            state_dict: The state dict DCP loads into.
+            metadata: The checkpoint's metadata.
+            is_coordinator: Whether this rank coordinates the load.
+        """
         self.original_state_dict = state_dict
         self.state_dict = state_dict
         self.metadata = metadata
@@ -290,7 +296,14 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
 
     # -- reading -----------------------------------------------------------------------
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        """The region of the live tensor, or of the holder accumulator, to read into."""
+        """Returns the tensor one read item is read into.
+
+        Args:
+            read_item: The chunk DCP is about to read.
+
+        Returns:
+            The region of the live state tensor, or of a host buffer for a scaled state.
+        """
         target = self.targets[read_item.dest_index.fqn]
         if target.staged is not None:  # its own dtype first: the range check needs the values
             return self._buffer(target.staged, read_item.lengths)
@@ -311,8 +324,16 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         return found[:numel].view(shape)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        """Checks the values that arrived (state_format); quantizes a holder state into
-        storage once all of its chunks have arrived."""
+        """Checks the values that arrived; quantizes a scaled state into storage once complete.
+
+        Args:
+            read_item: The chunk DCP has read.
+            tensor: What ``resolve_tensor`` returned for it, now filled.
+
+        Raises:
+            OptimizerCheckpointError: a value does not fit the optimizer (non-finite, out of
+                range for its storage format, ...).
+        """
         fqn = read_item.dest_index.fqn
         if fqn in self.group_tensors:
             group_index, key = self.group_tensors[fqn]
@@ -356,7 +377,15 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             source.untyped_storage().resize_(0)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """Never planned: objects were read beforehand."""
+        """Never called: ``load_optimizer`` reads the objects beforehand.
+
+        Args:
+            read_item: The object DCP would read.
+            value: Its bytes.
+
+        Raises:
+            AssertionError: always (an object read was planned by mistake).
+        """
         raise AssertionError(f"unexpected object read for {read_item.dest_index.fqn!r}")
 
 

@@ -207,7 +207,14 @@ class StreamingSavePlanner(DefaultSavePlanner):
         return plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        """The bytes of ``write_item``: an object, a slice of a tensor, or a fresh expansion."""
+        """Produces the data of one write item, when the storage writer asks for it.
+
+        Args:
+            write_item: The item DCP is about to write.
+
+        Returns:
+            An object's bytes, a slice of a tensor, or a fresh expansion of a chunk.
+        """
         if write_item.type == WriteItemType.BYTE_IO:
             return super().resolve_data(write_item)
         fqn = write_item.index.fqn

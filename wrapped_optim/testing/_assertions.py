@@ -271,6 +271,7 @@ def assert_state_dict_equal(
     Tensors must match in dtype, shape, device (unless ``ignore_device``) and every bit (so
     ``-0.0 != 0.0`` and NaNs with equal payloads are equal). Python scalars must match in type
     (a ``step`` that became a float is a difference) and value; lists and tuples are distinct.
+
     Args:
         a: The first state dict (or any nest of dicts, lists and tensors).
         b: The second.
