@@ -590,6 +590,8 @@ def load_optimizer(
     Raises:
         OptimizerCheckpointError: the checkpoint does not fit the optimizer (nothing changed).
         UndoJournalError: ``journal_dir`` has too little room (raised before the first read).
+        TypeError: the stack holds Megatron containers (checkpoint those through
+            ``sharded_state_dict``).
         ValueError: neither ``checkpoint_id`` nor ``storage_reader`` is given.
 
     Examples:

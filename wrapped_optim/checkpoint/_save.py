@@ -318,6 +318,8 @@ def save_optimizer(
         The DCP metadata of the checkpoint; with ``async_``, a future of it.
 
     Raises:
+        TypeError: the stack holds Megatron containers (checkpoint those through
+            ``sharded_state_dict``).
         ValueError: neither ``checkpoint_id`` nor ``storage_writer`` is given.
 
     Examples:
