@@ -1,11 +1,6 @@
 """The plain-PyTorch builder: optimizer, LR schedule and wrapper stack from one config.
 
-:func:`build_optimizer` takes a :class:`BuildConfig` (or its dict form, or a TOML file):
-``[optimizer]`` names any ``torch.optim`` class or a portable optimizer with its keywords,
-``[schedule]`` assembles warmup and decay from ``torch.optim.lr_scheduler`` (or megatron-core's
-scheduler), and ``[staged]`` / ``[hybrid]`` / ``[fsdp]`` configure the stack that
-:func:`wrapped_optim.wrap` builds. Megatron's own builders are driven by
-:func:`wrapped_optim.integrations.bridge.setup_optimizer` instead.
+Megatron's own builders are driven by ``wrapped_optim.integrations.bridge`` instead.
 """
 
 from __future__ import annotations
@@ -83,7 +78,7 @@ def _check_name(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> N
 
 @attrs.frozen
 class OptimizerSpec:
-    """Which optimizer :func:`wrapped_optim.build_optimizer` builds, and its keyword arguments.
+    """Which optimizer ``wrapped_optim.build_optimizer`` builds, and its keyword arguments.
 
     Attributes:
         name: a ``torch.optim`` class name (any case: ``"adamw"``, ``"SGD"``), one of the
@@ -92,7 +87,10 @@ class OptimizerSpec:
         options: constructor keywords (``lr``, ``weight_decay``...). TOML arrays become
             tuples and ``*dtype`` strings (``"bf16"``, ``"fp8"``) become torch dtypes.
 
-    Example:
+    Raises:
+        ConfigError: ``name`` is empty, ``options`` is not a mapping, or a dtype is unknown.
+
+    Examples:
         >>> spec = OptimizerSpec.from_dict({"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.95]})
         >>> spec.name, spec.options["betas"]
         ('adamw', (0.9, 0.95))
@@ -103,9 +101,15 @@ class OptimizerSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OptimizerSpec:
-        """``{"name": ..., <keyword>: <value>, ...}`` -> spec (every other key is an option).
+        """Builds the spec from ``{"name": ..., <keyword>: <value>, ...}``.
 
-        Example:
+        Args:
+            data: The ``[optimizer]`` table: ``name`` and the constructor keywords.
+
+        Raises:
+            ConfigError: ``data`` is not a mapping, has no ``name``, or holds a bad value.
+
+        Examples:
             >>> OptimizerSpec.from_dict({"name": "sgd", "lr": 0.1}).options
             {'lr': 0.1}
         """
@@ -121,7 +125,11 @@ class OptimizerSpec:
 
     @property
     def lr(self) -> float:
-        """The configured learning rate (``options["lr"]``), needed by LR schedules."""
+        """The configured learning rate (``options["lr"]``), needed by LR schedules.
+
+        Raises:
+            ConfigError: ``lr`` is missing or not a number.
+        """
         lr = self.options.get("lr")
         if not is_number(lr):
             raise ConfigError("optimizer.lr", f"must be a number for an LR schedule, got {lr!r}")
@@ -135,7 +143,7 @@ MEGATRON_LR_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WS
 
 @attrs.frozen(kw_only=True)
 class LRScheduleConfig:
-    """Warmup and decay for :func:`wrapped_optim.build_optimizer`, in optimizer steps.
+    """Warmup and decay for ``wrapped_optim.build_optimizer``, in optimizer steps.
 
     With ``backend="torch"`` the schedule is assembled from ``torch.optim.lr_scheduler``
     (``LinearLR`` warmup, then ``LinearLR``/``CosineAnnealingLR`` decay, then a constant
@@ -152,9 +160,15 @@ class LRScheduleConfig:
             ``style == "constant"``.
         min_lr: the learning rate at and after ``decay_steps``.
         backend: ``"torch"`` or ``"megatron"``.
-        wsd_decay_steps / wsd_style: WSD's annealing length and shape (Megatron only).
+        wsd_decay_steps: WSD's annealing length (Megatron only; required for ``WSD``).
+        wsd_style: WSD's annealing shape: ``exponential``, ``linear``, ``cosine`` or
+            ``minus_sqrt`` (Megatron only).
 
-    Example:
+    Raises:
+        ConfigError: an invalid value, a style the backend lacks, a missing
+            ``decay_steps``, or ``decay_steps`` not after the warmup.
+
+    Examples:
         >>> LRScheduleConfig(warmup_steps=10, style="cosine", decay_steps=100).min_lr
         0.0
     """
@@ -202,9 +216,15 @@ class LRScheduleConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LRScheduleConfig:
-        """Builds the schedule from a mapping, rejecting unknown keys.
+        """Builds the schedule from a mapping of its fields.
 
-        Example:
+        Args:
+            data: The ``[schedule]`` table; an unknown key is an error.
+
+        Raises:
+            ConfigError: an unknown key or an invalid value.
+
+        Examples:
             >>> LRScheduleConfig.from_dict({"warmup_steps": 5}).warmup_steps
             5
         """
@@ -213,13 +233,14 @@ class LRScheduleConfig:
 
 @attrs.frozen(kw_only=True)
 class BuildConfig:
-    """Everything :func:`wrapped_optim.build_optimizer` needs, e.g. from one TOML file.
+    """Everything ``wrapped_optim.build_optimizer`` needs, e.g. from one TOML file.
 
-    TOML layout: ``[optimizer]`` (``name`` + keywords), ``[schedule]`` (optional, see
-    :class:`LRScheduleConfig`) and the stack sections ``[staged]``, ``[hybrid]``,
-    ``[fsdp]`` (or ``staged = false``...).
+    Attributes:
+        optimizer: The optimizer to build (the ``[optimizer]`` table).
+        schedule: The LR schedule (the optional ``[schedule]`` table), or ``None``.
+        stack: The wrapper stack (the ``[staged]``, ``[hybrid]``, ``[fsdp]`` tables).
 
-    Example:
+    Examples:
         >>> config = BuildConfig.from_dict({
         ...     "optimizer": {"name": "adamw", "lr": 1e-3},
         ...     "schedule": {"warmup_steps": 2, "style": "cosine", "decay_steps": 10},
@@ -236,7 +257,13 @@ class BuildConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> BuildConfig:
         """Builds the config from ``{"optimizer": {...}, "schedule": {...}, "staged": ...}``.
 
-        Example:
+        Args:
+            data: The tables by name.
+
+        Raises:
+            ConfigError: no ``optimizer`` table, an unknown table, or an invalid value.
+
+        Examples:
             >>> BuildConfig.from_dict({"optimizer": {"name": "sgd", "lr": 0.1}}).schedule is None
             True
         """
@@ -261,9 +288,17 @@ class BuildConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path, *, table: str | None = None) -> BuildConfig:
-        """Reads a build config from TOML (``table`` selects a nested table).
+        """Reads a build config from a TOML file.
 
-        Example:
+        Args:
+            path: The TOML file.
+            table: A dotted table holding the config (e.g. ``"tool.wrapped_optim"``); without
+                it the whole document is the config.
+
+        Raises:
+            ConfigError: an unknown table or key, or an invalid value.
+
+        Examples:
             >>> import pathlib, tempfile
             >>> path = pathlib.Path(tempfile.mkdtemp()) / "train.toml"
             >>> _ = path.write_text('[optimizer]\\nname = "adamw"\\nlr = 0.001\\n')
@@ -300,7 +335,7 @@ def resolve_optimizer_class(name: str, *, field: str = "optimizer.name") -> type
     A ``torch.optim`` class name in any case, a portable optimizer (``precision_adamw``,
     ``hybrid_offload``), or ``"package.module:Class"``.
 
-    Example:
+    Examples:
         >>> resolve_optimizer_class("adamw").__name__
         'AdamW'
     """
@@ -360,16 +395,28 @@ def _build_config(config: Any) -> BuildConfig:
 def build_optimizer(
     model_or_params: Any, config: BuildConfig | Mapping[str, Any] | str | Path
 ) -> tuple[Any, Any]:
-    """Builds ``(wrapped optimizer, LR scheduler or None)`` from a config for plain PyTorch.
+    """Builds a wrapped optimizer and its LR scheduler from one config, for plain PyTorch.
 
-    ``config`` is a :class:`BuildConfig`, its dict form or a TOML file
-    path. The optimizer comes from ``[optimizer]`` (``name`` + keywords; ``*_cls`` options
-    are resolved by name too), the stack from ``[staged]``/``[hybrid]``/``[fsdp]`` (absent
-    sections derived, see :func:`wrapped_optim.wrap`), and the scheduler from ``[schedule]``:
-    ``torch.optim.lr_scheduler`` pieces (step it with ``scheduler.step()``) or megatron-core's
-    ``OptimizerParamScheduler`` with ``backend = "megatron"`` (``scheduler.step(1)``).
+    The optimizer comes from ``[optimizer]`` (``*_cls`` options are resolved by name too), the
+    stack from ``[staged]``/``[hybrid]``/``[fsdp]`` (absent sections derived, as ``wrap``
+    does), the scheduler from ``[schedule]``.
 
-    Example:
+    Args:
+        model_or_params: A module (its trainable parameters), a tensor, or an iterable of
+            parameters or parameter groups.
+        config: A ``BuildConfig``, its dict form, or the path of a TOML file.
+
+    Returns:
+        ``(optimizer, scheduler)``: the optimizer wrapped by ``wrap``, and a
+        ``torch.optim.lr_scheduler`` scheduler (step it with ``scheduler.step()``), megatron-core's
+        ``OptimizerParamScheduler`` (``backend = "megatron"``; ``scheduler.step(1)``), or
+        ``None`` without a schedule.
+
+    Raises:
+        ConfigError: the config is invalid or the optimizer rejects its options.
+        TypeError: ``model_or_params`` or ``config`` is of an unsupported type.
+
+    Examples:
         >>> import torch
         >>> from wrapped_optim import build_optimizer
         >>> model = torch.nn.Linear(2, 1)

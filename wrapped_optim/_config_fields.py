@@ -1,9 +1,6 @@
-"""What every configuration class shares: :class:`ConfigError`, field checks, TOML I/O.
+"""What every configuration class shares: ``ConfigError``, field checks, TOML I/O.
 
-A leaf module (attrs and the standard library only), so the stack's configs
-(:mod:`wrapped_optim.config`), the plain-torch builder (:mod:`wrapped_optim._builder`), the
-Megatron-Bridge port (:mod:`wrapped_optim.integrations.bridge`) and the layer policy
-(:mod:`wrapped_optim._layer_policy`) validate the same way without importing each other.
+A leaf module (attrs and the standard library only), so every config validates the same way.
 """
 
 from __future__ import annotations
@@ -40,10 +37,17 @@ S = TypeVar("S")
 class ConfigError(ValueError):
     """A configuration value or combination was rejected.
 
-    ``field`` is the dotted path of the offending setting (``"staged.chunk_bytes"``), also the
-    first word of the message.
+    The message is ``"<field>: <reason>"``.
 
-    Example:
+    Args:
+        field: The dotted path of the offending setting (``"staged.chunk_bytes"``).
+        reason: What is wrong and what to do.
+
+    Attributes:
+        field: The dotted path of the offending setting.
+        reason: What is wrong and what to do.
+
+    Examples:
         >>> from wrapped_optim.config import StagedConfig
         >>> try:
         ...     StagedConfig(chunk_bytes=0)
@@ -58,7 +62,15 @@ class ConfigError(ValueError):
         self.reason = reason
 
     def under(self, prefix: str) -> ConfigError:
-        """The same error with ``prefix.`` put in front of its field path."""
+        """Returns the same error with ``prefix.`` put in front of its field path.
+
+        Args:
+            prefix: The enclosing section's name.
+
+        Examples:
+            >>> ConfigError("chunk_bytes", "must be positive").under("staged").field
+            'staged.chunk_bytes'
+        """
         return ConfigError(f"{prefix}.{self.field}", self.reason)
 
 
@@ -75,7 +87,7 @@ def to_bytes(value: Any) -> Any:
 
     Anything else is left for the field's validator to reject.
 
-    Example:
+    Examples:
         >>> to_bytes("64MiB"), to_bytes("1 GB"), to_bytes(7), to_bytes("lots")
         (67108864, 1000000000, 7, 'lots')
     """
@@ -90,7 +102,7 @@ def to_bytes(value: Any) -> Any:
 def check_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     """attrs validator: ``value`` is a real bool (``1`` and ``"yes"`` are rejected).
 
-    Example:
+    Examples:
         >>> import attrs
         >>> @attrs.frozen
         ... class Switch:
@@ -107,7 +119,7 @@ def check_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> No
 def check_choice(*choices: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     """attrs validator factory: the value is one of ``choices``.
 
-    Example:
+    Examples:
         >>> import attrs
         >>> @attrs.frozen
         ... class Mode:
@@ -128,7 +140,7 @@ def check_choice(*choices: str) -> Callable[[Any, attrs.Attribute[Any], Any], No
 def is_int(value: Any) -> bool:
     """An int that is not a bool.
 
-    Example:
+    Examples:
         >>> is_int(3), is_int(True), is_int(3.0)
         (True, False, False)
     """
@@ -138,7 +150,7 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """An int or float that is not a bool.
 
-    Example:
+    Examples:
         >>> is_number(0.5), is_number(False)
         (True, False)
     """
@@ -148,7 +160,7 @@ def is_number(value: Any) -> bool:
 def check_int_at_least(minimum: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     """attrs validator factory: an int (not a bool) of at least ``minimum``.
 
-    Example:
+    Examples:
         >>> import attrs
         >>> @attrs.frozen
         ... class Count:
@@ -167,7 +179,7 @@ def check_int_at_least(minimum: int) -> Callable[[Any, attrs.Attribute[Any], Any
 def check_optional_int_at_least(minimum: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     """attrs validator factory: ``None`` or an int of at least ``minimum``.
 
-    Example:
+    Examples:
         >>> import attrs
         >>> @attrs.frozen
         ... class Limit:
@@ -189,7 +201,7 @@ def check_float(
 ) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     """attrs validator factory: a finite number within ``[minimum, maximum]`` (or ``None``).
 
-    Example:
+    Examples:
         >>> import attrs
         >>> @attrs.frozen
         ... class Fraction:
@@ -214,7 +226,7 @@ def check_float(
 def known_keys(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``data`` as a dict, after rejecting every key that is not an init field of ``cls``.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.config import HybridConfig
         >>> known_keys(HybridConfig, {"on_stale": "raise"}, "hybrid")
         {'on_stale': 'raise'}
@@ -235,7 +247,7 @@ def known_keys(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]
 def closest(word: str, names: list[str]) -> str:
     """A "did you mean" hint for a misspelt ``word``, or ``""``.
 
-    Example:
+    Examples:
         >>> closest("stagd", ["staged", "hybrid"])
         " (did you mean 'staged'?)"
     """
@@ -248,7 +260,7 @@ def closest(word: str, names: list[str]) -> str:
 def from_mapping(cls: Callable[..., S], data: Mapping[str, Any], where: str) -> S:
     """``cls(**data)``, unknown keys rejected and errors named under ``where``.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.config import HybridConfig
         >>> try:
         ...     from_mapping(HybridConfig, {"on_stale": "never"}, "hybrid")
@@ -266,7 +278,7 @@ def from_mapping(cls: Callable[..., S], data: Mapping[str, Any], where: str) -> 
 def read_toml(path: str | Path, table: str | None) -> dict[str, Any]:
     """A TOML document, or its nested ``table`` (dotted path), as a dict.
 
-    Example:
+    Examples:
         >>> import pathlib, tempfile
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "x.toml"
         >>> _ = path.write_text("[tool.x]\\nlr = 0.1\\n")
@@ -290,7 +302,7 @@ def read_toml(path: str | Path, table: str | None) -> dict[str, Any]:
 def toml_value(value: Any) -> str:
     """One scalar as TOML text.
 
-    Example:
+    Examples:
         >>> toml_value(True), toml_value(4096), toml_value('say "hi"')
         ('true', '4096', '"say \\\\"hi\\\\""')
     """

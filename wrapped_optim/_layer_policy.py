@@ -1,16 +1,6 @@
-"""When a layer of the stack turns on, as far as Megatron's settings decide it: one policy.
-
-Two derivations pick layers. :meth:`wrapped_optim.config.StackConfig.from_megatron` reads
-Megatron's ``OptimizerConfig`` and DDP config before any optimizer exists;
-:func:`wrapped_optim.wrap` looks at the optimizer itself, leaf by leaf
-(:func:`wrapped_optim._staging.engine.staging_decisions` and
-:func:`~wrapped_optim._staging.engine.no_copy_decisions`), each leaf with the config of the Megatron
-container holding it. Both read the settings into :class:`MegatronSettings` and ask the
-functions here, so a rule (say, "no staging under CPU offload") is written once.
-
-What only the optimizer can tell -- a holder's storage dtypes, a hybrid offload optimizer in
-the stack, grads in another dtype -- stays with the structural checks of the staging engine
-and the adapters; this module sees settings only, and imports no optimizer code.
+"""When Megatron's settings turn a layer of the stack on: one policy, asked by both
+``StackConfig.from_megatron`` and ``wrap``, so each rule is written once. It sees settings
+only and imports no optimizer code.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Snapshots that undo a failed step or load exactly: one utility for every optimizer.
-
-A step or a load that raises half-way must leave the optimizer as it was. What it may change
-is the same everywhere: the parameters it steps, their per-parameter state, the group options
-(a step count, a zeroed learning rate) and instance dicts keyed by parameter (such as the
-scales of a precision-aware optimizer). :class:`OptimizerSnapshot` keeps a copy of those and
-puts them back; :class:`GroupOptions` keeps only the group options. A leaf module: it imports
-nothing of the package.
+"""Snapshots that undo a failed step or load exactly: one utility for every optimizer
+(docs/concepts.md, "One validator, one rollback"). A leaf module.
 """
 
 from __future__ import annotations

@@ -1,36 +1,6 @@
-"""The seed systems' own entry points, on wrapped_optim's machinery.
-
-Code written against Megatron-Bridge (``megatron.bridge.training.optim``) or Megatron-FSDP
-(``megatron_fsdp.experimental``) switches by changing an import::
-
-    # from megatron.bridge.training.optim import memory_efficient_fp32_optimizer_state_loading
-    from wrapped_optim.compat import memory_efficient_fp32_optimizer_state_loading
-
-Whose specification each function follows (the signatures match the release named;
-``tests/test_bridge_parity.py`` pins them):
-
-* Megatron-Bridge 0.6.2: :func:`memory_efficient_fp32_optimizer_state_loading`,
-  :func:`sync_hybrid_device_optimizer_fp32_master_copies`;
-* Megatron-FSDP 0.6.1: :func:`fully_shard_optimizer`;
-* the newer Bridge specification, in no Bridge release up to 0.6.2:
-  :func:`memory_efficient_precision_aware_optimizer_state_checkpointing`,
-  :func:`hybrid_optimizer_state_loading`, and a post-load sync that keeps restored masters
-  after a full resume (Bridge 0.6.2 calls the sync after every load and rebuilds them from
-  the weights);
-* this project's own: :func:`init_optimizer_state`.
-
-Each function runs the engine the corresponding wrapper uses (the staging engine of
-:class:`~wrapped_optim.staged.StagedCheckpointOptimizer`, the master-copy adapter of
-:class:`~wrapped_optim.hybrid.HybridSyncOptimizer`, :class:`~wrapped_optim.fsdp.FSDPAwareOptimizer`)
-and yields / returns what the reference does. Differences, all deliberate:
-
-* eligibility is decided by structure (protocols, Megatron config flags) on every leaf of the
-  stack, so the portable optimizers qualify as well as TE's FusedAdam, and wrapped stacks
-  work;
-* save staging reads compressed state chunk by chunk when the holder can (one chunk of
-  expansion on the device instead of one whole tensor);
-* :func:`fully_shard_optimizer` *returns* a decorated optimizer instead of registering step
-  hooks in place (use the result), so a failing step still restores the grads.
+"""Megatron-Bridge's and Megatron-FSDP's own entry points, on wrapped_optim's machinery:
+code written against them switches by changing an import. Which release each follows, and what
+differs, is in the docs' Configuration page ("compat").
 """
 
 from __future__ import annotations
@@ -58,15 +28,23 @@ def memory_efficient_precision_aware_optimizer_state_checkpointing(
 ) -> Iterator[int]:
     """Save staging: expanded precision-aware state goes to the host as it is read.
 
-    Follows the newer Bridge specification; not in Megatron-Bridge 0.6.2.
+    Follows the newer Bridge specification (not in Megatron-Bridge 0.6.2). Wrap
+    ``state_dict()``, ``sharded_state_dict(...)`` or ``load_state_dict(...)`` in it; every
+    holder is restored on exit, also when the block raises.
 
-    Wrap ``state_dict()`` / ``sharded_state_dict(...)`` / ``load_state_dict(...)`` in it.
-    Yields the number of precision-aware holders staged (0 when ``enabled`` is false, the
-    optimizer is ``None`` or nothing qualifies); every holder is restored on exit, also when
-    the block raises. A holder whose ``get_unscaled_state`` returns a non-tensor raises
-    ``TypeError``; one without a callable accessor ``RuntimeError``.
+    Args:
+        optimizer: The optimizer or stack (``None`` does nothing).
+        enabled: Whether to stage at all (Bridge's config switch).
+        chunk_bytes: Device bytes one chunk of FP32 expansion may take.
 
-    Example:
+    Yields:
+        The number of precision-aware holders staged (0 when nothing qualifies).
+
+    Raises:
+        TypeError: a holder's ``get_unscaled_state`` returns a non-tensor.
+        RuntimeError: a holder has no callable state accessor.
+
+    Examples:
         >>> import torch
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> with memory_efficient_precision_aware_optimizer_state_checkpointing(
@@ -85,22 +63,21 @@ def memory_efficient_precision_aware_optimizer_state_checkpointing(
 
 @contextmanager
 def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
-    """Megatron-Bridge 0.6.2's FP32 no-copy load: distributed FP32 Adams adopt the loader's tensors.
+    """Megatron-Bridge 0.6.2's FP32 no-copy load: distributed FP32 Adams adopt loaded tensors.
 
-    Yields the number of eligible optimizers (a distributed optimizer's standard FusedAdam-like
-    leaf with FP32 moments and params, not precision-aware, not offloaded, not Megatron-FSDP).
-    Inside the block their ``load_state_dict`` takes torch's base loader for a state holding
-    exactly FP32 ``exp_avg``/``exp_avg_sq``; anything else goes to their own loader. Restored
-    on exit (also on error), after which the CUDA allocator cache is released if anything was
-    adopted.
+    Inside the block, an eligible optimizer (a distributed optimizer's FusedAdam-like leaf
+    with FP32 moments and params, not precision-aware, offloaded or Megatron-FSDP) loads a
+    state of exactly FP32 ``exp_avg``/``exp_avg_sq`` with torch's base loader, without a
+    copy. The block also carries the repairs megatron-core's checkpoint loaders need for an
+    exact resume. Everything is restored on exit, also on error.
 
-    Bridge wraps its whole checkpoint load in this context, so the block also carries the
-    repairs megatron-core's distributed checkpoint loaders need for an exact resume
-    (:func:`wrapped_optim._adapters.megatron_checkpoint.megatron_load_repairs`: loading
-    scaffold of a fresh optimizer, per-parameter steps, HybridDeviceOptimizer's FP32 update,
-    its optimizer classes for the weights-only read).
+    Args:
+        optimizer: The optimizer or stack (``None`` does nothing).
 
-    Example:
+    Yields:
+        The number of eligible optimizers.
+
+    Examples:
         >>> import torch
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> with memory_efficient_fp32_optimizer_state_loading(sgd) as patched:
@@ -122,21 +99,19 @@ def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[in
 def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
     """Hybrid state loading: payloads may omit per-parameter ``step``/``master_param``.
 
-    Follows the newer Bridge specification; not in Megatron-Bridge 0.6.2 (whose loads leave
-    the hybrid optimizer's copies as they were and then rebuild every master from the model's
-    weights, see :func:`sync_hybrid_device_optimizer_fp32_master_copies`).
+    Follows the newer Bridge specification (not in Megatron-Bridge 0.6.2). Inside the block,
+    hybrid offload optimizers load checkpoints that keep Adam's step in the group metadata
+    only or drop the ``master_param`` alias; everything is restored on exit, also on error.
+    After a block that did not raise, the loaded masters are pushed to every copy level and
+    the model weights.
 
-    Inside the block, hybrid offload optimizers load checkpoints that keep Adam's step in the
-    group metadata only, or drop the ``master_param`` alias (fully reshardable payloads):
-    Megatron DistributedOptimizers around one supply the saved group step and the checkpoint's
-    FP32 param to their per-parameter loader; a hybrid optimizer loaded directly gets the
-    entries put back into (a copy of) the torch-format state dict. Yields the number of
-    optimizers prepared; everything is restored on exit, also on error. After a block that did
-    not raise, the loaded masters are pushed to every copy level and the model weights, so
-    the next step continues from them. :func:`sync_hybrid_device_optimizer_fp32_master_copies`
-    after it (Bridge's order) keeps them.
+    Args:
+        optimizer: The optimizer or stack (``None`` does nothing).
 
-    Example:
+    Yields:
+        The number of optimizers prepared.
+
+    Examples:
         >>> import torch
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> with hybrid_optimizer_state_loading(sgd) as prepared:
@@ -193,26 +168,18 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
 def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
     """Bridge's post-load sync of every FP32 master level, for both kinds of load.
 
-    Megatron-Bridge calls it after *every* checkpoint load. For each parameter of every hybrid
-    offload optimizer (Megatron's HybridDeviceOptimizer, alone or under a
-    DistributedOptimizer/ChainedOptimizer, or the portable HybridOffloadOptimizer):
+    For each parameter of every hybrid offload optimizer: a master that disagrees with the
+    model weight (a model-only load) is refreshed at every level from the weight; a master
+    that agrees (a full resume) keeps its low bits and is pushed to every other level.
+    Megatron-Bridge 0.6.2's helper of the same name refreshes from the weights always.
 
-    - the optimizer's master disagrees with the model weight (rounded to the weight's dtype):
-      the weights were loaded without optimizer state (a model-only load, fine-tuning), so
-      every level -- the distributed optimizer's FP32 shard, the host clone, the FP32 working
-      copy -- takes the weight's value;
-    - the master agrees: optimizer state was restored with the weights (a full resume), so
-      the master keeps its low bits and is pushed to every other level (repairing working
-      copies that a loader replaced without refreshing) and the restored state is handed to
-      the sub-optimizers that step it.
+    Args:
+        optimizer: The optimizer or stack (``None`` does nothing).
 
-    Source: Megatron-Bridge 0.6.2's helper of the same name and signature, which refreshes
-    every level from the weights unconditionally -- after a full resume that drops the
-    restored masters' low bits; this follows the newer specification instead.
-    Returns ``True`` when the stack has a hybrid offload optimizer (synced), ``False`` (doing
-    nothing) otherwise or for ``None``.
+    Returns:
+        ``True`` when the stack has a hybrid offload optimizer (synced), else ``False``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
         >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
@@ -249,13 +216,20 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
 def fully_shard_optimizer(optimizer: Any, *, precision_aware: bool = False) -> Any:
     """Megatron-FSDP 0.6.1's optimizer adapter, as a decorating wrapper: use the returned one.
 
-    The result steps sharded parameters whose grad dtype differs from their data dtype (grads
-    cast for the step unless ``precision_aware``, originals put back afterwards, also when the
-    step raises) and refreshes compute weights after each step. The layer goes on top (it is
-    the outermost of the canonical stack); an optimizer that already has it is returned as it
-    is, or with the top layer rebuilt when ``precision_aware`` differs (never a doubled layer).
+    Adds ``FSDPAwareOptimizer`` on top of the stack (never a doubled layer).
 
-    Example:
+    Args:
+        optimizer: The optimizer or stack.
+        precision_aware: The optimizer reads grads in another dtype than the weights itself.
+
+    Returns:
+        The decorated optimizer; ``optimizer`` itself when it already has the layer with
+        this ``precision_aware``, or with its top layer rebuilt when that differs.
+
+    Raises:
+        ValueError: the layer with another ``precision_aware`` sits below another wrapper.
+
+    Examples:
         >>> import torch
         >>> p = torch.nn.Parameter(torch.ones(2))
         >>> p.grad_dtype = torch.bfloat16
@@ -287,10 +261,16 @@ def fully_shard_optimizer(optimizer: Any, *, precision_aware: bool = False) -> A
 def init_optimizer_state(optimizer: Any) -> bool:
     """Creates the state a DCP load fills, without touching weights, grads or hyper-parameters.
 
-    This project's own (neither Bridge nor Megatron-FSDP has it). See
-    :func:`wrapped_optim.fsdp.init_optimizer_state`; returns ``True`` when it created state.
+    This project's own (neither Bridge nor Megatron-FSDP has it); the same as
+    ``wrapped_optim.init_optimizer_state``.
 
-    Example:
+    Args:
+        optimizer: Any optimizer or wrapper stack.
+
+    Returns:
+        ``True`` when it created state; ``False`` when every leaf already had state.
+
+    Examples:
         >>> import torch
         >>> opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1)
         >>> init_optimizer_state(opt), sorted(opt.state_dict()["state"][0])

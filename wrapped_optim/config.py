@@ -1,24 +1,6 @@
 """Validated, frozen configuration of the wrapper stack: which layers, and their options.
 
-Users configure, they do not hand-assemble. A :class:`StackConfig` holds one optional section
-per wrapper (``staged``, ``hybrid``, ``fsdp``). Each section is three-valued:
-
-* a section object (``StagedConfig(...)``, or ``true`` / a table in TOML) turns the layer on
-  with those options;
-* ``False`` turns it off, whatever derivation would say;
-* ``None`` (absent) leaves the decision to derivation -- from the optimizer itself
-  (:func:`wrapped_optim.wrap`) or from Megatron's configs (:meth:`StackConfig.from_megatron`);
-  both follow :mod:`wrapped_optim._layer_policy`.
-
-The same shape reads from a dict, a TOML file (``[staged]``, ``[hybrid]``, ``[fsdp]`` tables)
-and the attrs classes, and every rejected value raises :class:`ConfigError` naming the field.
-
-The plain-torch build config (:class:`~wrapped_optim._builder.BuildConfig`,
-:class:`~wrapped_optim._builder.OptimizerSpec`,
-:class:`~wrapped_optim._builder.LRScheduleConfig`) lives with :func:`wrapped_optim.build_optimizer`
-in :mod:`wrapped_optim._builder`; Megatron-Bridge's
-:class:`~wrapped_optim.integrations.bridge.SchedulerConfig` with ``setup_optimizer`` in
-:mod:`wrapped_optim.integrations.bridge`.
+The guide, with the TOML form and the rules of derivation, is the docs' Configuration page.
 """
 
 from __future__ import annotations
@@ -56,7 +38,7 @@ __all__ = [
 # ----------------------------------------------------------------------------------------
 @attrs.frozen
 class StagedConfig:
-    """Options of :class:`wrapped_optim.StagedCheckpointOptimizer` (memory-bounded checkpoints).
+    """Options of ``wrapped_optim.StagedCheckpointOptimizer`` (memory-bounded checkpoints).
 
     Attributes:
         chunk_bytes: the most expanded (FP32) state held on the device at once; an int or a
@@ -65,10 +47,11 @@ class StagedConfig:
         no_copy_load: let FP32 Adam state adopt the loader's tensors instead of copying them.
         chunked_load: quantize compressed state chunk by chunk when loading.
 
-    A section with all three switches off would be a layer that does nothing: turn the layer
-    off with ``staged=False`` instead.
+    Raises:
+        ConfigError: a value is invalid, or all three switches are off (turn the layer off
+            with ``staged=False`` instead).
 
-    Example:
+    Examples:
         >>> StagedConfig(chunk_bytes="1MiB").chunk_bytes
         1048576
         >>> StagedConfig(stage_save=False).no_copy_load
@@ -92,9 +75,15 @@ class StagedConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StagedConfig:
-        """Builds the section from a mapping, rejecting unknown keys.
+        """Builds the section from a mapping of its options.
 
-        Example:
+        Args:
+            data: The options by name; a key that is not an option is an error.
+
+        Raises:
+            ConfigError: an unknown key or an invalid value.
+
+        Examples:
             >>> StagedConfig.from_dict({"chunk_bytes": 4096}).chunk_bytes
             4096
         """
@@ -103,13 +92,16 @@ class StagedConfig:
 
 @attrs.frozen
 class HybridConfig:
-    """Options of :class:`wrapped_optim.HybridSyncOptimizer` (CPU/GPU offloaded optimizers).
+    """Options of ``wrapped_optim.HybridSyncOptimizer`` (CPU/GPU offloaded optimizers).
 
     Attributes:
         on_stale: what ``step`` does when a master copy is stale: ``"refresh"`` it from the
             model weights, ``"raise"``, or ``"ignore"`` (step anyway).
 
-    Example:
+    Raises:
+        ConfigError: ``on_stale`` is not one of the three choices.
+
+    Examples:
         >>> HybridConfig().on_stale
         'refresh'
     """
@@ -120,9 +112,15 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HybridConfig:
-        """Builds the section from a mapping, rejecting unknown keys.
+        """Builds the section from a mapping of its options.
 
-        Example:
+        Args:
+            data: The options by name; a key that is not an option is an error.
+
+        Raises:
+            ConfigError: an unknown key or an invalid value.
+
+        Examples:
             >>> HybridConfig.from_dict({"on_stale": "raise"})
             HybridConfig(on_stale='raise')
         """
@@ -131,13 +129,16 @@ class HybridConfig:
 
 @attrs.frozen
 class FSDPConfig:
-    """Options of :class:`wrapped_optim.FSDPAwareOptimizer` (sharded params, foreign grad dtypes).
+    """Options of ``wrapped_optim.FSDPAwareOptimizer`` (sharded params, foreign grad dtypes).
 
     Attributes:
         precision_aware: the inner optimizer consumes grads of a different dtype itself (TE's
             precision-aware FusedAdam), so grads are not cast before the step.
 
-    Example:
+    Raises:
+        ConfigError: ``precision_aware`` is not a bool.
+
+    Examples:
         >>> FSDPConfig(precision_aware=True).precision_aware
         True
     """
@@ -146,9 +147,15 @@ class FSDPConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FSDPConfig:
-        """Builds the section from a mapping, rejecting unknown keys.
+        """Builds the section from a mapping of its options.
 
-        Example:
+        Args:
+            data: The options by name; a key that is not an option is an error.
+
+        Raises:
+            ConfigError: an unknown key or an invalid value.
+
+        Examples:
             >>> FSDPConfig.from_dict({})
             FSDPConfig(precision_aware=False)
         """
@@ -195,7 +202,15 @@ class StackConfig:
     Each section is a section object (layer on), ``False`` (layer off) or ``None`` (let
     derivation decide). ``True`` and mappings are converted to section objects.
 
-    Example:
+    Attributes:
+        staged: ``StagedCheckpointOptimizer``'s section (``StagedConfig``).
+        hybrid: ``HybridSyncOptimizer``'s section (``HybridConfig``).
+        fsdp: ``FSDPAwareOptimizer``'s section (``FSDPConfig``).
+
+    Raises:
+        ConfigError: a section is not a section object, a mapping, a bool or ``None``.
+
+    Examples:
         >>> config = StackConfig.from_dict({"staged": {"chunk_bytes": "8MiB"}, "hybrid": False})
         >>> config.staged.chunk_bytes, config.hybrid, config.fsdp
         (8388608, False, None)
@@ -212,7 +227,13 @@ class StackConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> StackConfig:
         """Builds a config from ``{"staged": {...} | bool, "hybrid": ..., "fsdp": ...}``.
 
-        Example:
+        Args:
+            data: The sections by name; an unknown section or option is an error.
+
+        Raises:
+            ConfigError: an unknown key or an invalid value, named by its dotted path.
+
+        Examples:
             >>> StackConfig.from_dict({"fsdp": {"precision_aware": True}}).fsdp.precision_aware
             True
         """
@@ -222,11 +243,15 @@ class StackConfig:
     def from_toml(cls, path: str | Path, *, table: str | None = None) -> StackConfig:
         """Reads ``[staged]``, ``[hybrid]`` and ``[fsdp]`` from a TOML file.
 
-        ``table`` selects a nested table holding them (e.g. ``"tool.wrapped_optim"`` in a
-        pyproject.toml); without it the whole document is the config and any other table is
-        an error.
+        Args:
+            path: The TOML file.
+            table: A dotted table holding the sections (e.g. ``"tool.wrapped_optim"`` in a
+                pyproject.toml); without it the whole document is the config.
 
-        Example:
+        Raises:
+            ConfigError: an unknown table or key, or an invalid value.
+
+        Examples:
             >>> import pathlib, tempfile
             >>> path = pathlib.Path(tempfile.mkdtemp()) / "stack.toml"
             >>> _ = path.write_text('hybrid = false\\n[staged]\\nchunk_bytes = "4MiB"\\n')
@@ -245,23 +270,19 @@ class StackConfig:
     ) -> StackConfig:
         """Derives the stack from Megatron's OptimizerConfig (and DDP config), as Bridge would.
 
-        Any object with Megatron's attribute names works (megatron-core refuses
-        ``use_precision_aware_optimizer=True`` without TE installed). Derivation (the rules of
-        :mod:`wrapped_optim._layer_policy`, which :func:`wrapped_optim.wrap` follows too):
+        Any object with Megatron's attribute names works. A known flag that is false gives
+        ``False`` (layer off); with no ``ddp_config`` the FSDP section stays ``None``. The
+        rules are in the docs' Configuration page ("Deriving from Megatron's configs").
 
-        * ``use_precision_aware_optimizer`` -> staged save and chunked load;
-        * distributed FP32 Adam (``use_distributed_optimizer``, ``optimizer="adam"``, FP32
-          moments, not precision-aware) -> no-copy load (and the layer's repair of the step
-          tensor Megatron's loader shares between params with torch's AdamW inside);
-        * ``optimizer_cpu_offload`` -> hybrid sync (and no staging: Bridge skips it there);
-        * ``ddp_config.use_megatron_fsdp`` -> FSDP-aware (precision-aware when the optimizer
-          is) and no staging.
+        Args:
+            optimizer_config: Megatron's ``OptimizerConfig`` (or a look-alike).
+            ddp_config: Megatron's ``DistributedDataParallelConfig``, if any.
+            overrides: Explicit settings that win over derived ones (see ``override``).
 
-        A flag that is known and false gives ``False`` (layer off); with no ``ddp_config`` the
-        FSDP section stays ``None`` (derive from the optimizer). ``overrides`` (explicit
-        settings) win over derived ones; see :meth:`override`.
+        Raises:
+            ConfigError: a Megatron setting is invalid (named by its field).
 
-        Example:
+        Examples:
             >>> from types import SimpleNamespace
             >>> megatron = SimpleNamespace(use_precision_aware_optimizer=True,
             ...     use_distributed_optimizer=True, optimizer="adam")
@@ -277,14 +298,19 @@ class StackConfig:
 
     # ------------------------------------------------------------------------------------
     def override(self, explicit: StackConfig | Mapping[str, Any]) -> StackConfig:
-        """This config with ``explicit`` settings put on top.
+        """Returns this config with explicit settings put on top.
 
-        A :class:`StackConfig` replaces every section it does not leave ``None``. A mapping is
-        finer grained: a table of options is merged field by field into this config's section
-        (or into the defaults when the section is off or undecided), ``True``/``False`` and
-        section objects replace it, and absent keys keep it.
+        Args:
+            explicit: A ``StackConfig`` (replaces every section it does not leave ``None``)
+                or a mapping, merged finer: a table of options is merged field by field into
+                this config's section (or the defaults when it is off or undecided),
+                ``True``/``False`` and section objects replace it, absent keys keep it.
 
-        Example:
+        Raises:
+            TypeError: ``explicit`` is neither a ``StackConfig`` nor a mapping.
+            ConfigError: an unknown key or an invalid value.
+
+        Examples:
             >>> base = StackConfig(staged=StagedConfig(stage_save=False))
             >>> base.override({"staged": {"chunk_bytes": 1024}}).staged.stage_save
             False
@@ -316,7 +342,7 @@ class StackConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data (``from_dict(to_dict())`` gives it back).
 
-        Example:
+        Examples:
             >>> StackConfig(hybrid=True, staged=False).to_dict()
             {'staged': False, 'hybrid': {'on_stale': 'refresh'}}
         """
@@ -329,9 +355,9 @@ class StackConfig:
         return result
 
     def to_toml(self) -> str:
-        """The config as TOML text that :meth:`from_toml` reads back.
+        """The config as TOML text that ``from_toml`` reads back.
 
-        Example:
+        Examples:
             >>> print(StackConfig(fsdp=True, hybrid=False).to_toml())
             hybrid = false
             <BLANKLINE>

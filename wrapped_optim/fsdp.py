@@ -1,11 +1,5 @@
-"""Optimizers over FSDP-sharded parameters whose grads have another dtype than their weights.
-
-Megatron-FSDP gives each sharded parameter FP32 main weights and, to halve gradient memory and
-communication, bf16 main grads (``param.grad_dtype = torch.bfloat16``). Plain torch optimizers
-refuse that mix, the low-precision compute weights go stale after every step, and
-``torch.distributed.checkpoint``'s state initialiser assigns a zero grad in the *parameter*
-dtype, which such parameters reject. :class:`FSDPAwareOptimizer` fixes the first two around each
-step; :func:`init_optimizer_state` creates the state a checkpoint load needs.
+"""FSDPAwareOptimizer and init_optimizer_state: torch optimizers over sharded parameters
+whose grads have another dtype than their weights (Megatron-FSDP's bf16 main grads).
 """
 
 from __future__ import annotations
@@ -104,7 +98,7 @@ def _cast_grads(
 ) -> None:
     """Swaps every grad whose dtype differs from its parameter's for a cast copy.
 
-    Each swap is recorded in ``swapped`` as it happens, so :func:`_restore_grads` puts back
+    Each swap is recorded in ``swapped`` as it happens, so ``_restore_grads`` puts back
     every original grad object (and ``grad_dtype``) even if a later swap fails.
     """
     for param in params:
@@ -152,32 +146,24 @@ def _grads_in_data_dtype(
 class FSDPAwareOptimizer(OptimizerWrapper):
     """Steps any optimizer on sharded parameters whose grad dtype differs from their dtype.
 
-    Around each step of the wrapped stack:
-
-    1. every grad whose dtype differs from its parameter's data dtype (Megatron-FSDP's bf16
-       main grads on FP32 main weights) is swapped for a copy cast to the data dtype, unless
-       ``precision_aware`` (the optimizer consumes mixed-precision grads itself, like TE's
-       FusedAdam). The copies live in buffers kept from step to step, so a step allocates no
-       full-size grads once the first step has run;
-    2. the inner step runs;
-    3. the original grad objects (and their ``grad_dtype``) are put back — also when the step
-       raises;
-    4. after a successful step, compute weights are refreshed once per parameter group:
-       Megatron-FSDP's own ``sync_model_weight_from_main_weight()`` for parameters it owns,
-       ``refresh(param_group)`` for every optimizer parameter group holding other parameters.
-
-    A closure (Lightning always passes one) is wrapped so that the grads it produces are cast
-    when it returns, before the inner optimizer uses them; it sees the original grads, so
-    gradient clipping inside it acts on them, as without the wrapper.
+    Around each step of the wrapped stack, grads of a foreign dtype are swapped for copies in
+    the parameter's dtype (kept in buffers reused from step to step), the inner step runs,
+    the original grads are put back (also when the step raises), and after a successful step
+    the compute weights are refreshed once per parameter group. A closure's grads are cast
+    after each evaluation. See [FSDP-aware stepping](../fsdp.md#how-it-works).
 
     Args:
-        inner: the optimizer (or wrapper stack) to decorate.
-        precision_aware: the optimizer accepts grads in another dtype than the weights.
-        refresh: called with each optimizer parameter group that holds parameters not owned
+        inner: The optimizer (or wrapper stack) to decorate.
+        precision_aware: The optimizer reads grads in another dtype than the weights itself
+            (TE's ``FusedAdam``, ``PrecisionAwareAdamW``): nothing is cast.
+        refresh: Called with each optimizer parameter group that holds parameters not owned
             by Megatron-FSDP, after every successful step (e.g. to copy FP32 masters into the
             model's compute weights).
 
-    Example:
+    Raises:
+        TypeError: ``refresh`` is not callable.
+
+    Examples:
         >>> import torch
         >>> from wrapped_optim.fsdp import FSDPAwareOptimizer
         >>> p = torch.nn.Parameter(torch.ones(2))
@@ -224,7 +210,7 @@ class FSDPAwareOptimizer(OptimizerWrapper):
         that raised. Collective under Megatron-FSDP when compute and main weights are
         placed differently: call it on every rank.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.fsdp import FSDPAwareOptimizer
             >>> p = torch.nn.Parameter(torch.ones(1))
@@ -258,7 +244,7 @@ class FSDPAwareOptimizer(OptimizerWrapper):
     def release_cast_buffers(self) -> None:
         """Frees the kept cast buffers (the next step allocates them again).
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.fsdp import FSDPAwareOptimizer
             >>> opt = FSDPAwareOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
@@ -272,7 +258,7 @@ class FSDPAwareOptimizer(OptimizerWrapper):
     def cast_buffer_bytes(self) -> int:
         """Rank-local bytes held by the kept cast buffers.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.fsdp import FSDPAwareOptimizer
             >>> p = torch.nn.Parameter(torch.ones(4))
@@ -443,37 +429,22 @@ def _hide_placeholders_from_first_step(leaf: torch.optim.Optimizer) -> None:
 def init_optimizer_state(optimizer: Any) -> bool:
     """Creates the optimizer state a checkpoint load fills, without changing anything else.
 
-    ``torch.distributed.checkpoint``'s ``set_optimizer_state_dict`` needs existing state
-    tensors to load into. Its own initialiser gives every parameter a zero grad in the
-    *parameter* dtype (rejected by a parameter whose ``grad_dtype`` differs, as under
-    Megatron-FSDP), swaps a tensor ``lr`` for a new float tensor and lets weight decay touch
-    the weights. This one, for every leaf optimizer of the stack that has no state yet:
+    ``torch.distributed.checkpoint``'s ``set_optimizer_state_dict`` loads into existing state
+    tensors. This steps every leaf optimizer of the stack that has no state yet once, with
+    zero grads in each parameter's grad dtype and ``lr`` and ``weight_decay`` at 0, then
+    restores the weights bit for bit, the grads, the parameter groups and the step counters.
+    State a first step would adopt from the grad (SGD's ``momentum_buffer``) stays a zero
+    load target that the first real step ignores unless a load wrote into it. If the step
+    raises, everything is restored. See [init_optimizer_state](../fsdp.md#init_optimizer_state).
 
-    - gives each trainable parameter a zero grad in its grad dtype (cast to the data dtype for
-      the step unless the stack's :class:`FSDPAwareOptimizer` is ``precision_aware``); under
-      a Megatron optimizer every main parameter counts as trainable (they are detached
-      copies, and Megatron gives each a grad), a HybridDeviceOptimizer's included;
-    - sets ``lr`` and ``weight_decay`` to 0 for the step (a tensor is zeroed in place and
-      keeps its identity) and restores every parameter-group entry afterwards; an entry the
-      step added is removed again, except a group ``step`` counter, which stays at 0 so that
-      a DCP load (it fills only keys present in its template) restores the saved count;
-    - steps the leaf optimizer itself (no compute-weight refresh, no outer wrapper logic);
-    - restores the weights bit for bit, the previous grads (or ``None``), and resets
-      per-parameter ``step`` counters to 0: the next step is numbered 1, as on a fresh
-      optimizer;
-    - keeps state a first step would adopt from the grad (``torch.optim.SGD``'s
-      ``momentum_buffer``: ``buf = grad`` when missing, ``momentum * buf + (1 - dampening) *
-      grad`` when present) as zero load targets, and registers a one-shot step pre-hook that
-      removes those still untouched just before the first real step. A checkpoint loaded into
-      them (new tensors, or in place as DCP does) is kept; without a load, training equals an
-      untouched optimizer's.
+    Args:
+        optimizer: Any optimizer or wrapper stack, including Megatron optimizers.
 
-    If the step raises, the leaf's new state is dropped and everything else, including the
-    parameter groups, is restored exactly.
-    Returns ``True`` when state was created; ``False`` (doing nothing) when every leaf
-    already had state.
+    Returns:
+        ``True`` when state was created; ``False`` (having done nothing) when every leaf
+        already had state.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.fsdp import init_optimizer_state
         >>> p = torch.nn.Parameter(torch.ones(2))

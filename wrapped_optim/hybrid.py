@@ -1,17 +1,5 @@
-"""Keeping every FP32 master copy of a hybrid offload optimizer consistent across loads.
-
-A hybrid (CPU/GPU) offload optimizer steps copies of the model weights: host clones, FP32
-working copies and, under Megatron's DistributedOptimizer, FP32 main shards. Two kinds of load
-break them:
-
-- a model-only load (fine-tuning from weights) changes the weights behind the copies' back: the
-  first step runs on stale (initial) copies and writes them into the model — the loss looks fine
-  at step 1 and collapses at step 2;
-- a full resume that rebuilds the copies from 16-bit weights drops the masters' low bits and
-  changes every later update.
-
-:class:`HybridSyncOptimizer` fixes both at the load boundary and guards the first step after
-it, at no per-step cost afterwards.
+"""HybridSyncOptimizer: every FP32 master copy of a hybrid offload optimizer kept in step
+with the model weights across model-only loads and full resumes.
 """
 
 from __future__ import annotations
@@ -44,9 +32,10 @@ _ON_STALE = ("refresh", "raise", "ignore")
 class StaleMasterError(RuntimeError):
     """The optimizer's master copies disagree with the model weights it is about to update.
 
-    Raised by the first step after construction or a load when ``on_stale="raise"``.
+    Raised by ``HybridSyncOptimizer``'s first step after construction or a load when it was
+    built with ``on_stale="raise"``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
         >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
@@ -65,24 +54,23 @@ class StaleMasterError(RuntimeError):
 class HybridSyncOptimizer(OptimizerWrapper):
     """Keeps the master copies of hybrid offload optimizers in step with the model weights.
 
-    - :meth:`load_state_dict` (full resume): puts back what Megatron-style payloads omit (a
-      per-parameter ``step`` from the saved group step, ``master_param`` from the checkpoint's
-      FP32 param), loads, then pushes the *restored* masters into every copy level and
-      sub-optimizer and writes the model weights from them — masters are never rebuilt from
-      16-bit weights, so they keep their low bits.
-    - :meth:`reload_model_params` (model-only load): refreshes every level from the weights.
-    - the first step after construction or any load compares every level, rounded to the model
-      dtype, with the model weights; on a mismatch ``on_stale`` decides: ``"refresh"`` the
-      stale entries from the model (default), ``"raise"`` :class:`StaleMasterError`, or
-      ``"ignore"``. One pass, once; later steps cost one flag check.
+    ``load_state_dict`` restores what Megatron-style payloads omit and pushes the restored
+    masters to every copy level and to the model; ``reload_model_params`` refreshes every
+    level from the weights after a model-only load; the first step after construction or a
+    load checks every level against the model weights. It works on the portable
+    ``HybridOffloadOptimizer`` and on Megatron's ``HybridDeviceOptimizer`` anywhere in the
+    stack; a stack without one passes through unchanged. See [Hybrid offload](../hybrid.md).
 
-    Works on every hybrid offload optimizer of the stack (see
-    :func:`wrapped_optim._adapters.hybrid.find_hybrid_offload`): the portable
-    :class:`wrapped_optim.optimizers.HybridOffloadOptimizer` and Megatron's
-    HybridDeviceOptimizer inside DistributedOptimizer / ChainedOptimizer. A stack without one
-    passes through unchanged.
+    Args:
+        inner: The optimizer to decorate (a stack containing a hybrid offload optimizer).
+        on_stale: What the first step after construction or a load does when a master copy
+            disagrees with the model weights: ``"refresh"`` it from the model (default),
+            ``"raise"`` ``StaleMasterError``, or ``"ignore"`` it.
 
-    Example:
+    Raises:
+        ValueError: ``on_stale`` is not one of the three choices.
+
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
         >>> model = torch.nn.Linear(2, 1).to(torch.bfloat16)
@@ -112,7 +100,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
     def hybrid_optimizers(self) -> list[Any]:
         """The hybrid offload optimizers this wrapper keeps in sync.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
             >>> inner = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(2))])
@@ -125,7 +113,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
     def guard_armed(self) -> bool:
         """Whether the next step first checks the masters against the model weights.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
             >>> p = torch.nn.Parameter(torch.ones(2))
@@ -164,7 +152,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
     def stale_masters(self) -> list[MasterCopies]:
         """Entries with a level that, rounded to the model dtype, differs from the weight.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
             >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
@@ -177,9 +165,15 @@ class HybridSyncOptimizer(OptimizerWrapper):
         return [entry for entry in hybrid_master_copies(self.inner) if entry.stale_levels()]
 
     def check_masters(self) -> list[MasterCopies]:
-        """Runs the stale-master guard now (and disarms it); returns the stale entries found.
+        """Runs the stale-master guard now and disarms it.
 
-        Example:
+        Returns:
+            The stale entries found (refreshed already under ``on_stale="refresh"``).
+
+        Raises:
+            StaleMasterError: a master copy is stale and ``on_stale`` is ``"raise"``.
+
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
             >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
@@ -209,10 +203,16 @@ class HybridSyncOptimizer(OptimizerWrapper):
     def reload_model_params(self, state_dict: Any = None) -> None:
         """Model-only sync: every master copy at every level takes the model weights' value.
 
-        Megatron's name: a Megatron optimizer inside is asked to reload first (with
-        ``state_dict`` when given), then every hybrid level is refreshed.
+        A Megatron optimizer inside reloads first, then every hybrid level is refreshed.
 
-        Example:
+        Args:
+            state_dict: A model checkpoint for the Megatron optimizer inside to reload its
+                main params from; ``None`` reloads from the model weights.
+
+        Raises:
+            ValueError: ``state_dict`` is given but the stack holds no Megatron optimizer.
+
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
             >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
@@ -239,7 +239,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
     def sync_from_masters(self) -> None:
         """Full-state sync: the masters go to every copy, sub-optimizer and model weight.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
             >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
@@ -268,14 +268,20 @@ class HybridSyncOptimizer(OptimizerWrapper):
     ) -> Any:
         """Megatron's ``sharded_state_dict`` of the wrapped stack.
 
-        With ``is_loading=True`` Megatron builds its loading scaffold by calling the inner
-        ``load_state_dict`` itself, so the same repairs as in :meth:`load_state_dict` apply
-        (see :func:`wrapped_optim._adapters.megatron_checkpoint.megatron_load_repairs`). A
-        HybridDeviceOptimizer keeps its sub-optimizer classes in its param groups, which a
-        fully-reshardable checkpoint stores in its common state; Core reads that with torch's
-        weights-only unpickler, which refuses them. So from the scaffold until the load ends
-        (the next :meth:`load_state_dict`, or the next step if the load was abandoned), those
-        classes -- and only those -- are allowed to that unpickler.
+        With ``is_loading=True`` the same repairs as in ``load_state_dict`` apply, and until
+        the load ends the hybrid sub-optimizer classes (only those) are allowed to torch's
+        weights-only unpickler, which Megatron's reshardable checkpoints need.
+
+        Args:
+            model_sharded_state_dict: The model's sharded state dict, as Megatron passes it.
+            is_loading: Whether Megatron builds the scaffold of a load.
+            **kwargs: Passed on to the inner optimizer's ``sharded_state_dict``.
+
+        Returns:
+            The inner optimizer's sharded state dict.
+
+        Raises:
+            AttributeError: the stack holds no Megatron optimizer.
         """
         inner_method = getattr(self.inner, "sharded_state_dict", None)
         if inner_method is None:
@@ -300,8 +306,12 @@ class HybridSyncOptimizer(OptimizerWrapper):
             torch.serialization.safe_globals(list[Any](classes)).__exit__(None, None, None)
 
     def load_parameter_state(self, filename: str, **kwargs: Any) -> None:
-        """Megatron's legacy parameter-state load (``save_parameter_state``'s file): the
-        masters it restores are pushed to every copy, as after :meth:`load_state_dict`."""
+        """Megatron's legacy parameter-state load, then the masters are pushed to every copy.
+
+        Args:
+            filename: The file Megatron's ``save_parameter_state`` wrote.
+            **kwargs: Passed on to the inner optimizer's ``load_parameter_state``.
+        """
         try:
             with megatron_load_repairs(self.inner):
                 self.inner.load_parameter_state(filename, **kwargs)

@@ -1,15 +1,5 @@
-"""The one place in wrapped_optim that changes a foreign object's behaviour.
-
-Some fixes can only be made by changing what a foreign optimizer does *during one call* (e.g.
-TE's ``get_unscaled_state`` while a Megatron DistributedOptimizer builds its state dict).
-:func:`patch_attribute` does that on the instance only, for the length of a ``with`` block,
-and puts the instance back exactly as it was: a previous instance attribute is restored, an
-attribute that was only on the class is removed from the instance again.
-
-A scoped patch belongs to the thread that made it. Patches of one attribute nest within a
-thread; another thread that tries to patch the same attribute of the same object while one is
-active gets :class:`ConcurrentPatchError` at once (two threads checkpointing one optimizer, for
-example), since interleaved patches would restore each other's values and leave one behind.
+"""The one place in wrapped_optim that changes a foreign object's behaviour: scoped,
+per-instance, per-thread attribute patches that are always put back.
 """
 
 from __future__ import annotations
@@ -29,7 +19,28 @@ _active: dict[tuple[int, str], list[Any]] = {}
 
 
 class ConcurrentPatchError(RuntimeError):
-    """Another thread holds a scoped patch of the same attribute of the same object."""
+    """Another thread holds a scoped patch of the same attribute of the same object.
+
+    Raised by ``patch_attribute`` before it changes anything: interleaved patches from two
+    threads would restore each other's values and leave one behind.
+
+    Examples:
+        >>> import threading
+        >>> class Holder:
+        ...     pass
+        >>> holder, errors = Holder(), []
+        >>> def patch_from_another_thread():
+        ...     try:
+        ...         with patch_attribute(holder, "read", None):
+        ...             pass
+        ...     except ConcurrentPatchError:
+        ...         errors.append("refused")
+        >>> with patch_attribute(holder, "read", lambda: "host"):
+        ...     thread = threading.Thread(target=patch_from_another_thread)
+        ...     thread.start(); thread.join()
+        >>> errors
+        ['refused']
+    """
 
 
 def _claim(obj: Any, name: str) -> tuple[int, str]:
@@ -81,12 +92,24 @@ def patch_attribute(obj: Any, name: str, value: Any) -> Iterator[Any]:
     """Sets ``obj.<name> = value`` on the instance for the duration of the ``with`` block.
 
     The instance ``__dict__`` is written directly (the object's own ``__setattr__`` is
-    bypassed) and restored on exit, also when the block raises. Nested and repeated patches
-    of the same attribute unwind in order; a patch of an attribute that another thread holds
-    patched raises :class:`ConcurrentPatchError` before changing anything. Yields the value
-    that was visible before the patch (handy for delegating to it).
+    bypassed) and restored on exit, also when the block raises: a previous instance attribute
+    comes back, one that was only on the class is removed again. Nested patches of the same
+    attribute within a thread unwind in order.
 
-    Example:
+    Args:
+        obj: The object to patch (it needs an instance ``__dict__``).
+        name: The attribute's name.
+        value: The value it has inside the block.
+
+    Yields:
+        The value that was visible before the patch (handy for delegating to it).
+
+    Raises:
+        ConcurrentPatchError: another thread holds a patch of the same attribute.
+        TypeError: ``obj`` has no instance ``__dict__``, or ``name`` is a data descriptor
+            (e.g. a property) on its class.
+
+    Examples:
         >>> class Holder:
         ...     def read(self):
         ...         return "device"

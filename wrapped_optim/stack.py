@@ -1,26 +1,6 @@
-"""The wrapper stack: its one table of layers, the walk down it, and :func:`wrap`.
+"""The wrapper stack: its one table of layers, the walk down it, and ``wrap``.
 
-:data:`LAYERS` lists the canonical layers, outermost first --
-``FSDPAwareOptimizer -> HybridSyncOptimizer -> StagedCheckpointOptimizer -> optimizer`` --
-each with its config section, options class and the rule that derives it from an optimizer.
-Everything that needs the list (:func:`wrap`, the configs' sections, the test strategies)
-reads it here.
-
-Why this order:
-
-* staging is innermost because it changes *how state is read and written* (the format stays
-  the same): every layer above, and the caller, see an ordinary state dict, and a
-  ``load_state_dict`` that reaches staging has already been completed by the hybrid layer;
-* hybrid sync sits above staging because it must see (and repair) the caller's checkpoint
-  before the memory-bounded loader consumes it, and it must check master freshness before
-  any step reaches the offloaded optimizer;
-* the FSDP layer is outermost because it adapts *gradients* (casting foreign-dtype grads for
-  the step, refreshing compute weights afterwards) around everything below, including the
-  hybrid layer's stale-master check and the step itself.
-
-:func:`layers`, :func:`find_layer` and :func:`unwrap` walk any optimizer's chain, wrapped or
-bare: :func:`wrap` hands the bare optimizer back when it adds nothing, so code that may get
-either uses these rather than the wrapper methods ``.layers()`` / ``.find_layer()``.
+Why the layers sit in this order is in the docs' Concepts page ("The canonical order").
 """
 
 from __future__ import annotations
@@ -95,14 +75,14 @@ class LayerSpec:
     """One canonical layer: its config section, wrapper, options and derive rule.
 
     Attributes:
-        section: the :class:`~wrapped_optim.config.StackConfig` section (``"staged"``...).
+        section: the ``StackConfig`` section (``"staged"``...).
         wrapper: the wrapper class.
         config: the section's options class; its fields are the wrapper's keyword options.
         derive: ``derive(optimizer)`` -> options to add the layer with, or ``False``.
         carried: constructor options that are not config options (a callable, say), kept
             when the layer is rebuilt elsewhere in a stack.
 
-    Example:
+    Examples:
         >>> spec = layer_spec("staged")
         >>> spec.wrapper.__name__, spec.config.__name__
         ('StagedCheckpointOptimizer', 'StagedConfig')
@@ -117,7 +97,7 @@ class LayerSpec:
     def options_of(self, layer: Any) -> dict[str, Any]:
         """The options ``layer`` (this spec's wrapper) was built with, to rebuild it.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import HybridSyncOptimizer
             >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
@@ -164,7 +144,7 @@ if {spec.section: spec.config for spec in LAYERS} != SECTIONS:  # pragma: no cov
 def layer_spec(section: str) -> LayerSpec:
     """The spec of the layer configured by ``section``.
 
-    Example:
+    Examples:
         >>> layer_spec("fsdp").wrapper.__name__
         'FSDPAwareOptimizer'
     """
@@ -179,7 +159,7 @@ def layer_spec(section: str) -> LayerSpec:
 def spec_of(layer: Any) -> LayerSpec | None:
     """The spec of the canonical layer ``layer`` is, or ``None`` (bare or foreign object).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim import wrap
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -220,28 +200,27 @@ def _as_stack_config(config: StackConfig | Mapping[str, Any] | None) -> StackCon
 
 
 def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) -> Any:
-    """Decorates ``optimizer`` with the canonical wrapper stack ``config`` asks for.
+    """Builds the canonical wrapper stack a config asks for around an optimizer.
 
-    Outermost to innermost: ``FSDPAwareOptimizer``, ``HybridSyncOptimizer``,
-    ``StagedCheckpointOptimizer`` (:data:`LAYERS`; the module docstring says why). Per section
-    of ``config``: a section object adds the layer with those options, ``False`` leaves it out
-    (and removes one already there), ``None`` keeps an existing layer or derives the decision
-    from the optimizer itself -- a leaf the staging engine would stage (``staging_decisions``:
-    a precision-aware holder with compressed state, also as a hybrid offload optimizer's
-    sub-optimizer), a no-copy-eligible Megatron distributed optimizer or torch's Adam/AdamW
-    inside one (whose loader shares one ``step`` tensor, which the layer repairs) -> staging;
-    a hybrid offload optimizer -> hybrid sync; params whose ``grad_dtype`` differs from their
-    dtype -> FSDP-aware. Megatron's settings gate these as :mod:`wrapped_optim._layer_policy` says.
+    Per section of ``config``: a section object adds the layer with those options, ``False``
+    leaves it out (and removes one already there), ``None`` keeps an existing layer or derives
+    the decision from the optimizer. Re-wrapping never doubles a layer. The rules are in the
+    [configuration guide](../configuration.md#wrap-deriving-from-the-optimizer-itself).
 
-    Re-wrapping never doubles a layer: canonical layers already on top are kept (also when an
-    explicit section repeats their options), and when nothing changes the same object is
-    returned -- the bare optimizer too, when no layer is wanted, so use :func:`layers` and
-    :func:`find_layer` on the result rather than wrapper methods. When layers must change (or
-    a hand-built stack is out of canonical order), the canonical layers are rebuilt around the
-    bare optimizer with their options (hooks registered on the replaced wrapper objects are
-    not carried over). A canonical layer below a foreign wrapper is left where it is.
+    Args:
+        optimizer: The optimizer to wrap, bare or already wrapped.
+        config: A ``StackConfig``, a mapping of its sections (``{"staged": {...}}``), or
+            ``None`` to derive every layer from the optimizer.
 
-    Example:
+    Returns:
+        The outermost layer of the stack; ``optimizer`` itself when nothing changes (also a
+        bare optimizer that needs no layer), so use ``layers`` and ``find_layer`` on it.
+
+    Raises:
+        ConfigError: ``config`` is invalid, or it removes a layer that sits below a foreign
+            wrapper.
+
+    Examples:
         >>> import torch
         >>> from wrapped_optim import layers, wrap
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)

@@ -1,11 +1,7 @@
 """StagedCheckpointOptimizer: optimizer checkpoints in bounded device memory.
 
-A precision-aware optimizer stores its moments compressed (bf16, fp16, FP8) but checkpoints
-them as FP32. Built naively, a state dict expands every state on the device and keeps all
-expansions alive until the dict is complete, and a load makes whole FP32 copies on the
-device. This wrapper scopes three changes of the optimizers it decorates to the checkpoint
-calls only (see :mod:`wrapped_optim._staging.engine` for the engine): save staging to the host,
-chunked compressed loads and FP32 no-copy loads. The checkpoint format does not change.
+How it works (staging to the host, chunked and no-copy loads) is in the docs' page
+"Staged checkpoints".
 """
 
 from __future__ import annotations
@@ -24,19 +20,23 @@ __all__ = ["StagedCheckpointOptimizer"]
 class StagedCheckpointOptimizer(OptimizerWrapper):
     """Checkpoints the wrapped stack with at most one chunk of expanded state on the device.
 
+    The checkpoint format does not change; ``last_stats`` records what the latest checkpoint
+    call did. See [Staged checkpoints](../staged.md).
+
     Args:
-        inner: the optimizer to decorate: a torch optimizer (e.g. ``PrecisionAwareAdamW``),
-            a Megatron optimizer or ChainedOptimizer, or another wrapper.
-        chunk_bytes: device bytes one chunk of FP32 expansion may take (default 64 MiB).
-        stage_save: stage precision-aware state to the host in ``state_dict``,
-            ``sharded_state_dict`` and ``load_state_dict`` (Megatron builds its loading
-            scaffold by calling ``state_dict``).
-        no_copy_load: let standard FP32 distributed Adams adopt loaded tensors.
-        chunked_load: quantize FP32 checkpoint state into compressed storage chunk by chunk.
+        inner: The optimizer to decorate: a torch optimizer (e.g. ``PrecisionAwareAdamW``),
+            a Megatron optimizer or ``ChainedOptimizer``, or another wrapper.
+        chunk_bytes: Device bytes one chunk of FP32 expansion may take (default 64 MiB).
+        stage_save: Stage precision-aware state to the host in ``state_dict``,
+            ``sharded_state_dict`` and ``load_state_dict``.
+        no_copy_load: Let standard FP32 distributed Adams adopt loaded tensors without a copy.
+        chunked_load: Quantize FP32 checkpoint state into compressed storage chunk by chunk.
 
-    ``last_stats`` records what the engine did in the latest checkpoint call.
+    Raises:
+        TypeError: ``chunk_bytes`` is not an int.
+        ValueError: ``chunk_bytes`` is below 4 (one FP32 element).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.staged import StagedCheckpointOptimizer
         >>> p = torch.nn.Parameter(torch.ones(3))
@@ -121,8 +121,18 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
         """Megatron's ``sharded_state_dict`` of the wrapped stack, staged.
 
         With ``is_loading=True`` Megatron also loads its scaffold into the inner optimizer,
-        so the loading scopes apply as well (among them the repairs of Core's loaders, see
-        :func:`wrapped_optim._adapters.megatron_checkpoint.megatron_load_repairs`).
+        so the loading scopes (and the repairs of megatron-core's loaders) apply as well.
+
+        Args:
+            model_sharded_state_dict: The model's sharded state dict, as Megatron passes it.
+            is_loading: Whether Megatron builds the scaffold of a load.
+            **kwargs: Passed on to the inner optimizer's ``sharded_state_dict``.
+
+        Returns:
+            The inner optimizer's sharded state dict.
+
+        Raises:
+            AttributeError: the stack holds no Megatron optimizer.
         """
         inner_method = getattr(self.inner, "sharded_state_dict", None)
         if inner_method is None:
@@ -136,8 +146,12 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
         return result
 
     def load_parameter_state(self, filename: str, **kwargs: Any) -> None:
-        """Megatron's legacy parameter-state load (``save_parameter_state``'s file), inside
-        the same loading scopes as :meth:`load_state_dict`."""
+        """Megatron's legacy parameter-state load, inside the loading scopes of ``load_state_dict``.
+
+        Args:
+            filename: The file Megatron's ``save_parameter_state`` wrote.
+            **kwargs: Passed on to the inner optimizer's ``load_parameter_state``.
+        """
         with self._loading(self._new_stats()):
             self.inner.load_parameter_state(filename, **kwargs)
 

@@ -1,9 +1,7 @@
-"""The decorator base every wrapper in this package builds on.
+"""The base class of every wrapper, and the walk down a stack of them.
 
-A wrapper must still *be* an optimizer: LR schedulers check ``isinstance(opt, Optimizer)``,
-checkpointers call ``state_dict``, training loops call ``step``. So :class:`OptimizerWrapper`
-subclasses :class:`torch.optim.Optimizer` without running its ``__init__``: the parameter
-groups, state and defaults stay owned by the wrapped object and are forwarded, never copied.
+A wrapper stays a ``torch.optim.Optimizer`` so that schedulers, checkpointers and training
+loops accept it unchanged.
 """
 
 from __future__ import annotations
@@ -50,28 +48,21 @@ def _forwarded_to_inner(name: str, doc: str) -> property:
 class OptimizerWrapper(torch.optim.Optimizer):
     """Decorates an optimizer while remaining one.
 
-    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects (reads
-    and assignments both go through), and any attribute the wrapper does not define is looked
-    up on the inner optimizer, so Megatron's API (``sharded_state_dict``,
-    ``reload_model_params``, ``get_loss_scale``, ``chained_optimizers``, ``config``, ...) works
-    through a whole stack. The inner object may be a torch optimizer, a Megatron optimizer
-    (which is not a torch ``Optimizer``) or another wrapper.
+    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects, and
+    any attribute the wrapper does not define is read from the inner optimizer, so Megatron's
+    optimizer API works through a whole stack. Hooks registered on a wrapper fire around the
+    whole stack below it. Subclasses override ``_step``, ``_state_dict``,
+    ``_load_state_dict`` and ``_extra_repr``; see [Concepts](../concepts.md#the-stack).
 
-    Hooks: hooks registered on a wrapper (``register_step_pre_hook``,
-    ``register_state_dict_post_hook``, ...) fire around the *whole* stack below it and receive
-    the wrapper as their optimizer argument; hooks registered on the inner optimizer keep
-    firing around the inner call only. Global optimizer hooks
-    (``torch.optim.optimizer.register_optimizer_step_pre_hook``) are not fired by wrappers:
-    they fire once per ``step`` of each torch optimizer inside, exactly as without wrappers.
+    Args:
+        inner: The optimizer to decorate: a torch optimizer, a Megatron optimizer or another
+            wrapper.
 
-    fp16 AMP: ``grad_scale`` and ``found_inf``, which torch's GradScaler sets on the optimizer
-    it steps for a fused leaf to unscale and skip with, are kept on the inner optimizer, so they
-    reach the leaf through any number of wrappers.
+    Raises:
+        TypeError: ``inner`` is ``None`` or has no ``step`` and ``state_dict``.
+        ValueError: one of this package's layers is already in ``inner``'s stack.
 
-    Subclasses override :meth:`_step`, :meth:`_state_dict` and :meth:`_load_state_dict`
-    (the public methods add the hook handling) and :meth:`_extra_repr`.
-
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim import OptimizerWrapper
         >>> p = torch.nn.Parameter(torch.ones(2))
@@ -162,11 +153,14 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Runs the wrapper's step, with the wrapper's own hooks around the whole stack below.
 
-        Training loops and LR schedulers only ever call the outermost object, so this is where
-        every layer's work and every hook registered on the wrapper must happen. The closure
-        goes down to the inner optimizer and the loss it returns comes back up.
+        Args:
+            closure: Re-evaluates the model and returns the loss; passed down to the inner
+                optimizer (Megatron optimizers take none).
 
-        Example:
+        Returns:
+            The loss the closure returned, or whatever the inner step returns.
+
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> p = torch.nn.Parameter(torch.ones(2))
@@ -204,9 +198,12 @@ class OptimizerWrapper(torch.optim.Optimizer):
         return self.inner.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forwards to the inner optimizer, which alone knows its params (and grad buffers).
+        """Zeroes the gradients, through the inner optimizer (which alone knows its grad buffers).
 
-        Example:
+        Args:
+            set_to_none: Set the gradients to ``None`` instead of zero.
+
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> p = torch.nn.Parameter(torch.ones(2))
@@ -219,9 +216,12 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Forwards to the inner optimizer, so the new group gets the inner defaults.
+        """Adds a parameter group to the inner optimizer, with the inner optimizer's defaults.
 
-        Example:
+        Args:
+            param_group: The group: ``{"params": [...], <option>: <value>, ...}``.
+
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1, momentum=0.9)
@@ -233,12 +233,15 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self.inner.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict (the wrapper adds nothing to the format).
+        """Returns the inner optimizer's state dict; wrappers add nothing to the format.
 
-        Keeping the bare optimizer's format means a checkpoint does not depend on which
-        wrappers were stacked when it was written; hooks registered on the wrapper still run.
+        A checkpoint therefore does not depend on which wrappers were stacked when it was
+        written. Hooks registered on the wrapper run around the call.
 
-        Example:
+        Returns:
+            The state dict, in the bare optimizer's format.
+
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> p = torch.nn.Parameter(torch.ones(2))
@@ -263,7 +266,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
         The format is the inner optimizer's own, so resuming works whatever wrappers were
         stacked at save time; hooks registered on the wrapper run around the whole load.
 
-        Example:
+        Args:
+            state_dict: A state dict in the bare optimizer's format.
+
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> p = torch.nn.Parameter(torch.ones(2))
@@ -285,10 +291,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
         ``load_state_dict`` does this itself (e.g. hybrid master copies pushed everywhere). A
         loader that writes state directly into the optimizer's tensors --
-        :func:`wrapped_optim.checkpoint.load_optimizer`, or your own -- calls this afterwards
+        ``wrapped_optim.checkpoint.load_optimizer``, or your own -- calls this afterwards
         so the layers do the same.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> opt = OptimizerWrapper(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1))
@@ -307,9 +313,9 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def layers(self) -> list[Any]:
         """Every object of the decorator chain, outermost (this wrapper) to innermost.
 
-        :func:`wrapped_optim.layers` does the same for any optimizer, wrapped or bare.
+        ``wrapped_optim.layers`` does the same for any optimizer, wrapped or bare.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -322,7 +328,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def unwrap(self) -> Any:
         """The innermost optimizer: the first object of the chain that is not a wrapper.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -334,7 +340,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def find_layer(self, cls: type[T]) -> T | None:
         """The outermost layer that is an instance of ``cls``, or ``None``.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim import OptimizerWrapper
             >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -404,12 +410,15 @@ def _refuse_a_second(cls: type, inner: Any) -> None:
 
 
 def layers(optimizer: Any) -> list[Any]:
-    """Every object of ``optimizer``'s decorator chain, outermost to innermost.
+    """Lists the objects of an optimizer's stack, outermost to innermost.
 
-    Works on any optimizer: a bare one (``wrap`` hands it back unchanged when it adds no
-    layer) is its own one-element chain.
+    Args:
+        optimizer: Any optimizer, wrapped or bare (a bare one is its own one-element stack).
 
-    Example:
+    Returns:
+        The wrappers, outermost first, then the innermost optimizer.
+
+    Examples:
         >>> import torch
         >>> from wrapped_optim import OptimizerWrapper, layers
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -422,9 +431,15 @@ def layers(optimizer: Any) -> list[Any]:
 
 
 def unwrap(optimizer: Any) -> Any:
-    """The innermost optimizer of ``optimizer``'s chain (``optimizer`` itself when bare).
+    """Returns the innermost optimizer of a stack.
 
-    Example:
+    Args:
+        optimizer: Any optimizer, wrapped or bare.
+
+    Returns:
+        The first object below every wrapper (``optimizer`` itself when it is bare).
+
+    Examples:
         >>> import torch
         >>> from wrapped_optim import OptimizerWrapper, unwrap
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -438,11 +453,16 @@ def unwrap(optimizer: Any) -> Any:
 
 
 def find_layer(optimizer: Any, cls: type[T]) -> T | None:
-    """The outermost layer of ``optimizer``'s chain that is a ``cls``, or ``None``.
+    """Finds the outermost layer of a stack that is an instance of a class.
 
-    Works on any optimizer, wrapped or bare, so code need not check for a wrapper first.
+    Args:
+        optimizer: Any optimizer, wrapped or bare.
+        cls: The class to look for (a wrapper or an optimizer class).
 
-    Example:
+    Returns:
+        The outermost layer that is a ``cls``, or ``None`` when there is none.
+
+    Examples:
         >>> import torch
         >>> from wrapped_optim import StagedCheckpointOptimizer, find_layer, wrap
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)

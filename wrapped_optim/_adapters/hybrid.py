@@ -1,20 +1,6 @@
-"""Seeing the FP32 master copies inside hybrid (CPU/GPU) offload optimizers.
-
-A hybrid offload optimizer steps *copies* of the model weights: FP32 working copies of
-low-precision params, host clones of offloaded ones and, under Megatron's
-DistributedOptimizer, FP32 main-param shards as well. Every copy must agree with the others and
-with the model weights, or the next step writes stale values into the model. This module
-describes those copies uniformly (:class:`MasterCopies`), finds the optimizers that hold them in
-any stack, and restores the per-parameter entries that Megatron-style payloads omit.
-
-Two kinds of optimizer are understood, by structure only (nothing is imported):
-
-- anything with a ``master_copies()`` method (:class:`HybridOffloadHolder`), e.g. the portable
-  :class:`wrapped_optim.optimizers.HybridOffloadOptimizer`;
-- Megatron-Core's ``HybridDeviceOptimizer`` (``gpu_params_map_cpu_copy``,
-  ``param_to_fp32_param``, ``sub_optimizers``, ``update_fp32_param_by_new_param``), inside a
-  ``DistributedOptimizer`` (``shard_fp32_from_float16_groups`` +
-  ``_get_model_param_range_map``) or a ``ChainedOptimizer``, or on its own.
+"""The FP32 master copies inside hybrid (CPU/GPU) offload optimizers, seen uniformly
+(``MasterCopies``) for the portable ``HybridOffloadOptimizer`` and Megatron's
+``HybridDeviceOptimizer``, found by structure in any stack (docs/hybrid.md, "How it works").
 """
 
 from __future__ import annotations

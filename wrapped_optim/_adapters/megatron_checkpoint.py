@@ -1,32 +1,6 @@
-"""Scoped repairs for megatron-core's distributed checkpoint loaders.
-
-Megatron-Bridge resumes an optimizer through ``sharded_state_dict(model_sd, is_loading=True)``
-(Core builds its loading scaffold by calling its own ``load_state_dict``),
-``dist_checkpointing.load`` and ``load_state_dict``. On the CPU stacks of megatron-core 0.16.1
-and 0.19.2 (torch's AdamW inside, TE absent), each sharding format meets a Core defect there.
-Every repair below names its defect, is installed through
-:func:`wrapped_optim.patching.patch_attribute` for the length of one load call only, and is
-installed only while a probe of Core's own code shows the defect: a Core that fixed it gets
-no patch.
-
-* :func:`_step_supplying_setter` — ``DistributedOptimizer._set_main_param_and_optimizer_states``
-  copies every state key from the payload: a per-parameter ``step`` (torch's Adam) that
-  fully-reshardable, dp_zero and legacy payloads never carry (``KeyError: 'step'``), and that
-  dp_reshardable payloads carry only as the *scaffold's* step (so it rewinds); the
-  ``master_param`` alias of a HybridDeviceOptimizer that fully-reshardable payloads omit.
-* :func:`_tolerant_fp32_update` — ``HybridDeviceOptimizer._update_fp32_params_by_new_state``
-  looks FP32 params up in ``param_to_fp32_param``, which holds only 16-bit ones
-  (``KeyError: <tensor>`` under a DistributedOptimizer, whose main params are FP32).
-* :func:`_scaffold_with_state` — ``DistributedOptimizer.state_dict`` asserts one ``step`` across
-  the states (torch's Adam inside, TE and Apex absent), so an optimizer that has none (a fresh
-  build) cannot build its loading scaffold; Core creates state only for Megatron-FSDP. The
-  state is created first (without touching weights or hyper-parameters).
-* :func:`wrapped_optim._adapters.megatron.unshare_steps`, after a load that did not raise —
-  ``DistributedOptimizer.load_state_dict`` gives every parameter one shared ``step`` tensor,
-  which torch's Adam then increments once per parameter per step.
-* :func:`allowed_optimizer_classes` — a HybridDeviceOptimizer keeps its sub-optimizer classes
-  in its param groups, which fully-reshardable checkpoints write to the common state; Core's
-  weights-only load of it refuses them (``UnpicklingError``): they are allowed for the load.
+"""Scoped repairs for megatron-core's distributed checkpoint loaders, each installed through
+``patch_attribute`` for one load call and only while a probe shows Core's defect; the defects
+are listed in docs/guides/megatron_bridge.md and at each repair below.
 """
 
 from __future__ import annotations
@@ -140,6 +114,12 @@ def _function_of(obj: Any, name: str) -> Callable[..., Any] | None:
 def _step_supplying_setter(container: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     """Core's setter, given the group step just loaded and the ``master_param`` alias.
 
+    Defect: ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every state key
+    from the payload: a per-parameter ``step`` (torch's Adam) that fully-reshardable, dp_zero
+    and legacy payloads never carry (``KeyError: 'step'``) and that dp_reshardable payloads
+    carry only as the scaffold's step (so it rewinds); and the ``master_param`` alias of a
+    HybridDeviceOptimizer, which fully-reshardable payloads omit.
+
     ``DistributedOptimizer.load_state_dict`` writes the checkpoint's group step into every
     per-parameter state before the parameter-state loader runs; that is the value to keep.
     """
@@ -161,7 +141,12 @@ def _step_supplying_setter(container: Any, original: Callable[..., Any]) -> Call
 
 def _tolerant_fp32_update(hdo: Any) -> Callable[[], None]:
     """HybridDeviceOptimizer's post-load FP32 update, skipping params without an FP32 copy
-    (their restored master reaches their copies through the master push after the load)."""
+    (their restored master reaches their copies through the master push after the load).
+
+    Defect: ``_update_fp32_params_by_new_state`` looks FP32 params up in
+    ``param_to_fp32_param``, which holds only 16-bit ones (``KeyError: <tensor>`` under a
+    DistributedOptimizer, whose main params are FP32).
+    """
 
     def update_fp32_params_by_new_state() -> None:
         if not hdo.param_update_in_fp32:
@@ -175,7 +160,12 @@ def _tolerant_fp32_update(hdo: Any) -> Callable[[], None]:
 
 
 def _scaffold_with_state(container: Any, original: Callable[..., Any]) -> Callable[..., Any]:
-    """Core's ``sharded_state_dict`` that, for a load, first gives a stateless leaf its state."""
+    """Core's ``sharded_state_dict`` that, for a load, first gives a stateless leaf its state.
+
+    Defect: ``DistributedOptimizer.state_dict`` asserts one ``step`` across the states (torch's
+    Adam inside, TE and Apex absent), so a fresh optimizer cannot build its loading scaffold;
+    Core creates state only for Megatron-FSDP.
+    """
 
     def sharded_state_dict(*args: Any, **kwargs: Any) -> Any:
         is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
@@ -211,6 +201,9 @@ def create_missing_state(container: Any) -> bool:
 def allowed_optimizer_classes(stack: Any) -> list[Callable[..., Any]]:
     """Optimizer classes in the param groups of ``stack``'s hybrid optimizers that torch's
     weights-only unpickler does not allow yet (what a fully-reshardable load needs allowed).
+
+    Defect: fully-reshardable checkpoints write those classes to the common state, and Core's
+    weights-only load of it refuses them (``UnpicklingError``).
 
     Example:
         >>> import torch

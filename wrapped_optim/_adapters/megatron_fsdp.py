@@ -1,16 +1,6 @@
-"""The sharded-parameter protocol: what a grad's dtype is and how compute weights get refreshed.
-
-Three kinds of parameters reach :class:`~wrapped_optim.FSDPAwareOptimizer`:
-
-- Megatron-FSDP sharded parameters: FP32 main-weight DTensors whose ``grad_dtype`` is the
-  main-grad dtype (e.g. bf16) and which carry their FSDP parameter group, whose
-  ``sync_model_weight_from_main_weight()`` refreshes the low-precision compute weights;
-- PyTorch FSDP2 sharded parameters: DTensors whose grads already have the parameter's dtype;
-- plain tensors, possibly with a ``grad_dtype`` set by the user.
-
-Everything here is duck-typed on ``Tensor.grad_dtype`` (torch >= 2.10) and on the owning
-group's method; megatron-fsdp is never imported by this module (a parameter can only belong
-to one of its groups if it has already been imported).
+"""The sharded-parameter protocol: what a grad's dtype is and how compute weights get
+refreshed, duck-typed for Megatron-FSDP, FSDP2 and plain parameters (megatron-fsdp is never
+imported here).
 """
 
 from __future__ import annotations

@@ -8,14 +8,12 @@ __all__ = ["OptimizerCheckpointError", "RollbackError", "UndoJournalError"]
 class OptimizerCheckpointError(ValueError):
     """A checkpoint does not fit the optimizer (names the parameter and state at fault).
 
-    Every loader of the package raises it (``load_state_dict`` of our optimizers and of the
-    hybrid offload optimizer's sub-optimizers, and the streaming
-    :func:`wrapped_optim.checkpoint.load_optimizer`), with one wording per fault, written by
-    :mod:`wrapped_optim._formats.state_format`. It is raised before anything is written into the
-    optimizer, so a caller can catch it and go on with the optimizer as it was; a
-    ``ValueError``, like torch's own ``load_state_dict``.
+    Every loader of the package raises it (the optimizers' ``load_state_dict`` and
+    ``wrapped_optim.checkpoint.load_optimizer``), with one wording per fault, before anything
+    is written into the optimizer: a caller can catch it and go on with the optimizer as it
+    was. A ``ValueError``, like torch's own ``load_state_dict`` errors.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from wrapped_optim.checkpoint import load_optimizer, save_optimizer
         >>> p = torch.nn.Parameter(torch.ones(4))
@@ -37,12 +35,12 @@ class OptimizerCheckpointError(ValueError):
 class UndoJournalError(OSError):
     """The atomic streaming load could not write its undo journal (no space, an I/O error).
 
-    Raised by :func:`wrapped_optim.checkpoint.load_optimizer` before the first read when the
+    Raised by ``wrapped_optim.checkpoint.load_optimizer`` before the first read when the
     journal's filesystem has too little room, or when a journal write fails while reading; in
     both cases the optimizer is left exactly as it was. Pass ``journal_dir=`` a local
     directory with room, or ``atomic=False``.
 
-    Example:
+    Examples:
         >>> import errno
         >>> error = UndoJournalError(errno.ENOSPC, "the undo journal needs 4,096 bytes")
         >>> isinstance(error, OSError), error.errno == errno.ENOSPC
@@ -56,7 +54,7 @@ class RollbackError(RuntimeError):
     The optimizer is then partly loaded; load a good checkpoint into it before training. The
     load's own failure is the error's ``__context__``.
 
-    Example:
+    Examples:
         >>> str(RollbackError("record 3: checksum mismatch"))
         'record 3: checksum mismatch'
     """

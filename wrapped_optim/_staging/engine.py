@@ -1,26 +1,7 @@
-"""The staging engine behind :class:`~wrapped_optim.staged.StagedCheckpointOptimizer`.
-
-Three scoped changes of foreign optimizers, each a context manager over a whole stack and
-each installed only through :func:`~wrapped_optim.patching.patch_attribute`:
-
-* :func:`staged_save` -- while a state dict is built, every eligible precision-aware holder
-  returns its states on the host: FP32 states copied straight to the host, compressed states
-  decoded chunk by chunk through one device scratch of at most ``chunk_bytes`` into a host
-  tensor (through a reused pair of pinned buffers when the source is CUDA), or -- for
-  holders without the chunk API (TE FusedAdam) -- expanded one whole tensor at a time and
-  moved to the host at once.
-* :func:`staged_load` -- while a checkpoint is loaded, chunk-capable holders quantize FP32
-  checkpoint state into their storage chunk by chunk, from wherever the checkpoint lives;
-  holders without the chunk API get a copy instead of the caller's tensor where they would
-  scale it in place (TE's fp16 path).
-* :func:`fp32_no_copy_load` -- a standard FP32 distributed Adam adopts the FP32 tensors its
-  Megatron container hands to ``load_state_dict`` instead of copying them into fresh storage.
-
-Eligibility is decided per leaf of :func:`~wrapped_optim._adapters.walk_leaves` (and per
-sub-optimizer of a hybrid offload leaf) by structure (protocols and Megatron config flags),
-never by class; :func:`staging_decisions` and
-:func:`no_copy_decisions` explain every decision. The bytes the engine keeps on a source
-device are recorded in :data:`~wrapped_optim._staging.ledger.device_ledger`.
+"""The staging engine behind ``StagedCheckpointOptimizer``: three scoped changes of foreign
+optimizers (``staged_save``, ``staged_load``, ``fp32_no_copy_load``), decided per leaf by
+structure and explained by ``staging_decisions`` / ``no_copy_decisions``. How each works is in
+docs/staged.md ("How it works").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A leaf module (it imports only the standard library), so the engine writes to it
 testing kit's :class:`~wrapped_optim.testing.probe.DeviceMemoryProbe` reads it, without
 either importing the other. Every open probe is told each new level.
 
-Example:
+Examples:
     >>> from wrapped_optim._staging.ledger import device_ledger
     >>> before = device_ledger.live_bytes
     >>> device_ledger.allocate(64)
@@ -63,4 +63,9 @@ class _DeviceLedger:
 
 
 device_ledger = _DeviceLedger()
-"""The process-wide ledger the staging engine writes to."""
+"""The process-wide ledger the staging engine writes to and ``DeviceMemoryProbe`` reads.
+
+``allocate(nbytes)`` records bytes newly alive on a source device, ``release(nbytes)`` records
+them freed, ``live_bytes`` is the current total. Call them yourself to put your own device
+buffers on the ledger.
+"""

@@ -1,27 +1,6 @@
-"""Atomic commit of a checkpoint directory: write aside, then rename into place.
-
-DCP's file writer writes its data files into the checkpoint directory itself and the
-``.metadata`` last; saving into a directory that holds a good checkpoint overwrites that
-checkpoint's files one by one, so a save that fails half-way destroys it. Here every rank
-writes into a staging directory beside the target (``.<name>.saving``, the same path on every
-rank of a shared filesystem) and, once DCP has finished (all ranks wrote, the coordinator wrote
-``.metadata``), the coordinator commits:
-
-1. files in the target that are not part of a DCP checkpoint (``.metadata``, ``*.distcp``)
-   are *linked* into the staging directory (hard links; a copy where the filesystem refuses
-   them): the originals stay where they are, so the staging directory never holds the only
-   copy of a user's file;
-2. the target is renamed aside (``.<name>.old``) and the staging directory renamed to the
-   target (two ``rename`` calls, no I/O between them);
-3. anything that appeared in the old directory meanwhile is moved across, and the old one is
-   removed.
-
-The states a crash can leave on disk, and what the next save (:meth:`CheckpointCommit.prepare`)
-and load (:func:`committed_directory`) do in each, are listed in docs/checkpoint.md ("Commit
-protocol"). The target is resolved once, at the call (``os.path.realpath``: a symlink to a
-checkpoint directory names that directory; ``..`` after a symlink is taken after resolving
-it). Symlinks or files at the two reserved names are never followed, moved or deleted: the
-save refuses them with a clear error.
+"""Atomic commit of a checkpoint directory: write aside, then rename into place, so a save
+that fails half-way never destroys the checkpoint it replaces. The protocol and its crash
+states are in docs/checkpoint.md ("Commit protocol").
 """
 
 from __future__ import annotations

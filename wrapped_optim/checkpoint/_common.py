@@ -17,7 +17,7 @@ from wrapped_optim._formats.errors import OptimizerCheckpointError, UndoJournalE
 __all__ = ["DEFAULT_CHUNK_BYTES", "OptimizerCheckpointError"]
 
 DEFAULT_CHUNK_BYTES = 64 << 20
-"""Largest tensor chunk (in expanded bytes) that is materialised at once."""
+"""Largest tensor chunk (in expanded bytes) that is materialised at once: 64 MiB."""
 
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 

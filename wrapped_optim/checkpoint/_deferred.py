@@ -61,7 +61,7 @@ class DeferredState:
         name: the state name (``"exp_avg"``, ...).
         dtype: the expansion dtype (float32; int16 for a remainder master).
 
-    Example:
+    Examples:
         >>> import torch
         >>> p = torch.nn.Parameter(torch.zeros(3))
         >>> DeferredState(holder=None, param=p, name="exp_avg", dtype=torch.float32).shape
@@ -79,7 +79,15 @@ class DeferredState:
         return self.param.shape
 
     def read(self, start: int, numel: int) -> torch.Tensor:
-        """Flat elements ``[start, start + numel)`` of the expansion, as a fresh CPU tensor."""
+        """Expands a flat slice of the state.
+
+        Args:
+            start: The first flat element.
+            numel: How many elements.
+
+        Returns:
+            Elements ``[start, start + numel)`` of the expansion, as a fresh CPU tensor.
+        """
         device = _state_device(self.holder, self.param, self.name)
         if supports_chunked_state(self.holder):
             out = torch.empty(numel, dtype=self.dtype, device=device)

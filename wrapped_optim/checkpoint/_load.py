@@ -88,15 +88,21 @@ class _Target:
 class StreamingLoadPlanner(DefaultLoadPlanner):
     """Reads an optimizer checkpoint straight into an optimizer's state storage.
 
-    Built by :func:`load_optimizer` from the checkpoint's non-tensor entries: during planning
-    it checks every state tensor of the checkpoint against the optimizer (parameter, shape,
-    dtype) and raises :class:`OptimizerCheckpointError` before anything is read. While reading,
-    FP32 state is copied into the live tensor (or a new one where the optimizer has no state
-    yet), as are a precision-aware holder's bf16 states and remainders (the cast is
-    elementwise); a scaled (fp16, FP8) holder state is gathered in a host FP32 accumulator and
-    quantized into the holder's storage as soon as its last chunk arrives.
+    ``load_optimizer`` builds it; use it directly only to drive ``dcp.load`` yourself.
+    Planning checks every state tensor of the checkpoint against the optimizer before
+    anything is read. FP32, bf16 and remainder states are read into the live tensors; a
+    scaled (fp16, FP8) state is gathered on the host and quantized into storage as soon as
+    its last chunk arrives.
 
-    Example:
+    Args:
+        leaf: The torch optimizer whose state is loaded.
+        objects: The checkpoint's non-tensor entries (``param_groups`` and the like).
+        chunk_bytes: How many bytes a precision-aware holder quantizes per device transfer.
+
+    Raises:
+        OptimizerCheckpointError: a checkpoint tensor does not fit the optimizer.
+
+    Examples:
         >>> import tempfile, torch
         >>> from wrapped_optim.checkpoint import load_optimizer, save_optimizer
         >>> p = torch.nn.Parameter(torch.ones(2))
@@ -146,7 +152,13 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         metadata: Metadata | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        """Keeps the metadata; the targets are built (and checked) in create_local_plan."""
+        """Keeps the metadata; the targets are built (and checked) in ``create_local_plan``.
+
+        Args:
+            state_dict: The state dict DCP loads into.
+            metadata: The checkpoint's metadata.
+            is_coordinator: Whether this rank coordinates the load.
+        """
         self.original_state_dict = state_dict
         self.state_dict = state_dict
         self.metadata = metadata
@@ -284,7 +296,14 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
 
     # -- reading -----------------------------------------------------------------------
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        """The region of the live tensor, or of the holder accumulator, to read into."""
+        """Returns the tensor one read item is read into.
+
+        Args:
+            read_item: The chunk DCP is about to read.
+
+        Returns:
+            The region of the live state tensor, or of a host buffer for a scaled state.
+        """
         target = self.targets[read_item.dest_index.fqn]
         if target.staged is not None:  # its own dtype first: the range check needs the values
             return self._buffer(target.staged, read_item.lengths)
@@ -305,8 +324,16 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         return found[:numel].view(shape)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        """Checks the values that arrived (state_format); quantizes a holder state into
-        storage once all of its chunks have arrived."""
+        """Checks the values that arrived; quantizes a scaled state into storage once complete.
+
+        Args:
+            read_item: The chunk DCP has read.
+            tensor: What ``resolve_tensor`` returned for it, now filled.
+
+        Raises:
+            OptimizerCheckpointError: a value does not fit the optimizer (non-finite, out of
+                range for its storage format, ...).
+        """
         fqn = read_item.dest_index.fqn
         if fqn in self.group_tensors:
             group_index, key = self.group_tensors[fqn]
@@ -350,7 +377,15 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             source.untyped_storage().resize_(0)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """Never planned: objects were read beforehand."""
+        """Never called: ``load_optimizer`` reads the objects beforehand.
+
+        Args:
+            read_item: The object DCP would read.
+            value: Its bytes.
+
+        Raises:
+            AssertionError: always (an object read was planned by mistake).
+        """
         raise AssertionError(f"unexpected object read for {read_item.dest_index.fqn!r}")
 
 
@@ -535,20 +570,11 @@ def load_optimizer(
 ) -> None:
     """Loads a DCP optimizer checkpoint straight into ``optimizer``'s state storage.
 
-    Reads what :func:`save_optimizer` or plain ``dcp.save(optimizer.state_dict())`` wrote, at
-    any world size. The checkpoint is checked against the optimizer (group sizes, every state
-    tensor's parameter, shape and dtype) before the first byte of state is read; a mismatch
-    raises :class:`OptimizerCheckpointError` and leaves the optimizer untouched. Any failure
-    while reading (a missing or truncated file, an I/O error, ``KeyboardInterrupt``) puts the
-    optimizer back exactly as it was. For that, the bytes each read overwrites in place are
-    first written to an undo journal on local disk (a nameless file in a private directory
-    under ``journal_dir``, freed when the load ends, however it ends), so host memory stays at
-    the streaming bound (one tensor being read plus one chunk, and two 8 MiB transfer
-    buffers); the journal takes disk space
-    for the leaf optimizer's state as stored (plus its params under a wrapper). Too little
-    room raises :class:`~wrapped_optim._formats.errors.UndoJournalError` before the first read.
-    ``atomic=False`` keeps no journal: the checks before the first read still apply, but a
-    failure while reading leaves the optimizer partly loaded (load again from a good checkpoint).
+    Reads what ``save_optimizer`` or plain ``dcp.save(optimizer.state_dict())`` wrote, at any
+    world size. The checkpoint is checked against the optimizer before the first byte of state
+    is read, and any failure while reading puts the optimizer back exactly as it was, from an
+    undo journal on local disk (as large as the leaf optimizer's stored state). Host memory
+    stays at the streaming bound. See [Streaming DCP checkpoints](../checkpoint.md).
 
     Args:
         optimizer: the optimizer or wrapper stack to load into.
@@ -561,7 +587,14 @@ def load_optimizer(
         journal_dir: where the undo journal goes (default: the system temp dir, ``TMPDIR``);
             a local disk with room for the stored state (a tmpfs would hold it in memory).
 
-    Example:
+    Raises:
+        OptimizerCheckpointError: the checkpoint does not fit the optimizer (nothing changed).
+        UndoJournalError: ``journal_dir`` has too little room (raised before the first read).
+        TypeError: the stack holds Megatron containers (checkpoint those through
+            ``sharded_state_dict``).
+        ValueError: neither ``checkpoint_id`` nor ``storage_reader`` is given.
+
+    Examples:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
         >>> p = torch.nn.Parameter(torch.ones(3))
         >>> opt = torch.optim.Adam([p], lr=0.01)

@@ -130,14 +130,23 @@ def _flat_start(shape: torch.Size, offsets: torch.Size) -> int:
 class StreamingSavePlanner(DefaultSavePlanner):
     """Writes a state dict whose large or compressed tensors are materialised one chunk at a time.
 
-    Plain tensors (and :class:`DeferredState` placeholders, keyed by their flattened DCP key)
+    Plain tensors (and ``DeferredState`` placeholders, keyed by their flattened DCP key)
     larger than ``chunk_bytes`` are written as several row chunks; each chunk is produced only
-    in :meth:`resolve_data` and, with ``release_after_write``, its buffer is released when the
+    in ``resolve_data`` and, with ``release_after_write``, its buffer is released when the
     same writer thread asks for its next item (by then DCP's file writer has written it; it
     keeps a reference of its own until the file is closed). DTensors and objects are planned
-    exactly as :class:`DefaultSavePlanner` plans them.
+    exactly as ``DefaultSavePlanner`` plans them. ``save_optimizer`` builds it; use it
+    directly only to drive ``dcp.save`` yourself.
 
-    Example:
+    Args:
+        deferred: Placeholders by flattened DCP key, expanded when their chunk is written.
+        chunk_bytes: The most bytes one write item materialises (``None``: whole tensors).
+        release_after_write: Release each chunk's buffer once the writer moves on.
+
+    Raises:
+        ValueError: ``chunk_bytes`` is not positive.
+
+    Examples:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
         >>> sd = {"w": torch.arange(6.0).reshape(3, 2)}
         >>> with tempfile.TemporaryDirectory() as path:
@@ -198,7 +207,14 @@ class StreamingSavePlanner(DefaultSavePlanner):
         return plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        """The bytes of ``write_item``: an object, a slice of a tensor, or a fresh expansion."""
+        """Produces the data of one write item, when the storage writer asks for it.
+
+        Args:
+            write_item: The item DCP is about to write.
+
+        Returns:
+            An object's bytes, a slice of a tensor, or a fresh expansion of a chunk.
+        """
         if write_item.type == WriteItemType.BYTE_IO:
             return super().resolve_data(write_item)
         fqn = write_item.index.fqn
@@ -282,12 +298,11 @@ def save_optimizer(
     call it on every rank (a collective, like ``dcp.save``); replicated state is written once.
 
     Saved into a directory (``checkpoint_id``, or a ``FileSystemWriter``'s path), the save is
-    atomic: it is written into a staging directory beside the target and renamed into place
-    only once complete (:mod:`wrapped_optim.checkpoint._commit`); a save that raises leaves what
-    the directory held before. With ``async_=True`` the call takes a copy of the state as
-    stored (compressed moments stay compressed) and returns a ``concurrent.futures.Future``
-    at once, as ``torch.distributed.checkpoint.async_save`` does; a background thread writes
-    that copy while training goes on, and the checkpoint holds the state at the call.
+    atomic: it is written beside the target and renamed into place only once complete; a save
+    that raises leaves what the directory held before. With ``async_=True`` the call takes a
+    copy of the state as stored (compressed moments stay compressed) and returns a
+    ``concurrent.futures.Future`` at once, as ``torch.distributed.checkpoint.async_save``
+    does; a background thread writes that copy while training goes on.
 
     Args:
         optimizer: the optimizer or wrapper stack.
@@ -302,7 +317,12 @@ def save_optimizer(
     Returns:
         The DCP metadata of the checkpoint; with ``async_``, a future of it.
 
-    Example:
+    Raises:
+        TypeError: the stack holds Megatron containers (checkpoint those through
+            ``sharded_state_dict``).
+        ValueError: neither ``checkpoint_id`` nor ``storage_writer`` is given.
+
+    Examples:
         >>> import tempfile, torch
         >>> from wrapped_optim.checkpoint import load_optimizer
         >>> p = torch.nn.Parameter(torch.ones(4))

@@ -1,19 +1,5 @@
-"""One checkpoint per load: a single metadata snapshot, and files checked to belong to it.
-
-:func:`~wrapped_optim.checkpoint.load_optimizer` makes two DCP reads (the objects, then the
-tensors). DCP's ``FileSystemReader`` rereads ``.metadata`` on each and opens data files by
-path, so a save committed into the same path between (or during) them would hand the second
-read another checkpoint's files. Here a load reads through one :class:`SnapshotReader`:
-
-* the checkpoint directory is opened once and pinned (its file descriptor; the reader's path
-  is ``/proc/self/fd/<fd>`` where the platform has it), so a directory renamed into place
-  by a concurrent commit is never seen by this load;
-* ``.metadata`` is read once and every later read gets that snapshot;
-* every data file the snapshot names must be a plain file inside the checkpoint directory,
-  and is checked before and after it is read against what it was when the snapshot was
-  taken (inode, size, modification time): a file replaced or rewritten meanwhile, or a
-  pinned directory emptied by a concurrent commit, raises :class:`OptimizerCheckpointError`
-  (the load then undoes what it read, like any failed load).
+"""One checkpoint per load: a single metadata snapshot over a pinned directory, and data files
+checked to belong to it, so a save committed during a load is never mixed into it.
 """
 
 from __future__ import annotations

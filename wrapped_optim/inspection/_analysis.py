@@ -39,16 +39,23 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, trusted: bool = False) -
     containers such as ``{"model": ..., "optim": ...}`` — with its detected format, every
     per-parameter state tensor (dtype, shape, bytes), its step counters and its param groups.
 
-    By default nothing pickled in the checkpoint is executed (``weights_only=True``); pass
-    ``trusted=True`` for a checkpoint you trust that pickles other objects.
+    A DCP directory is described from its metadata and the few small values a report shows;
+    a ``torch.save`` file is opened memory-mapped with ``weights_only=True``.
+
+    Args:
+        path: A ``torch.save`` file or a DCP checkpoint directory.
+        trusted: Let torch unpickle other objects (Megatron's ``args``, RNG states) in a
+            checkpoint you trust; by default nothing pickled is executed.
+
+    Returns:
+        One ``OptimizerReport`` per optimizer state dict found, with the file's kind and size.
 
     Raises:
         InspectError: the path does not exist, is neither a ``torch.save`` file nor a DCP
             directory, cannot be read with ``weights_only`` (and ``trusted`` is off), or holds
-            no optimizer state
-            dict (a mapping with ``state`` and ``param_groups``).
+            no optimizer state dict (a mapping with ``state`` and ``param_groups``).
 
-    Example:
+    Examples:
         >>> import tempfile, torch, warnings
         >>> import torch.distributed.checkpoint as dcp
         >>> from wrapped_optim.inspection import inspect_checkpoint

@@ -1,4 +1,4 @@
-"""Rendering a :class:`CheckpointReport` as text."""
+"""Rendering a ``CheckpointReport`` as text."""
 
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ from wrapped_optim.inspection._model import (
 
 
 def format_report(report: CheckpointReport, *, per_param: bool = True) -> str:
-    """Renders a :class:`CheckpointReport` as plain text for a terminal.
+    """Renders a ``CheckpointReport`` as plain text for a terminal.
 
-    With ``per_param=False`` only the per-state summary is shown (one line per state name),
-    which keeps the output short for models with thousands of parameters.
+    Args:
+        report: What ``inspect_checkpoint`` returned.
+        per_param: List every state tensor; ``False`` shows only the summary per state name
+            (short output for models with thousands of parameters).
 
-    Example:
+    Returns:
+        The report as lines of text (what ``wrapped-optim inspect`` prints).
+
+    Examples:
         >>> import torch
         >>> from pathlib import Path
         >>> from wrapped_optim.inspection import (CheckpointReport, OptimizerReport,

@@ -20,12 +20,12 @@ _SEARCH_DEPTH = 4
 
 
 class InspectError(ValueError):
-    """The path is not something :func:`inspect_checkpoint` can describe.
+    """The path is not something ``inspect_checkpoint`` can describe.
 
     Raised for a path that does not exist, a file that is not a ``torch.save`` file, a
     directory that is not a DCP checkpoint, and a checkpoint without an optimizer state dict.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.inspection import InspectError, inspect_checkpoint
         >>> try:
         ...     inspect_checkpoint("/no/such/checkpoint.pt")
@@ -38,7 +38,15 @@ class InspectError(ValueError):
 class StateFormat(enum.Enum):
     """The layout an optimizer state dict was written in.
 
-    Example:
+    Attributes:
+        TORCH: ``torch.optim``'s: per-parameter ``step`` tensors beside the moments.
+        PRECISION_AWARE: TE FusedAdam's portable format (and ``PrecisionAwareAdamW``'s): FP32
+            moments and masters, the step counter in ``param_groups``.
+        REMAINDER_MASTERS: the same with an int16 ``master_param`` holding the low 16 bits of
+            each FP32 master beside bf16 params (``store_param_remainders``).
+        EMPTY: no per-parameter state (the optimizer has not stepped yet).
+
+    Examples:
         >>> from wrapped_optim.inspection import StateFormat
         >>> StateFormat.PRECISION_AWARE.value
         'precision-aware FP32-expanded state (TE FusedAdam portable format)'
@@ -61,7 +69,7 @@ class StateTensor:
         shape: its shape as saved (the global shape for a sharded DCP tensor).
         nbytes: its size in bytes.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.inspection import StateTensor
         >>> StateTensor("0", "exp_avg", torch.bfloat16, (4, 8), 64).nbytes
@@ -84,7 +92,7 @@ class ParamGroupReport:
         num_params: the length of its ``params`` list.
         options: every other entry as ``(name, repr(value))``, in saved order.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.inspection import ParamGroupReport
         >>> group = ParamGroupReport(0, 2, (("lr", "0.001"),))
         >>> group.option("lr")
@@ -96,9 +104,15 @@ class ParamGroupReport:
     options: tuple[tuple[str, str], ...]
 
     def option(self, name: str) -> str | None:
-        """The repr of option ``name``, or None when the group has no such option.
+        """Looks up one option of the group.
 
-        Example:
+        Args:
+            name: The option's name (``"lr"``, ``"betas"``, ...).
+
+        Returns:
+            The option's value as its repr, or ``None`` when the group has no such option.
+
+        Examples:
             >>> from wrapped_optim.inspection import ParamGroupReport
             >>> print(ParamGroupReport(0, 1, (("lr", "0.1"),)).option("eps"))
             None
@@ -113,7 +127,7 @@ class OptimizerReport:
     Attributes:
         location: where it sits in the checkpoint (``""`` for the top level, else a path such
             as ``optim`` or ``[1]``).
-        format: the detected :class:`StateFormat`.
+        format: the detected ``StateFormat``.
         tensors: every per-parameter state tensor, in saved order.
         steps: the distinct step counters found (per-parameter ``step`` states, else the
             ``step`` option of the param groups), ascending.
@@ -121,7 +135,7 @@ class OptimizerReport:
         param_groups: one report per group.
         notes: anything unusual worth a reader's attention.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.inspection import OptimizerReport, StateFormat, StateTensor
         >>> report = OptimizerReport(
@@ -144,7 +158,7 @@ class OptimizerReport:
     def total_bytes(self) -> int:
         """Bytes of all per-parameter state tensors together, as saved (not FP32-expanded).
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.inspection import OptimizerReport, StateFormat, StateTensor
             >>> OptimizerReport("", StateFormat.TORCH, (
@@ -159,7 +173,7 @@ class OptimizerReport:
     def num_params(self) -> int:
         """How many parameters have state; a parameter never stepped has none and is not counted.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.inspection import OptimizerReport, StateFormat, StateTensor
             >>> OptimizerReport("", StateFormat.TORCH, (
@@ -175,7 +189,7 @@ class OptimizerReport:
     def description(self) -> str:
         """The format with the floating dtypes of its state (steps excluded).
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.inspection import OptimizerReport, StateFormat, StateTensor
             >>> OptimizerReport("", StateFormat.TORCH,
@@ -194,7 +208,7 @@ class OptimizerReport:
 
 @attrs.frozen
 class CheckpointReport:
-    """Everything :func:`inspect_checkpoint` found in one checkpoint.
+    """Everything ``inspect_checkpoint`` found in one checkpoint.
 
     Attributes:
         path: the inspected file or directory.
@@ -202,7 +216,7 @@ class CheckpointReport:
         file_bytes: its size on disk (all files, for a DCP directory).
         optimizers: one report per optimizer state dict found (at least one).
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from pathlib import Path
         >>> from wrapped_optim.inspection import inspect_checkpoint
@@ -228,7 +242,7 @@ class CheckpointReport:
     def formats(self) -> tuple[str, ...]:
         """The detected format of each optimizer state dict, as text (for printing or matching).
 
-        Example:
+        Examples:
             >>> from pathlib import Path
             >>> from wrapped_optim.inspection import CheckpointReport, OptimizerReport, StateFormat
             >>> empty = OptimizerReport("optim", StateFormat.EMPTY, (), (), "none", (), ())

@@ -1,10 +1,5 @@
-"""The Megatron-Bridge port: ``setup_optimizer`` and its scheduler configuration.
-
-:func:`setup_optimizer` takes Bridge's arguments and makes Bridge's builder and scheduler
-calls, then wraps the Megatron optimizer with the stack that
-:meth:`~wrapped_optim.config.StackConfig.from_megatron` derives from Megatron's configs.
-:class:`SchedulerConfig` mirrors Bridge's scheduler settings (and their validation). Needs
-megatron-core at call time only; importing this module does not import it.
+"""The Megatron-Bridge port: Bridge's ``setup_optimizer`` and its scheduler settings, with
+wrapped_optim's stack on top. Needs megatron-core at call time only.
 """
 
 from __future__ import annotations
@@ -46,14 +41,38 @@ logger = logging.getLogger(__name__)
 class SchedulerConfig:
     """Megatron-Bridge's LR / weight-decay scheduler settings, with Bridge's validation.
 
-    Field names and meanings follow Bridge (iterations *or* samples, never both; warmup by
-    count or by fraction). The ``*_steps`` fields that megatron-core's
-    ``OptimizerParamScheduler`` consumes are derived from the training length by
-    :meth:`with_steps` (Bridge computes them in its ConfigContainer), or set directly.
-    ``start_weight_decay`` / ``end_weight_decay`` left ``None`` take the optimizer config's
-    ``weight_decay`` in :func:`setup_optimizer`.
+    Field names and meanings follow Bridge: iterations *or* samples, never both; warmup by
+    count or by fraction. The ``*_steps`` fields megatron-core's ``OptimizerParamScheduler``
+    consumes are derived by ``with_steps`` (as Bridge's ConfigContainer does) or set directly.
 
-    Example:
+    Attributes:
+        lr_decay_style: ``constant``, ``linear``, ``cosine``, ``inverse-square-root`` or ``WSD``.
+        lr_wsd_decay_style: WSD's annealing shape (``exponential``, ``linear``, ``cosine``,
+            ``minus_sqrt``).
+        lr_decay_iters: Iterations of LR decay (default: the training length).
+        lr_decay_samples: Samples of LR decay (sample-based training).
+        lr_wsd_decay_iters: Iterations of WSD's annealing.
+        lr_wsd_decay_samples: Samples of WSD's annealing.
+        lr_warmup_fraction: Warmup as a fraction of the decay (excludes the two below).
+        lr_warmup_iters: Warmup iterations.
+        lr_warmup_samples: Warmup samples.
+        lr_warmup_init: The LR the warmup starts from.
+        override_opt_param_scheduler: Take these settings over a checkpoint's.
+        use_checkpoint_opt_param_scheduler: Take a checkpoint's settings over these.
+        start_weight_decay: The weight decay at the start (``None``: the optimizer config's).
+        end_weight_decay: The weight decay at the end (``None``: the optimizer config's).
+        weight_decay_incr_style: ``constant``, ``linear`` or ``cosine``.
+        no_weight_decay_cond_type: Bridge's named no-weight-decay rule (``"qwen3_next"``).
+        max_steps: The scheduler's total steps, in samples (set by ``with_steps``).
+        lr_warmup_steps: Warmup steps, in samples (set by ``with_steps``).
+        lr_decay_steps: Decay steps, in samples (set by ``with_steps``).
+        wd_incr_steps: Weight-decay steps, in samples (set by ``with_steps``).
+        wsd_decay_steps: WSD annealing steps, in samples (set by ``with_steps``).
+
+    Raises:
+        ConfigError: an invalid value, or iterations mixed with samples.
+
+    Examples:
         >>> config = SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=10)
         >>> config = config.with_steps(train_iters=100, global_batch_size=8)
         >>> config.lr_warmup_steps, config.lr_decay_steps, config.wd_incr_steps
@@ -163,13 +182,21 @@ class SchedulerConfig:
         global_batch_size: int | None = None,
         train_samples: int | None = None,
     ) -> SchedulerConfig:
-        """A copy with the scheduler's step counts derived from the training length.
+        """Returns a copy with the scheduler's step counts derived from the training length.
 
-        Iteration-based (``train_iters`` and ``global_batch_size``) or sample-based
-        (``train_samples``) as in Bridge; steps are counted in samples, and a warmup as long
-        as the decay is capped to ``lr_decay_steps - 1`` with a warning.
+        Steps are counted in samples, as in Bridge; a warmup as long as the decay is capped
+        to ``lr_decay_steps - 1`` with a warning.
 
-        Example:
+        Args:
+            train_iters: Training iterations (iteration-based; needs ``global_batch_size``).
+            global_batch_size: Samples per iteration.
+            train_samples: Training samples (sample-based; excludes ``train_iters``).
+
+        Raises:
+            ConfigError: the training length is given both ways or not at all, a count is
+                not positive, or a setting is of the other kind (iterations vs samples).
+
+        Examples:
             >>> SchedulerConfig(lr_warmup_samples=10).with_steps(train_samples=1000).lr_decay_steps
             1000
         """
@@ -259,9 +286,15 @@ class SchedulerConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SchedulerConfig:
-        """Builds the config from a mapping, rejecting unknown keys.
+        """Builds the config from a mapping of its fields.
 
-        Example:
+        Args:
+            data: The fields by name; an unknown key is an error.
+
+        Raises:
+            ConfigError: an unknown key or an invalid value.
+
+        Examples:
             >>> SchedulerConfig.from_dict({"lr_decay_style": "cosine"}).lr_decay_style
             'cosine'
         """
@@ -272,7 +305,12 @@ class SchedulerConfig:
 class OptimizerConfigOverrideProviderContext:
     """What an override provider sees (Bridge's context, same attribute names).
 
-    Example:
+    Attributes:
+        scheduler_config: The scheduler config passed to ``setup_optimizer``.
+        optimizer_config: Megatron's ``OptimizerConfig``.
+        model: The model chunks.
+
+    Examples:
         >>> OptimizerConfigOverrideProviderContext(None, None, []).model
         []
     """
@@ -288,13 +326,20 @@ class OptimizerConfigOverrideProvider:
     Subclass it (or pass any object with ``build_config_overrides(context)``) to change
     per-parameter-group settings (weight-decay skips, decoupled LR...).
 
-    Example:
+    Examples:
         >>> callable(OptimizerConfigOverrideProvider().build_config_overrides)
         True
     """
 
     def build_config_overrides(self, context: OptimizerConfigOverrideProviderContext) -> Any:
-        """``get_standard_config_overrides(config)``, or ``None`` when it has none."""
+        """Returns megatron-core's standard param-group overrides for the optimizer config.
+
+        Args:
+            context: What ``setup_optimizer`` is building.
+
+        Returns:
+            ``get_standard_config_overrides(config)``, or ``None`` when it has none.
+        """
         core = megatron_optimizer_module()
         overrides = core.get_standard_config_overrides(config=context.optimizer_config)
         return overrides if overrides else None
@@ -321,23 +366,32 @@ def setup_optimizer(
 ) -> tuple[Any, Any]:
     """Megatron-Bridge's ``setup_optimizer``, returning the wrapped optimizer and its scheduler.
 
-    As in Bridge: param-group overrides from ``optimizer_config_override_provider`` (default:
-    megatron-core's standard overrides), with muP overrides merged on top when the model
-    config has ``use_mup``; then ``optimizer_config.provide(...)`` when the config has that
-    hook, else ``get_megatron_optimizer``, or ``get_megatron_muon_optimizer`` when the
-    optimizer name contains ``muon`` or ``soap`` (layer-wise distributed when it contains
-    ``dist``); then megatron-core's ``OptimizerParamScheduler``. The optimizer is wrapped with
-    :meth:`~wrapped_optim.config.StackConfig.from_megatron` (``ddp_config`` defaults to the
-    first model chunk's ``ddp_config``; ``stack`` holds explicit settings that override
-    derived ones).
+    As in Bridge: param-group overrides (muP's merged on top when the model config has
+    ``use_mup``), then the config's ``provide`` hook, ``get_megatron_optimizer`` or the Muon
+    builder, then megatron-core's ``OptimizerParamScheduler``. The optimizer is then wrapped
+    with the stack ``StackConfig.from_megatron`` derives. Needs megatron-core (and, for its
+    optimizers, CUDA and initialised parallel state); a config with Bridge's ``provide`` hook
+    runs on a CPU, as in the example.
 
-    Needs megatron-core (and, for its optimizers, CUDA and initialised parallel state).
-    ``scheduler_config`` is a :class:`SchedulerConfig` with its step counts set
-    (:meth:`SchedulerConfig.with_steps`) or Bridge's own.
+    Args:
+        optimizer_config: Megatron's ``OptimizerConfig``.
+        scheduler_config: A ``SchedulerConfig`` with its step counts set
+            (``SchedulerConfig.with_steps``), or Bridge's own.
+        model: The model chunks (a module or a list of them).
+        use_gloo_process_groups: Passed to megatron-core's optimizer builder.
+        pg_collection: Passed to megatron-core's optimizer builder.
+        optimizer_config_override_provider: Builds the param-group overrides (default:
+            ``OptimizerConfigOverrideProvider``).
+        ddp_config: Megatron's DDP config (default: the first model chunk's ``ddp_config``).
+        stack: Explicit stack settings that override the derived ones.
 
-    A config with Bridge's ``provide`` hook runs on a CPU, as in this example.
+    Returns:
+        ``(optimizer, scheduler)``: the wrapped Megatron optimizer and its scheduler.
 
-    Example:
+    Raises:
+        ConfigError: ``optimizer_config.optimizer`` is not a string, or a config is invalid.
+
+    Examples:
         >>> import torch
         >>> from types import SimpleNamespace
         >>> from wrapped_optim.integrations.bridge import SchedulerConfig, setup_optimizer

@@ -64,7 +64,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         ValueError: ``offload_fraction`` is outside ``[0, 1]``.
         RuntimeError: ``fused_host_step=True`` but the CPU kernel cannot be built.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = torch.nn.Linear(4, 2).to(torch.bfloat16)
         >>> opt = HybridOffloadOptimizer(model.parameters(), offload_fraction=0.5, lr=0.01)
@@ -189,7 +189,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         (``lr``, ``exp_avg_dtype``, ...), without the defaults :attr:`defaults` gains from
         the sub-optimizers (a copy).
 
-        Example:
+        Examples:
             >>> import torch
             >>> opt = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(2))], lr=0.1)
             >>> opt.sub_optimizer_keywords, opt.defaults["betas"]
@@ -201,7 +201,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     def sub_optimizers(self) -> list[torch.optim.Optimizer]:
         """The host sub-optimizer (if any parameter is offloaded), then the device one.
 
-        Example:
+        Examples:
             >>> import torch
             >>> params = [torch.nn.Parameter(torch.ones(2)) for _ in range(2)]
             >>> len(HybridOffloadOptimizer(params, offload_fraction=0.5).sub_optimizers)
@@ -212,7 +212,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group while constructing; afterwards the layout is fixed (build a new one).
 
-        Example:
+        Examples:
             >>> import torch
             >>> opt = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(2))])
             >>> opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
@@ -250,7 +250,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         one that raises is retried at once and, if it fails again, at the start of the next
         ``step`` or ``state_dict``.
 
-        Example:
+        Examples:
             >>> import torch
             >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
             >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.5, weight_decay=0.0)
@@ -301,7 +301,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         optimizer. Unlike Megatron's (random gradients, a real step), it steps with zero
         gradients at a zero learning rate, so weights and copies keep their values.
 
-        Example:
+        Examples:
             >>> import torch
             >>> p = torch.nn.Parameter(torch.ones(2))
             >>> opt = HybridOffloadOptimizer([p], lr=0.1)
@@ -337,7 +337,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         Host copies of FP32 parameters are *not* refreshed — use
         :meth:`wrapped_optim.HybridSyncOptimizer.reload_model_params` to refresh every copy.
 
-        Example:
+        Examples:
             >>> import torch
             >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
             >>> opt = HybridOffloadOptimizer([p], offload_fraction=0.0, lr=0.1)
@@ -354,7 +354,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         """Each parameter with a distinct copy: the copy this optimizer steps is its master
         (or a master a loader restored into ``state``, which the copy must then follow).
 
-        Example:
+        Examples:
             >>> import torch
             >>> p = torch.nn.Parameter(torch.ones(2))
             >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1)
@@ -399,7 +399,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         ``master_param``; the holder's step count is in ``param_groups`` (``"step"``), as
         FusedAdam keeps it.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
             >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
@@ -443,7 +443,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         and take the current weights, then the saved masters. What that path overwrites is
         kept until it has finished and put back if anything raises.
 
-        Example:
+        Examples:
             >>> import torch
             >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
             >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0)

@@ -64,7 +64,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     ``torch.optim.AdamW`` / ``Adam`` checkpoint; :func:`~wrapped_optim.optimizers.to_torch_adam`
     turns this optimizer's checkpoint into one torch's AdamW loads.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
@@ -246,7 +246,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         (FusedAdam takes it positionally; Megatron calls ``initialize_state(p)``); a value that
         contradicts the configuration is rejected.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
             >>> p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
@@ -278,7 +278,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         for a remainder master (raw int16), as in FusedAdam. For a DTensor parameter the
         result is a DTensor over the local shard.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
             >>> p = torch.nn.Parameter(torch.zeros(2))
@@ -362,7 +362,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         exactly representable under a neighbouring scale (see :func:`codecs.exact_scale`),
         which makes ``set_scaled_state(get_unscaled_state())`` lossless.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
             >>> p = torch.nn.Parameter(torch.zeros(2))
@@ -384,7 +384,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         state's device; nothing larger than ``out`` is allocated. The values are bitwise those
         of ``get_unscaled_state(param, state_name).flatten()[start:...]``.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
             >>> p = torch.nn.Parameter(torch.zeros(4))
@@ -426,7 +426,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         result is bitwise what :meth:`set_scaled_state` produces, with device temporaries of
         ``O(chunk_numel)`` elements. ``source`` is never modified.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
             >>> p = torch.nn.Parameter(torch.zeros(3))
@@ -445,7 +445,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients (``decoupled_grad`` too when ``use_decoupled_grad``).
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
             >>> p = torch.nn.Parameter(torch.zeros(1))
@@ -490,7 +490,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One AdamW step over every parameter with a gradient (TE's update form).
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
             >>> p = torch.nn.Parameter(torch.zeros(2))
@@ -555,7 +555,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         instance-level patch of that method, e.g. one staging to host, takes effect). A
         remainder master is saved as its raw int16 remainder. Scales are not saved.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
             >>> p = torch.nn.Parameter(torch.zeros(2))
@@ -581,7 +581,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         slice; a load interrupted half-way is completed before the exception propagates);
         the caller's tensors are never modified.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
             >>> p = torch.nn.Parameter(torch.zeros(2))

@@ -6,10 +6,10 @@ The two layouts differ in two places. torch keeps the step count per parameter (
 PrecisionAwareAdamW (like Transformer Engine's FusedAdam) keeps one ``step`` per param group
 and ``bias_correction``. The moments (``exp_avg``, ``exp_avg_sq``) are the same FP32 values.
 
-:meth:`PrecisionAwareAdamW.load_state_dict
-<wrapped_optim.optimizers.PrecisionAwareAdamW.load_state_dict>` recognises torch's layout and
-converts it with :func:`from_torch_adam`; a PrecisionAwareAdamW checkpoint goes into
-``torch.optim.AdamW`` (or ``Adam``) through :func:`to_torch_adam`. Both check everything
+``PrecisionAwareAdamW.load_state_dict
+<wrapped_optim.optimizers.PrecisionAwareAdamW.load_state_dict>`` recognises torch's layout and
+converts it with ``from_torch_adam``; a PrecisionAwareAdamW checkpoint goes into
+``torch.optim.AdamW`` (or ``Adam``) through ``to_torch_adam``. Both check everything
 first and raise ``ValueError`` saying what cannot be carried over; the input is never
 modified.
 """
@@ -35,13 +35,28 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class TorchAdamFormatError(OptimizerCheckpointError):
-    """A checkpoint that cannot be carried between torch's Adam/AdamW and PrecisionAwareAdamW."""
+    """A checkpoint that cannot be carried between torch's Adam/AdamW and PrecisionAwareAdamW.
+
+    Raised by ``from_torch_adam`` and ``to_torch_adam``; the message names the group or
+    parameter and what to change. An ``OptimizerCheckpointError`` (a ``ValueError``).
+
+    Examples:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import TorchAdamFormatError, from_torch_adam
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> amsgrad = torch.optim.AdamW([p], lr=0.1, amsgrad=True)
+        >>> try:
+        ...     from_torch_adam(amsgrad.state_dict())
+        ... except TorchAdamFormatError as error:
+        ...     print(str(error).split(",")[0])
+        param_groups[0] has amsgrad=True
+    """
 
 
 def is_torch_adam_layout(state_dict: Any) -> bool:
     """Whether ``state_dict`` has torch's Adam/AdamW layout (a ``step`` per parameter).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers._torch_adam_format import is_torch_adam_layout
         >>> p = torch.nn.Parameter(torch.ones(2))
@@ -76,19 +91,28 @@ def _state_and_groups(state_dict: Mapping[str, Any]) -> tuple[Mapping[Any, Any],
 
 
 def from_torch_adam(state_dict: Mapping[str, Any], *, adam_w_mode: bool = True) -> dict[str, Any]:
-    """A torch Adam/AdamW state dict in PrecisionAwareAdamW's layout.
+    """Converts a torch Adam/AdamW state dict to PrecisionAwareAdamW's layout.
 
-    Each group's ``step`` is the step of its parameters (they must agree, as they do in any
-    torch run that steps every parameter); torch's group flags are dropped after checking that
-    nothing they turn on is lost: ``amsgrad`` and ``maximize`` must be off, and the weight
-    decay must be of the kind ``adam_w_mode`` asks for (torch's AdamW decouples it, like
-    ``adam_w_mode=True``; torch's Adam adds it to the gradient, like ``adam_w_mode=False``;
-    with ``weight_decay=0`` either is fine). Raises :class:`TorchAdamFormatError` otherwise.
+    Each group's ``step`` is the step of its parameters (they must agree); torch's group flags
+    are dropped after checking that nothing they turn on is lost.
 
-    Example:
+    Args:
+        state_dict: ``torch.optim.Adam``'s or ``AdamW``'s ``state_dict()``.
+        adam_w_mode: The ``adam_w_mode`` of the PrecisionAwareAdamW that loads the result:
+            ``True`` for torch's AdamW (decoupled weight decay), ``False`` for Adam (L2).
+
+    Returns:
+        A new state dict that ``PrecisionAwareAdamW.load_state_dict`` loads.
+
+    Raises:
+        TorchAdamFormatError: ``amsgrad`` or ``maximize`` is on, the weight decay is of the
+            other kind than ``adam_w_mode``, a group's parameters disagree on the step, or
+            ``state_dict`` is not an optimizer state dict.
+
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
-        >>> from wrapped_optim.optimizers._torch_adam_format import from_torch_adam
+        >>> from wrapped_optim.optimizers import from_torch_adam
         >>> p = torch.nn.Parameter(torch.ones(2))
         >>> torch_opt = torch.optim.AdamW([p], lr=0.1)
         >>> p.grad = torch.ones(2)
@@ -140,20 +164,29 @@ def from_torch_adam(state_dict: Mapping[str, Any], *, adam_w_mode: bool = True) 
 
 
 def to_torch_adam(state_dict: Mapping[str, Any], *, drop_masters: bool = False) -> dict[str, Any]:
-    """A PrecisionAwareAdamW state dict that ``torch.optim.AdamW`` (or ``Adam``) loads.
+    """Converts a PrecisionAwareAdamW state dict to the layout torch's AdamW (or Adam) loads.
 
-    Each parameter's state gets its group's ``step`` as torch's float32 step tensor; groups
-    lose ``step`` and ``bias_correction`` (torch always corrects the bias, so
-    ``bias_correction=False`` is refused). torch's optimizers update the parameters
-    themselves, so an FP32 master (``master_param``) has nowhere to go: it is refused unless
-    ``drop_masters=True`` (then copy the masters into the model's parameters first, e.g. from
-    ``opt.get_unscaled_state(p, "master_param")``, or the precision they hold is lost).
-    Load the result into ``AdamW`` for ``adam_w_mode=True`` (the default), ``Adam`` otherwise.
+    Each parameter's state gets its group's ``step`` as torch's float32 step tensor. Load the
+    result into ``AdamW`` for ``adam_w_mode=True`` (the default), ``Adam`` otherwise.
 
-    Example:
+    Args:
+        state_dict: ``PrecisionAwareAdamW.state_dict()``.
+        drop_masters: Drop FP32 masters (``master_param``), which torch has nowhere to keep;
+            copy them into the model's parameters first (e.g. from
+            ``opt.get_unscaled_state(p, "master_param")``) or their precision is lost.
+
+    Returns:
+        A new state dict that ``torch.optim.AdamW.load_state_dict`` loads.
+
+    Raises:
+        TorchAdamFormatError: a group has ``bias_correction=False`` (torch always corrects
+            the bias), a state holds masters without ``drop_masters=True``, or
+            ``state_dict`` is not an optimizer state dict.
+
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
-        >>> from wrapped_optim.optimizers._torch_adam_format import to_torch_adam
+        >>> from wrapped_optim.optimizers import to_torch_adam
         >>> p = torch.nn.Parameter(torch.ones(2))
         >>> opt = PrecisionAwareAdamW([p], lr=0.1, exp_avg_dtype=torch.bfloat16)
         >>> p.grad = torch.ones(2)

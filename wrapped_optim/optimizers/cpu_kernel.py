@@ -1,40 +1,7 @@
 """A compiled one-pass AdamW for CPU tensors whose operands are stored in different dtypes.
 
-torch's fused AdamW kernel needs parameter, gradient and moments in one dtype. Moments kept
-in bf16 beside FP32 parameters (or a bf16 parameter with an FP32 master or int16 remainder)
-would otherwise be expanded to FP32, updated and re-encoded in separate passes, which on CPU
-costs 2-3x torch's fused step. The loop in ``_adamw_cpu.c`` reads each element once in its
-stored format, applies Transformer Engine's FusedAdam update in FP32 and writes it back.
-
-The library is built with the package (``pip install``, wheels: ``setup.py`` compiles it
-beside this module as ``_adamw_cpu-<hash of the sources>.so``) and loaded with :mod:`ctypes`;
-no torch headers. A source tree without that library (or whose sources changed since) builds
-it at first use instead, saying so once through :mod:`logging` (40 s to 2 min on 2 cores), with
-the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a per-user cache
-(``$WRAPPED_OPTIM_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/wrapped_optim``,
-``~/.cache/wrapped_optim`` or ``<tempdir>/wrapped_optim-<uid>``): created with mode 0700, and
-used only when owned by the current user and writable by nobody else (a library there is
-checked the same way before it is loaded). One build per source, compiler and flags.
-``WRAPPED_OPTIM_CPU_KERNEL=0`` turns the kernel off. When it cannot be had, :func:`status`
-says why, a one-time :class:`RuntimeWarning` names the reason, the cost and the fix, and
-:class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` keeps its pure-torch path.
-
-It is built with ``-fopenmp`` when the compiler supports it (else without, one thread):
-the library then names ``libgomp.so.1``, which the loader resolves to the OpenMP runtime
-torch has already loaded, so the kernel's threads are torch's own intra-op workers.
-
-The kernel is compiled without floating-point contraction, and its vectorized clones (AVX-512,
-AVX2, baseline) do the same FP32 operations in the same order, so results do not depend on
-the machine or on how the elements are split between threads. fp16/FP8 moments run
-hand-written vector loops, bitwise equal to the portable loops (hardware fp16 conversions, FP8
-codes decoded through byte tables): the AVX-512 family where the CPU has AVX-512 with VBMI and
-F16C (Ice Lake, Sapphire Rapids and later; Zen 4 and later), else the AVX2 family where it has
-AVX2 and F16C (Haswell and later; Zen 1-3), else the portable loops. :attr:`KernelStatus.loops`
-says which runs; ``WRAPPED_OPTIM_CPU_LOOPS`` (``avx512``, ``avx2``, ``portable`` or ``auto``,
-read when the library is loaded) or :func:`use_loops` selects another family this CPU has,
-e.g. to measure the AVX2 loops on an AVX-512 machine. Every step runs with
-denormals kept (MXCSR's flush-to-zero and denormals-are-zero off, then restored), so
-``torch.set_flush_denormal(True)`` does not change its bits.
+Users call ``status`` and ``use_loops``; how it is built, cached and vectorized is in the
+docs' PrecisionAwareAdamW page ("The CPU kernel").
 """
 
 from __future__ import annotations
@@ -71,6 +38,7 @@ _ABI_VERSION = 9
 #: The loop families of fp16/FP8 moments, fastest first (the C side's LOOPS_* values are the
 #: reverse indices).
 LOOP_FAMILIES = ("avx512", "avx2", "portable")
+"""The families of fp16/FP8 moment loops, fastest first; all give the same bits."""
 _LOOPS_ENV = "WRAPPED_OPTIM_CPU_LOOPS"
 _DISABLE_ENV = "WRAPPED_OPTIM_CPU_KERNEL"
 _CACHE_ENV = "WRAPPED_OPTIM_KERNEL_CACHE"
@@ -123,10 +91,17 @@ class _Tensor(ctypes.Structure):
 
 @attrs.frozen
 class KernelStatus:
-    """Whether the compiled kernel is in use, where it came from (and whether it can use
-    several threads), or why it is not in use.
+    """Whether the compiled kernel is in use, where it came from, or why it is not in use.
 
-    Example:
+    Attributes:
+        available: The kernel is loaded and ``PrecisionAwareAdamW`` uses it on CPU.
+        library: The loaded shared library's path (``None`` when unavailable).
+        reason: Why the kernel is unavailable, and what to do (``None`` when available).
+        parallel: Built with OpenMP: a step may use several of torch's threads.
+        loops: The family of fp16/FP8 moment loops in use (one of ``LOOP_FAMILIES``).
+        loop_families: The families this CPU and build can run, fastest first.
+
+    Examples:
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> s = cpu_kernel.status()
         >>> s.available == (s.library is not None) == (s.reason is None)
@@ -151,9 +126,14 @@ _loaded_in_pid = 0  # the process that loaded the library (and may use its OpenM
 
 
 def status() -> KernelStatus:
-    """Build and load the kernel on first call (then cached); never raises.
+    """Reports whether the CPU kernel is in use, building and loading it on first call.
 
-    Example:
+    The result is cached; it never raises (a failure is its ``reason``).
+
+    Returns:
+        The kernel's ``KernelStatus``, with the loop family in use now.
+
+    Examples:
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> isinstance(cpu_kernel.status().available, bool)
         True
@@ -167,17 +147,26 @@ def status() -> KernelStatus:
 
 
 def use_loops(family: str | None = None) -> str:
-    """Run fp16/FP8 moments with the loops of ``family`` (one of :data:`LOOP_FAMILIES` that
-    ``status().loop_families`` lists; None: the fastest this CPU has) from the next step on,
-    in this process; returns the family now in use. Every family gives the same bits, so this
-    only changes speed: for measuring one family against another (the AVX2 loops on an
-    AVX-512 machine, say), and for the tests, which run every family the CPU has. Not while
-    another thread steps. ``WRAPPED_OPTIM_CPU_LOOPS`` makes the same choice when the library
-    is loaded.
+    """Selects the loops fp16/FP8 moments run with, in this process, from the next step on.
 
-    Example:
+    Every family gives the same bits, so this only changes speed (e.g. to measure the AVX2
+    loops on an AVX-512 machine). Not while another thread steps. The environment variable
+    ``WRAPPED_OPTIM_CPU_LOOPS`` makes the same choice when the library is loaded.
+
+    Args:
+        family: One of ``LOOP_FAMILIES`` that ``status().loop_families`` lists; ``None``
+            for the fastest this CPU has.
+
+    Returns:
+        The family now in use.
+
+    Raises:
+        RuntimeError: the kernel is unavailable (``status().reason`` says why).
+        ValueError: ``family`` is unknown or this CPU or build cannot run it.
+
+    Examples:
         >>> from wrapped_optim.optimizers import cpu_kernel
-        >>> if cpu_kernel.available():
+        >>> if cpu_kernel.status().available:
         ...     assert cpu_kernel.use_loops("portable") == "portable"
         ...     assert cpu_kernel.use_loops() == cpu_kernel.status().loop_families[0]
     """
@@ -208,7 +197,7 @@ def _set_family(lib: ctypes.CDLL, family: str | None, supported: tuple[str, ...]
 def available() -> bool:
     """Whether :func:`adamw_step_` can run here.
 
-    Example:
+    Examples:
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> cpu_kernel.available() == cpu_kernel.status().available
         True
@@ -387,7 +376,7 @@ def cache_dir_candidates() -> list[Path]:
     directory ``$WRAPPED_OPTIM_KERNEL_CACHE`` names, else the user's cache and a per-user
     directory in the temporary directory (never one shared by all users).
 
-    Example:
+    Examples:
         >>> from pathlib import Path
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> all(isinstance(d, Path) for d in cpu_kernel.cache_dir_candidates())
@@ -592,7 +581,7 @@ def adamw_step_(
     there never returns, torch's own included). Every operand is checked before anything is
     written. Raises ``RuntimeError`` when the kernel is unavailable (see :func:`status`).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> p, g = torch.ones(3), torch.full((3,), 0.5)

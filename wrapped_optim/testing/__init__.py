@@ -1,12 +1,12 @@
 """Tools to test optimizer setups: bitwise state comparison, resume and transparency checks.
 
-The assertions need only torch; :mod:`wrapped_optim.testing.strategies` (hypothesis strategies
+The assertions need only torch; ``wrapped_optim.testing.strategies`` (hypothesis strategies
 for parameter sets, optimizers and wrapper stacks) also needs ``hypothesis``;
-:mod:`wrapped_optim.testing.faults` (a save killed at each point of the checkpoint commit) and
-:mod:`wrapped_optim.testing.hostile` (checkpoints and save targets crafted against readers
+``wrapped_optim.testing.faults`` (a save killed at each point of the checkpoint commit) and
+``wrapped_optim.testing.hostile`` (checkpoints and save targets crafted against readers
 and savers) need only torch.
 
-Example:
+Examples:
     >>> import torch
     >>> from wrapped_optim.testing import assert_resume_equivalent
     >>> def make():

@@ -43,7 +43,7 @@ class Difference:
         path: keys from the root to the differing value, e.g. ``("state", 3, "exp_avg")``.
         detail: what differs there (dtype, shape, which element, a missing key, ...).
 
-    Example:
+    Examples:
         >>> d = Difference(("state", 3, "exp_avg"), "dtype torch.float32 != torch.bfloat16")
         >>> d.param_index, d.state_name
         (3, 'exp_avg')
@@ -101,12 +101,18 @@ def _format_keys(keys: Sequence[Any]) -> str:
 
 
 class StateMismatchError(AssertionError):
-    """Raised by the assertions of this module; lists every :class:`Difference` found.
+    """Raised by the assertions of this module; lists every ``Difference`` found.
 
-    ``differences[0]`` is the first one in traversal order; ``param_index`` and ``state_name``
-    are its parameter index and state name (``None`` when it is not a per-parameter state).
+    Args:
+        headline: What was compared (the message's first line).
+        differences: Every difference found, in traversal order.
 
-    Example:
+    Attributes:
+        differences: Every difference found, in traversal order.
+        param_index: The first difference's parameter index (``None`` outside ``state``).
+        state_name: The first difference's state name (``None`` outside ``state``).
+
+    Examples:
         >>> import torch
         >>> a = {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": []}
         >>> b = {"state": {0: {"step": torch.tensor(2.0)}}, "param_groups": []}
@@ -248,9 +254,18 @@ def _sequence_differences(
 def state_dict_differences(
     a: Any, b: Any, *, ignore_device: bool = False, names: tuple[str, str] = ("a", "b")
 ) -> list[Difference]:
-    """Every difference between two state dicts (empty when they are bitwise equal).
+    """Lists every difference between two state dicts, compared as ``assert_state_dict_equal`` does.
 
-    Example:
+    Args:
+        a: The first state dict (or any nest of dicts, lists and tensors).
+        b: The second.
+        ignore_device: Let tensors on different devices compare equal.
+        names: What to call ``a`` and ``b`` in the details.
+
+    Returns:
+        The differences in traversal order; empty when the two are bitwise equal.
+
+    Examples:
         >>> import torch
         >>> a = {"state": {0: {"exp_avg": torch.zeros(2)}}}
         >>> b = {"state": {0: {"exp_avg": torch.zeros(2, dtype=torch.bfloat16)}}}
@@ -273,10 +288,18 @@ def assert_state_dict_equal(
     Tensors must match in dtype, shape, device (unless ``ignore_device``) and every bit (so
     ``-0.0 != 0.0`` and NaNs with equal payloads are equal). Python scalars must match in type
     (a ``step`` that became a float is a difference) and value; lists and tuples are distinct.
-    On failure raises :class:`StateMismatchError` naming each parameter index and state name
-    that differs.
 
-    Example:
+    Args:
+        a: The first state dict (or any nest of dicts, lists and tensors).
+        b: The second.
+        ignore_device: Let tensors on different devices compare equal.
+        names: What to call ``a`` and ``b`` in the message.
+        headline: The message's first line (default ``"state dicts differ"``).
+
+    Raises:
+        StateMismatchError: they differ; it names each parameter index and state name.
+
+    Examples:
         >>> import torch
         >>> p = torch.nn.Parameter(torch.ones(2))
         >>> opt = torch.optim.Adam([p])
@@ -300,9 +323,15 @@ def assert_state_dict_equal(
 # Driving an optimizer
 # ----------------------------------------------------------------------------------------------
 def optimizer_params(optimizer: Any) -> list[torch.Tensor]:
-    """The optimizer's parameters in state-dict order (the index is the ``state`` key).
+    """Lists an optimizer's parameters in state-dict order.
 
-    Example:
+    Args:
+        optimizer: Any optimizer or wrapper stack.
+
+    Returns:
+        The parameters of every group in order: position ``i`` is the ``state`` key ``i``.
+
+    Examples:
         >>> import torch
         >>> a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(2))
         >>> opt = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.5}], lr=0.1)
@@ -325,7 +354,12 @@ def synthetic_gradients(optimizer: Any, step: int, *, seed: int = 0) -> None:
     (``param.grad_dtype`` where set, e.g. bf16 main grads of fp32 FSDP shards). Parameters with
     ``requires_grad=False`` (frozen) get no gradient.
 
-    Example:
+    Args:
+        optimizer: Any optimizer or wrapper stack.
+        step: The training step the gradients are for.
+        seed: Another seed gives other gradients.
+
+    Examples:
         >>> import torch
         >>> p = torch.nn.Parameter(torch.zeros(3))
         >>> opt = torch.optim.SGD([p], lr=0.1)
@@ -345,9 +379,15 @@ def synthetic_gradients(optimizer: Any, step: int, *, seed: int = 0) -> None:
 
 
 def checkpoint_roundtrip(obj: Any) -> Any:
-    """``obj`` after ``torch.save`` and ``torch.load(weights_only=True)``: a fresh, unaliased copy.
+    """Round-trips an object through ``torch.save`` and ``torch.load(weights_only=True)``.
 
-    Example:
+    Args:
+        obj: A state dict or any object ``weights_only`` loading accepts.
+
+    Returns:
+        A fresh, unaliased copy of ``obj``, as a checkpoint would give it back.
+
+    Examples:
         >>> import torch
         >>> sd = {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": []}
         >>> copy = checkpoint_roundtrip(sd)
@@ -418,11 +458,24 @@ def assert_resume_equivalent(
     * the *resumed* run loads that checkpoint into a fresh ``make()`` and takes the remaining
       ``steps_after`` steps.
 
-    Each step uses :func:`synthetic_gradients` (seeded, in each param's grad dtype) or, with
+    Each step uses ``synthetic_gradients`` (seeded, in each param's grad dtype) or, with
     ``loss_fn(model, step) -> loss``, autograd. Model parameters and optimizer state dicts of
-    all three must agree bitwise; a failure names the run, the parameter index and state name.
+    all three must agree bitwise.
 
-    Example:
+    Args:
+        make: Builds a fresh, deterministic ``(model, optimizer)`` pair.
+        steps_before: Steps before the checkpoint.
+        steps_after: Steps after it.
+        loss_fn: ``loss_fn(model, step) -> loss`` for autograd gradients; ``None`` for
+            ``synthetic_gradients``.
+        seed: The seed of the synthetic gradients.
+        ignore_device: Let tensors on different devices compare equal.
+
+    Raises:
+        StateMismatchError: a run differs; it names the run, the parameter index and state.
+        ValueError: a step count is negative.
+
+    Examples:
         >>> import torch
         >>> def make():
         ...     torch.manual_seed(0)
@@ -479,7 +532,15 @@ def assert_transparent(stack: Any, *, ignore_device: bool = True) -> None:
     checkpoint into the stack and the wrapped one into the bare optimizer both succeed and
     leave the state as it was. Step the stack first so that there is state to compare.
 
-    Example:
+    Args:
+        stack: A wrapper stack (anything with ``unwrap()``).
+        ignore_device: Let tensors on different devices compare equal.
+
+    Raises:
+        StateMismatchError: a state dict differs; it says which comparison and where.
+        TypeError: ``stack`` has no ``unwrap()``.
+
+    Examples:
         >>> import torch
         >>> from wrapped_optim import OptimizerWrapper
         >>> p = torch.nn.Parameter(torch.ones(2))

@@ -1,11 +1,4 @@
-"""Faults at exact points, for users' own suites: process death inside a checkpoint commit.
-
-:func:`crash_save_at` runs a save in a forked child process and kills it (``SIGKILL``, no
-clean-up of any kind) at one named point of the commit protocol of
-:mod:`wrapped_optim.checkpoint._commit`; :data:`COMMIT_CRASH_POINTS` says, for each point,
-which checkpoint the next load returns. The parent's own objects are untouched (the child is
-a copy), so a test then loads from the directory and compares.
-"""
+"""Process death at exact points of a checkpoint commit, for users' own test suites."""
 
 from __future__ import annotations
 
@@ -27,9 +20,15 @@ COMMIT_CRASH_POINTS: dict[str, str] = {
     "renamed": "new",  # both renames done; nothing moved back or removed yet
     "removing-old": "new",  # side files rescued; before .<name>.old is removed
 }
-"""Each kill point of :func:`crash_save_at` and the checkpoint (``"old"``: the one the
-directory held before, ``"new"``: the one being saved) the next load returns. In every case
-the files saved beside the checkpoint are still there after the next save."""
+"""Each kill point of ``crash_save_at`` and the checkpoint the next load returns (``"old"``:
+the one the directory held before, ``"new"``: the one being saved).
+
+The points, in commit order: ``writing`` (DCP writes the staging directory), ``staged``
+(staging complete), ``linking`` (the first side file linked into staging), ``renaming-aside``
+(before the target is renamed aside), ``between-renames`` (target aside, staging not yet in
+place), ``renamed`` (both renames done), ``removing-old`` (before the old copy is removed).
+In every case the files saved beside the checkpoint are still there after the next save.
+"""
 
 
 def _die() -> None:
@@ -73,12 +72,22 @@ def _install(point: str) -> None:
 
 
 def crash_save_at(point: str, save: Callable[[], Any], *, timeout: float = 300.0) -> None:
-    """Runs ``save()`` in a forked child killed with ``SIGKILL`` at ``point`` of the commit.
+    """Runs a save in a forked child process killed with ``SIGKILL`` at one point of the commit.
 
-    Raises ``AssertionError`` if the child was not killed there (the point was never reached,
-    or ``save`` raised). POSIX only (``os.fork``). See :data:`COMMIT_CRASH_POINTS`.
+    The caller's objects are untouched (the child is a copy); load from the directory
+    afterwards to see what survived. POSIX only (``os.fork``).
 
-    Example:
+    Args:
+        point: A key of ``COMMIT_CRASH_POINTS``.
+        save: Saves the checkpoint (e.g. a ``save_optimizer`` call), run in the child.
+        timeout: Seconds to wait for the child.
+
+    Raises:
+        AssertionError: the child was not killed at ``point`` (never reached, or ``save``
+            raised), or it outlived ``timeout``.
+        ValueError: ``point`` is not a known kill point.
+
+    Examples:
         >>> import tempfile, torch
         >>> from pathlib import Path
         >>> from wrapped_optim.checkpoint import load_optimizer, save_optimizer

@@ -1,13 +1,6 @@
-"""Hostile checkpoints and directories, for users' own suites (bad-input catalogue, part 2).
-
-Each entry of :data:`HOSTILE_CHECKPOINTS` builds, inside an empty directory, a file or
-directory crafted to break a checkpoint reader (unbounded recursion, reads outside the
-checkpoint directory, a read that never returns) and returns the path to hand to
-``wrapped-optim inspect`` (:func:`wrapped_optim._cli.run_inspect`) or to a loader: a careful
-reader refuses each with a one-line error, promptly. Each entry of :data:`HOSTILE_SAVE_TARGETS`
-plants something beside a checkpoint directory (symlinks at the names a save reserves for
-itself, a symlinked target, ``..`` after a symlink) and returns the path to save to and the
-directory whose files must survive untouched.
+"""Hostile checkpoints and save targets, for users' own test suites: inputs crafted to make
+a checkpoint reader recurse without bound, read outside its directory or hang, and a saver
+write through planted symlinks.
 """
 
 from __future__ import annotations
@@ -116,17 +109,26 @@ HOSTILE_CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
     "fifo-data-file": fifo_data_file,
     "fifo-checkpoint": fifo_checkpoint,
 }
-"""Builders of hostile checkpoints (see the module doc).
+"""Builders of hostile checkpoints, by name: each takes an empty directory and returns the
+path to hand to a reader (``inspect_checkpoint``, a loader), which should refuse it promptly
+with a one-line error.
 
-Example:
-    >>> import contextlib, io, tempfile
+The entries: ``deep-param-group`` (containers nested thousands of levels deep),
+``deep-dcp-route`` (a DCP key routed through thousands of levels), ``storage-outside-directory``
+(DCP metadata naming a data file outside the checkpoint), ``fifo-data-file`` and
+``fifo-checkpoint`` (a FIFO where a file is expected: a read that never returns).
+
+Examples:
+    >>> import tempfile
     >>> from pathlib import Path
-    >>> from wrapped_optim._cli import run_inspect
-    >>> with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stderr(io.StringIO()) as err:
+    >>> from wrapped_optim.inspection import InspectError, inspect_checkpoint
+    >>> with tempfile.TemporaryDirectory() as tmp:
     ...     path = HOSTILE_CHECKPOINTS["deep-dcp-route"](Path(tmp))
-    ...     code = run_inspect(str(path))
-    >>> code, len(err.getvalue().splitlines())
-    (2, 1)
+    ...     try:
+    ...         inspect_checkpoint(path)
+    ...     except InspectError as error:
+    ...         print("refused:", "levels" in str(error))
+    refused: True
 """
 
 
@@ -172,6 +174,12 @@ HOSTILE_SAVE_TARGETS: dict[str, Callable[[Path], tuple[Path, Path]]] = {
     "symlinked-target": symlinked_target,
     "dotdot-after-symlink": dotdot_after_link,
 }
-"""Builders of hostile save targets: ``(path to save to, directory whose files must survive)``.
+"""Builders of hostile save targets, by name: each takes an empty directory and returns
+``(path to save to, directory whose files must survive)``.
+
 A careful save either refuses (a clear error) or saves where the kernel resolves the path,
-and ``precious.txt`` in the second directory is still there, unchanged, afterwards."""
+and ``precious.txt`` in the second directory is still there, unchanged, afterwards. The
+entries: ``planted-old-symlink`` and ``planted-staging-symlink`` (symlinks at the names a save
+reserves for itself), ``symlinked-target`` (the target is a symlink to a directory with files)
+and ``dotdot-after-symlink`` (``link/../ckpt``).
+"""

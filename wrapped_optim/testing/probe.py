@@ -1,14 +1,5 @@
-"""How much extra device memory a checkpoint call needs, measured the same way everywhere.
-
-Part of the testing kit: the staging engine only writes to the leaf
-:mod:`wrapped_optim._staging.ledger`; this module reads it (and the CUDA allocator).
-
-Staged checkpoints promise a bound: never more than one chunk of expanded state on the
-device. On CUDA the allocator itself says how much a call needed (peak allocation minus
-the allocation before). A CPU has no separate device memory to measure, so there the probe
-reads the staging engine's own ledger: every expansion, scratch buffer or chunk in flight
-the engine puts on the source device is recorded while alive. That keeps the bound checked
-on every CPU test run, with the same code path the GPU runs.
+"""How much extra device memory a checkpoint call needs, measured the same way on CUDA
+(the allocator's peak) and on a CPU (the staging engine's ledger).
 """
 
 from __future__ import annotations
@@ -29,16 +20,21 @@ __all__ = ["DeviceMemoryProbe", "count_unstaged_expansions", "device_ledger"]
 
 
 class DeviceMemoryProbe:
-    """Peak extra device bytes needed inside a ``with`` block.
+    """Measures the peak extra device bytes needed inside a ``with`` block.
 
     ``peak_extra_bytes`` is the highest allocation reached in the block minus the allocation
-    when it started. ``source`` says where the figure comes from: ``"cuda"`` (the CUDA
-    caching allocator's peak statistics; counts everything, including temporaries inside a
-    holder) or ``"ledger"`` (the staging engine's own record of the expansions, scratch
-    buffers and chunks it keeps on the source device; used when ``device`` is not CUDA).
-    ``ledger_peak_bytes`` is always available, on CUDA too.
+    when it started. On CUDA it comes from the caching allocator's peak statistics (counting
+    everything); elsewhere from ``device_ledger``, the staging engine's own record of the
+    expansions, scratch buffers and chunks it keeps on the source device.
 
-    Example:
+    Args:
+        device: The device to measure (default: the CPU).
+
+    Attributes:
+        device: The measured device.
+        source: Where the figure comes from: ``"cuda"`` or ``"ledger"``.
+
+    Examples:
         >>> from wrapped_optim.testing.probe import DeviceMemoryProbe, device_ledger
         >>> with DeviceMemoryProbe("cpu") as probe:
         ...     device_ledger.allocate(4096)
@@ -88,7 +84,7 @@ class DeviceMemoryProbe:
         Kept on CUDA probes too, so a benchmark can set what the engine says it held next to
         what the allocator saw; bytes already alive at entry are not counted.
 
-        Example:
+        Examples:
             >>> from wrapped_optim.testing.probe import DeviceMemoryProbe, device_ledger
             >>> device_ledger.allocate(1000)  # alive before the block: not counted
             >>> with DeviceMemoryProbe("cpu") as probe:
@@ -102,12 +98,14 @@ class DeviceMemoryProbe:
 
     @property
     def peak_extra_bytes(self) -> int:
-        """Peak extra device bytes of the block (see the class docstring for the source).
+        """Peak extra device bytes of the block: the CUDA allocator's, else the ledger's.
 
-        The one figure to check a staged call's bound against, whatever the device: the CUDA
-        allocator's peak where there is one, else the ledger's.
+        The one figure to check a staged call's bound against, whatever the device.
 
-        Example:
+        Raises:
+            RuntimeError: read on CUDA before the block has finished.
+
+        Examples:
             >>> from wrapped_optim.testing.probe import DeviceMemoryProbe, device_ledger
             >>> with DeviceMemoryProbe("cpu") as probe:
             ...     device_ledger.allocate(100)
@@ -129,7 +127,7 @@ class DeviceMemoryProbe:
     def summary(self) -> dict[str, Any]:
         """The figures as a dict, so benchmark tables and JSON reports need no probe logic.
 
-        Example:
+        Examples:
             >>> from wrapped_optim.testing.probe import DeviceMemoryProbe, device_ledger
             >>> with DeviceMemoryProbe("cpu") as probe:
             ...     device_ledger.allocate(256)
@@ -172,16 +170,17 @@ def _counting_writer(original: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def count_unstaged_expansions(stack: Any) -> Iterator[None]:
-    """Puts an *unstaged* checkpoint call of ``stack`` on the ledger, for baselines on CPU.
+    """Puts an *unstaged* checkpoint call of a stack on the ledger, for baselines on CPU.
 
     Inside the block every expansion a precision-aware holder's ``get_unscaled_state``
-    returns for a compressed state is recorded for as long as the tensor is alive (a bare
-    state dict keeps all of them), and every ``set_scaled_state`` call records one whole
-    FP32 tensor on the device for its duration -- what a whole-tensor loader such as TE's
-    needs at least for a host checkpoint (a model of that loader, not a measurement of the
-    holder's own code). CUDA probes measure instead; this is for CPU runs.
+    returns is recorded while the tensor is alive, and every ``set_scaled_state`` call records
+    one whole FP32 tensor for its duration (a model of a whole-tensor loader such as TE's).
+    On CUDA, measure with ``DeviceMemoryProbe`` alone instead.
 
-    Example:
+    Args:
+        stack: The optimizer or wrapper stack whose holders are counted.
+
+    Examples:
         >>> import torch
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> with DeviceMemoryProbe() as probe, count_unstaged_expansions(sgd):

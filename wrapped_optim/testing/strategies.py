@@ -2,8 +2,8 @@
 
 Every strategy draws a small, frozen *spec* (an attrs object with a readable repr, so a
 failing example prints as something you can paste into a test) that builds fresh, seeded
-tensors and optimizers on demand. :func:`setups` combines the three into a :class:`Setup`
-whose ``make`` is exactly what :func:`~wrapped_optim.testing.assert_resume_equivalent` wants.
+tensors and optimizers on demand. ``setups`` combines the three into a ``Setup``
+whose ``make`` is exactly what ``assert_resume_equivalent`` wants.
 
 Needs ``hypothesis`` (a test dependency, not a runtime one).
 """
@@ -44,7 +44,7 @@ Options = tuple[tuple[str, Any], ...]
 #: Torch's own optimizers the strategies cover.
 TORCH_KINDS: tuple[str, ...] = ("sgd", "adam", "adamw")
 
-#: Wrapper layers, outermost first (the canonical order of :data:`wrapped_optim.stack.LAYERS`).
+#: Wrapper layers, outermost first (the canonical order of ``wrapped_optim.stack.LAYERS``).
 LAYER_ORDER: tuple[str, ...] = tuple(spec.section for spec in LAYERS)
 
 _OPTIMIZER_CLASSES: dict[str, Any] = {
@@ -61,7 +61,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 def available_optimizer_kinds() -> tuple[str, ...]:
     """Every optimizer kind the strategies draw (all of them import wherever torch does).
 
-    Example:
+    Examples:
         >>> {"sgd", "adam", "adamw", "precision_adamw"} <= set(available_optimizer_kinds())
         True
     """
@@ -75,7 +75,13 @@ def available_optimizer_kinds() -> tuple[str, ...]:
 class ParamSpec:
     """One parameter: its shape, dtype, whether it is frozen and its gradient dtype.
 
-    Example:
+    Attributes:
+        shape: The parameter's shape.
+        dtype: Its dtype.
+        frozen: ``requires_grad=False``.
+        grad_dtype: A ``grad_dtype`` other than ``dtype`` (FSDP's bf16 main grads), or ``None``.
+
+    Examples:
         >>> spec = ParamSpec(shape=(2, 0), dtype=torch.bfloat16)
         >>> p = spec.build(torch.Generator().manual_seed(0))
         >>> p.shape, p.dtype, p.requires_grad
@@ -88,7 +94,11 @@ class ParamSpec:
     grad_dtype: torch.dtype | None = None
 
     def build(self, generator: torch.Generator) -> torch.nn.Parameter:
-        """A fresh parameter with seeded values (drawn in fp32, then cast)."""
+        """Builds a fresh parameter with seeded values (drawn in fp32, then cast).
+
+        Args:
+            generator: The random generator the values are drawn from.
+        """
         values = torch.randn(self.shape, generator=generator, dtype=torch.float32)
         param = torch.nn.Parameter(values.to(self.dtype), requires_grad=not self.frozen)
         if self.grad_dtype is not None and self.grad_dtype != self.dtype:
@@ -97,9 +107,13 @@ class ParamSpec:
 
 
 class ParamSetModel(torch.nn.Module):
-    """The model built from a :class:`ParamSetSpec`: its parameters in ``params``, plus groups.
+    """The model built from a ``ParamSetSpec``: its parameters in ``params``, plus groups.
 
-    Example:
+    Args:
+        params: The parameters, in optimizer order.
+        groups: The parameter-group dicts to hand to an optimizer.
+
+    Examples:
         >>> spec = ParamSetSpec(groups=(((ParamSpec((2,)),), ()),))
         >>> model = spec.build()
         >>> [name for name, _ in model.named_parameters()]
@@ -126,9 +140,13 @@ class ParamSetModel(torch.nn.Module):
 
 @attrs.frozen
 class ParamSetSpec:
-    """Parameter groups: each a tuple of :class:`ParamSpec` and its hyper-parameter overrides.
+    """Parameter groups: each a tuple of ``ParamSpec`` and its hyper-parameter overrides.
 
-    Example:
+    Attributes:
+        groups: ``((param specs, options), ...)``, options as sorted ``(name, value)`` pairs.
+        seed: The seed of the parameters' values.
+
+    Examples:
         >>> spec = ParamSetSpec(groups=(((ParamSpec((2,)),), (("lr", 0.5),)),))
         >>> model = spec.build()
         >>> [g["lr"] for g in model.param_groups()]
@@ -159,9 +177,14 @@ class ParamSetSpec:
 def shapes(
     draw: Any, *, min_dims: int = 0, max_dims: int = 3, max_side: int = 4
 ) -> tuple[int, ...]:
-    """Small tensor shapes, including 0-d ``()`` and empty ones (a zero-length side).
+    """Draws small tensor shapes, including 0-d ``()`` and empty ones (a zero-length side).
 
-    Example:
+    Args:
+        min_dims: The fewest dimensions.
+        max_dims: The most dimensions.
+        max_side: The longest side.
+
+    Examples:
         >>> from hypothesis import find
         >>> find(shapes(), lambda s: len(s) == 0)
         ()
@@ -177,9 +200,15 @@ def param_specs(
     grad_dtypes: Sequence[torch.dtype] = (),
     allow_zero_dim: bool = True,
 ) -> st.SearchStrategy[ParamSpec]:
-    """One :class:`ParamSpec`; ``grad_dtypes`` (e.g. ``[torch.bfloat16]``) may set grad_dtype.
+    """Draws one ``ParamSpec``.
 
-    Example:
+    Args:
+        dtypes: The parameter dtypes to draw from.
+        allow_frozen: Whether a parameter may be frozen.
+        grad_dtypes: Gradient dtypes a parameter may get (e.g. ``[torch.bfloat16]``).
+        allow_zero_dim: Whether 0-d shapes are drawn.
+
+    Examples:
         >>> from hypothesis import find
         >>> find(param_specs(), lambda p: p.frozen).frozen
         True
@@ -199,9 +228,12 @@ _BETAS = st.sampled_from([(0.9, 0.999), (0.8, 0.99), (0.5, 0.9)])
 
 
 def group_options(kind: str) -> st.SearchStrategy[dict[str, Any]]:
-    """Per-group hyper-parameter overrides that optimizer ``kind`` accepts (maybe none).
+    """Draws per-group hyper-parameter overrides that an optimizer kind accepts (maybe none).
 
-    Example:
+    Args:
+        kind: The optimizer kind (``"sgd"``, ``"adam"``, ...).
+
+    Examples:
         >>> from hypothesis import find
         >>> set(find(group_options("sgd"), lambda o: len(o) > 1)) <= {"lr", "weight_decay"}
         True
@@ -229,7 +261,16 @@ def param_sets(
 
     At least one parameter is trainable, so an optimizer always has something to update.
 
-    Example:
+    Args:
+        dtypes: The parameter dtypes to draw from.
+        options: Draws each group's options (default: none).
+        max_groups: The most groups.
+        max_params: The most parameters per group.
+        allow_frozen: Whether a parameter may be frozen.
+        grad_dtypes: Gradient dtypes a parameter may get.
+        allow_zero_dim: Whether 0-d shapes are drawn.
+
+    Examples:
         >>> from hypothesis import find
         >>> spec = find(param_sets(), lambda s: len(s.groups) == 2)
         >>> len(spec.build().param_groups())
@@ -257,10 +298,13 @@ def param_sets(
 # ----------------------------------------------------------------------------------------------
 @attrs.frozen
 class OptimizerSpec:
-    """An optimizer kind (``"sgd"``, ``"adam"``, ``"adamw"``, ``"precision_adamw"``,
-    ``"hybrid_offload"``) and its constructor options.
+    """An optimizer kind and its constructor options.
 
-    Example:
+    Attributes:
+        kind: ``"sgd"``, ``"adam"``, ``"adamw"``, ``"precision_adamw"`` or ``"hybrid_offload"``.
+        options: Constructor keywords as sorted ``(name, value)`` pairs.
+
+    Examples:
         >>> spec = OptimizerSpec("sgd", (("lr", 0.1), ("momentum", 0.9)))
         >>> opt = spec.build([torch.nn.Parameter(torch.ones(2))])
         >>> type(opt).__name__, opt.defaults["momentum"]
@@ -281,7 +325,11 @@ class OptimizerSpec:
             ) from None
 
     def build(self, params: Any) -> Any:
-        """A fresh optimizer over ``params`` (a list of parameters or parameter groups)."""
+        """Builds a fresh optimizer.
+
+        Args:
+            params: A list of parameters or parameter groups.
+        """
         return self.cls(params, **dict(self.options))
 
 
@@ -303,9 +351,12 @@ def _options(draw: Any, choices: dict[str, st.SearchStrategy[Any]]) -> Options:
 
 @st.composite
 def optimizer_configs(draw: Any, *, kinds: Sequence[str] | None = None) -> OptimizerSpec:
-    """An :class:`OptimizerSpec` of one of ``kinds`` (default: every available kind).
+    """Draws an ``OptimizerSpec`` with options its kind accepts.
 
-    Example:
+    Args:
+        kinds: The kinds to draw from (default: every available kind).
+
+    Examples:
         >>> from hypothesis import find
         >>> find(optimizer_configs(kinds=["adam"]), lambda s: True).kind
         'adam'
@@ -359,7 +410,7 @@ _STATE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
 def precision_adamw_options(draw: Any) -> Options:
     """Constructor options of PrecisionAwareAdamW: state dtypes, masters, remainders.
 
-    Example:
+    Examples:
         >>> from hypothesis import find
         >>> dict(find(precision_adamw_options(), lambda o: True))["lr"] > 0
         True
@@ -384,7 +435,7 @@ def precision_adamw_options(draw: Any) -> Options:
 def hybrid_offload_options(draw: Any) -> Options:
     """Constructor options of HybridOffloadOptimizer: offload fraction and sub-optimizers.
 
-    Example:
+    Examples:
         >>> from hypothesis import find
         >>> 0 <= dict(find(hybrid_offload_options(), lambda o: True))["offload_fraction"] <= 1
         True
@@ -405,7 +456,10 @@ def hybrid_offload_options(draw: Any) -> Options:
 class StackSpec:
     """Wrapper layers, outermost first, each with its options; ``()`` is the bare optimizer.
 
-    Example:
+    Attributes:
+        layers: ``((layer name, options), ...)``, outermost first.
+
+    Examples:
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> StackSpec(()).build(sgd) is sgd
         True
@@ -419,7 +473,11 @@ class StackSpec:
         return tuple(name for name, _ in self.layers)
 
     def build(self, optimizer: Any) -> Any:
-        """Wraps ``optimizer`` in the layers (innermost first)."""
+        """Wraps an optimizer in the layers.
+
+        Args:
+            optimizer: The optimizer to wrap.
+        """
         stack = optimizer
         for name, options in reversed(self.layers):
             stack = layer_spec(name).wrapper(stack, **dict(options))
@@ -445,10 +503,13 @@ def _layer_options(name: str) -> st.SearchStrategy[Options]:
 def stack_configs(
     draw: Any, *, layers: Sequence[str] | None = None, require_all: bool = False
 ) -> StackSpec:
-    """A :class:`StackSpec`: any subset of ``layers`` (default: every available one; all of
-    them with ``require_all``), in canonical order, each with drawn options.
+    """Draws a ``StackSpec``: a subset of the layers, in canonical order, with drawn options.
 
-    Example:
+    Args:
+        layers: The layers to draw from (default: every available one).
+        require_all: Take every layer of ``layers``, not a subset.
+
+    Examples:
         >>> from hypothesis import find
         >>> find(stack_configs(layers=[]), lambda s: True)
         StackSpec(layers=())
@@ -464,7 +525,12 @@ def stack_configs(
 class Setup:
     """A parameter set, an optimizer and a stack: ``make()`` builds them, fresh each time.
 
-    Example:
+    Attributes:
+        params: The parameter groups.
+        optimizer: The optimizer.
+        stack: The wrapper stack (default: none).
+
+    Examples:
         >>> setup = Setup(
         ...     ParamSetSpec(groups=(((ParamSpec((3,)),), ()),)),
         ...     OptimizerSpec("adam", (("lr", 0.1),)),
@@ -496,9 +562,18 @@ def setups(
     max_params: int = 3,
     allow_zero_dim: bool = True,
 ) -> Setup:
-    """A :class:`Setup` whose parameter dtypes and group options suit the drawn optimizer.
+    """Draws a ``Setup`` whose parameter dtypes and group options suit the drawn optimizer.
 
-    Example:
+    Args:
+        kinds: The optimizer kinds to draw from (default: every available kind).
+        layers: The layers to draw from (default: every available one).
+        optimizers: Draws the optimizer instead (overrides ``kinds``).
+        stacks: Draws the stack instead (overrides ``layers``).
+        max_groups: The most parameter groups.
+        max_params: The most parameters per group.
+        allow_zero_dim: Whether 0-d shapes are drawn.
+
+    Examples:
         >>> from hypothesis import find
         >>> setup = find(setups(kinds=["sgd"], layers=[]), lambda s: True)
         >>> type(setup.make()[1]).__name__
