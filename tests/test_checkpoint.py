@@ -760,14 +760,11 @@ def test_an_adopted_accumulator_is_not_released(tmp_path: Path) -> None:
     assert_state_dicts_equal(fresh.state_dict(), opt.state_dict())
 
 
-def test_staged_and_hybrid_sync_stacks_interoperate_with_their_own_state_dicts(
-    tmp_path: Path,
-) -> None:
-    from wrapped_optim.hybrid import HybridSyncOptimizer
+def test_staged_stacks_interoperate_with_their_own_state_dicts(tmp_path: Path) -> None:
     from wrapped_optim.staged import StagedCheckpointOptimizer
 
     opt, params = _pa("bf16_params_fp32_master")
-    stack = HybridSyncOptimizer(StagedCheckpointOptimizer(opt, chunk_bytes=256))
+    stack = StagedCheckpointOptimizer(opt, chunk_bytes=256)
     _pa_train(stack, params, 2)
     save_optimizer(stack, tmp_path / "stream", chunk_bytes=128)
     _plain_save(stack, tmp_path / "plain")  # the stack's own (staged) state dict
@@ -781,7 +778,7 @@ def test_staged_and_hybrid_sync_stacks_interoperate_with_their_own_state_dicts(
 
     for name in ("stream", "plain"):
         twin, _ = _pa("bf16_params_fp32_master", seed=8)
-        load_optimizer(HybridSyncOptimizer(StagedCheckpointOptimizer(twin)), tmp_path / name)
+        load_optimizer(StagedCheckpointOptimizer(twin), tmp_path / name)
         _assert_same_pa_storage(twin, opt)
 
 

@@ -559,7 +559,9 @@ def test_wrap_plain_optimizer_is_identity() -> None:
 
 
 def test_wrap_builds_canonical_order_with_options() -> None:
-    optimizer = sgd()
+    from wrapped_optim.optimizers import HybridOffloadOptimizer
+
+    optimizer = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))])
     stack = wrap(
         optimizer,
         {
@@ -572,7 +574,7 @@ def test_wrap_builds_canonical_order_with_options() -> None:
         "FSDPAwareOptimizer",
         "HybridSyncOptimizer",
         "StagedCheckpointOptimizer",
-        "SGD",
+        "HybridOffloadOptimizer",
     ]
     fsdp, hybrid, staged, leaf = stack.layers()
     assert fsdp.precision_aware is True
@@ -581,6 +583,16 @@ def test_wrap_builds_canonical_order_with_options() -> None:
     assert leaf is optimizer
     assert wrap(stack) is stack
     assert wrap(stack, {"staged": None}) is stack
+
+
+def test_wrap_refuses_a_hybrid_layer_with_nothing_to_sync() -> None:
+    optimizer = sgd()
+    with pytest.raises(ValueError, match=r"this stack has none \(its optimizers: SGD\); drop"):
+        wrap(optimizer, {"hybrid": {"on_stale": "raise"}})
+    assert layer_names(wrap(optimizer, {"hybrid": None, "staged": True})) == [
+        "StagedCheckpointOptimizer",
+        "SGD",
+    ]
 
 
 def test_wrap_derives_from_the_optimizer() -> None:
@@ -651,12 +663,18 @@ def test_rewrap_never_doubles_and_keeps_options() -> None:
     assert layer_names(wrap(again, {"fsdp": False})) == ["StagedCheckpointOptimizer", "SGD"]
     # A hand-built stack out of canonical order is put in order, options kept.
     from wrapped_optim.hybrid import HybridSyncOptimizer
+    from wrapped_optim.optimizers import HybridOffloadOptimizer
 
+    offload = HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))])
     hand_built = StagedCheckpointOptimizer(
-        HybridSyncOptimizer(optimizer, on_stale="ignore"), chunk_bytes=32
+        HybridSyncOptimizer(offload, on_stale="ignore"), chunk_bytes=32
     )
     ordered = wrap(hand_built)
-    assert layer_names(ordered) == ["HybridSyncOptimizer", "StagedCheckpointOptimizer", "SGD"]
+    assert layer_names(ordered) == [
+        "HybridSyncOptimizer",
+        "StagedCheckpointOptimizer",
+        "HybridOffloadOptimizer",
+    ]
     assert ordered.on_stale == "ignore" and ordered.inner.chunk_bytes == 32
     # A canonical layer below a foreign wrapper stays where it is, never doubled.
     foreign = OptimizerWrapper(StagedCheckpointOptimizer(optimizer))
@@ -669,10 +687,12 @@ def test_rewrap_never_doubles_and_keeps_options() -> None:
 
 
 def test_full_stack_steps_and_checkpoints_like_the_bare_optimizer() -> None:
+    from wrapped_optim.optimizers import HybridOffloadOptimizer
+
     def run(wrapped: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
-        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=0.1)
+        optimizer: Any = HybridOffloadOptimizer(model.parameters(), lr=0.1)
         if wrapped:
             optimizer = wrap(optimizer, {"staged": True, "hybrid": True, "fsdp": True})
         scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 0.5, total_iters=2)

@@ -23,7 +23,7 @@ from wrapped_optim._adapters.hybrid import (
     restore_omitted_state,
 )
 from wrapped_optim.hybrid import HybridSyncOptimizer, StaleMasterError
-from wrapped_optim.optimizers import HybridOffloadOptimizer
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 
 BF16 = torch.bfloat16
 _gen = torch.Generator().manual_seed(1234)
@@ -298,7 +298,6 @@ def test_restore_omitted_state_never_modifies_the_callers_dict():
 
 def test_group_step_optimizers_get_no_per_param_step():
     from wrapped_optim._adapters.hybrid import keeps_per_param_step
-    from wrapped_optim.optimizers import PrecisionAwareAdamW
 
     sd = {"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": [{"params": [0], "step": 4}]}
     assert "step" not in restore_omitted_state(sd, per_param_step=False)["state"][0]
@@ -306,7 +305,7 @@ def test_group_step_optimizers_get_no_per_param_step():
     adamw = torch.optim.AdamW([param])
     holder = PrecisionAwareAdamW([param])
     assert keeps_per_param_step(adamw) and keeps_per_param_step(hybrid(make_model(0)))
-    assert not keeps_per_param_step(HybridSyncOptimizer(holder))
+    assert not keeps_per_param_step(OptimizerWrapper(holder))
     param.grad = torch.ones(2)
     holder.step()
     assert not keeps_per_param_step(holder)  # its state has no per-param step either
@@ -326,8 +325,12 @@ def test_wrapper_is_transparent_and_findable():
     assert is_hybrid_offload(inner) and not is_hybrid_offload(
         torch.optim.SGD([torch.ones(1)], lr=1)
     )
-    plain = HybridSyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    assert plain.hybrid_optimizers == [] and train(model, plain, 1)
+    for plain in (
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        OptimizerWrapper(PrecisionAwareAdamW(model.parameters())),
+    ):
+        with pytest.raises(ValueError, match=r"this stack has none .* drop the layer"):
+            HybridSyncOptimizer(plain)
     with pytest.raises(ValueError, match="on_stale"):
         HybridSyncOptimizer(inner, on_stale="sometimes")  # type: ignore[arg-type]
 

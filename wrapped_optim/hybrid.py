@@ -21,6 +21,7 @@ from wrapped_optim._adapters.megatron_checkpoint import (
     allowed_optimizer_classes,
     megatron_load_repairs,
 )
+from wrapped_optim._adapters.walk import walk_leaves
 from wrapped_optim.wrapper import OptimizerWrapper
 
 __all__ = ["HybridSyncOptimizer", "StaleMasterError"]
@@ -51,6 +52,23 @@ class StaleMasterError(RuntimeError):
     """
 
 
+def _check_something_to_sync(inner: Any) -> None:
+    """Refuses a stack of plain optimizers with no hybrid offload optimizer: a silent no-op."""
+    if find_hybrid_offload(inner):
+        return
+    leaves = list(walk_leaves(inner))
+    if any(leaf.container is not None for leaf in leaves):
+        return  # a Megatron container: the uniform route passes through
+    names = ", ".join(sorted({type(leaf.optimizer).__name__ for leaf in leaves})) or "none"
+    raise ValueError(
+        "HybridSyncOptimizer keeps the FP32 master copies of a hybrid offload optimizer in "
+        f"step with the model, and this stack has none (its optimizers: {names}); drop the "
+        "layer (wrap()/StackConfig: leave `hybrid` unset or false), or wrap an optimizer that "
+        "offloads: wrapped_optim.optimizers.HybridOffloadOptimizer, or Megatron's "
+        "HybridDeviceOptimizer (optimizer_cpu_offload=True)"
+    )
+
+
 class HybridSyncOptimizer(OptimizerWrapper):
     """Keeps the master copies of hybrid offload optimizers in step with the model weights.
 
@@ -59,7 +77,9 @@ class HybridSyncOptimizer(OptimizerWrapper):
     level from the weights after a model-only load; the first step after construction or a
     load checks every level against the model weights. It works on the portable
     ``HybridOffloadOptimizer`` and on Megatron's ``HybridDeviceOptimizer`` anywhere in the
-    stack; a stack without one passes through unchanged. See [Hybrid offload](../hybrid.md).
+    stack. Inside a Megatron container a stack without one passes through unchanged
+    (Megatron-Bridge wraps every optimizer the same way); around plain optimizers it is
+    refused, as it would do nothing. See [Hybrid offload](../hybrid.md).
 
     Args:
         inner: The optimizer to decorate (a stack containing a hybrid offload optimizer).
@@ -68,7 +88,8 @@ class HybridSyncOptimizer(OptimizerWrapper):
             ``"raise"`` ``StaleMasterError``, or ``"ignore"`` it.
 
     Raises:
-        ValueError: ``on_stale`` is not one of the three choices.
+        ValueError: ``on_stale`` is not one of the three choices, or the stack has no hybrid
+            offload optimizer and no Megatron container (nothing to sync).
 
     Examples:
         >>> import torch
@@ -92,6 +113,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
         super().__init__(inner)
         if on_stale not in _ON_STALE:
             raise ValueError(f"on_stale must be one of {_ON_STALE}, got {on_stale!r}")
+        _check_something_to_sync(inner)
         self.on_stale: OnStale = on_stale
         self._guard_armed = True
         self._push_pending = False

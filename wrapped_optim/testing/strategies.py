@@ -55,6 +55,9 @@ _OPTIMIZER_CLASSES: dict[str, Any] = {
     "hybrid_offload": HybridOffloadOptimizer,
 }
 
+#: The kinds a hybrid sync layer can go over (it refuses a stack without an offloader).
+_OFFLOADING_KINDS = frozenset({"hybrid_offload"})
+
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -580,7 +583,15 @@ def setups(
         'SGD'
     """
     optimizer = draw(optimizers if optimizers is not None else optimizer_configs(kinds=kinds))
-    stack = draw(stacks if stacks is not None else stack_configs(layers=layers))
+    if stacks is None:
+        # HybridSyncOptimizer refuses a stack with nothing to sync: it goes over offloaders only.
+        usable = [
+            name
+            for name in (layers if layers is not None else LAYER_ORDER)
+            if name != "hybrid" or optimizer.kind in _OFFLOADING_KINDS
+        ]
+        stacks = stack_configs(layers=usable)
+    stack = draw(stacks)
     fsdp = "fsdp" in stack.names
     dtypes = _param_dtypes(optimizer.kind, dict(optimizer.options))
     params = draw(
