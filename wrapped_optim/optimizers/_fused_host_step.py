@@ -108,7 +108,7 @@ def _kind(hybrid: HybridOffloadOptimizer, sub: torch.optim.Optimizer, index: int
     """How the fused step updates copies of ``sub`` in outer group ``index``, or None."""
     if isinstance(sub, PrecisionAwareAdamW):
         use_decoupled = sub.use_decoupled_grad  # it would read the copy's decoupled_grad
-        return None if use_decoupled or not kernel_step.kernel_enabled(sub) else "precision"
+        return None if use_decoupled or not kernel_step.kernel_enabled(sub.layout) else "precision"
     if type(sub) is not torch.optim.AdamW or hybrid.cpu_optimizer_cls is not torch.optim.AdamW:
         return None
     if hybrid._implementation_chosen(index):
@@ -199,7 +199,11 @@ def plan(hybrid: HybridOffloadOptimizer) -> list[FusedEntry]:
             # grad, as the unfused path gives it: ``inner`` stands in for it) would use the
             # kernel, so the fused step is bitwise its update.
             if kind == "precision" and not (
-                state and precision_paths.kernel_would_update(sub, inner, inner, sub_group)  # type: ignore[arg-type]
+                state
+                and isinstance(sub, PrecisionAwareAdamW)
+                and precision_paths.kernel_would_update(
+                    sub.layout, state, sub.scales.get(inner, {}), inner, inner, sub_group
+                )
             ):
                 continue
             entries.append(FusedEntry(param, inner, grad, sub, sub_group))
@@ -226,7 +230,10 @@ def run(entries: Sequence[FusedEntry]) -> None:
     for entry in entries:
         sub = entry.optimizer
         if isinstance(sub, PrecisionAwareAdamW):
-            operands = kernel_step.kernel_operands(sub, entry.inner, entry.grad)
+            operands = kernel_step.kernel_operands(
+                sub.layout, sub.state[entry.inner], sub.scales.get(entry.inner, {}), entry.inner,
+                entry.grad,
+            )  # fmt: skip
             if operands is None:  # plan() checked this: the optimizer changed in between
                 raise RuntimeError(
                     "the fused host step lost a parameter the kernel reads: the host "
@@ -241,7 +248,8 @@ def run(entries: Sequence[FusedEntry]) -> None:
             step = float(state["step"]) + 1 if state else 1.0
             plain.setdefault((id(entry.group), step), []).append(entry)
     for sub, group, calls in precision.values():
-        kernel_step.kernel_update(sub, calls, group)  # its group step: advanced by sub.step
+        # its group step: advanced by sub.step
+        kernel_step.kernel_update(calls, group, adam_w_mode=bool(sub.adam_w_mode))
     for (_, step), same_step in plain.items():
         _torch_adamw(same_step, step)
 
