@@ -705,7 +705,7 @@ def test_optimizer_steps_are_the_kernel_formula(config: str, adam_w_mode: bool) 
         state = opt.state[p]
         if "master_param" not in state:
             p32 = p.detach().float()
-        elif opt._uses_remainder(p):
+        elif opt.layout.uses_remainder(p):
             p32 = remainders.join_master(p.detach(), state["master_param"])
         else:
             p32 = state["master_param"]
@@ -745,7 +745,7 @@ def test_optimizer_steps_are_the_kernel_formula(config: str, adam_w_mode: bool) 
         if "master_param" in opt.state[p]:
             master = (
                 remainders.join_master(p.data, opt.state[p]["master_param"])
-                if opt._uses_remainder(p)
+                if opt.layout.uses_remainder(p)
                 else opt.state[p]["master_param"]
             )
             assert torch.equal(master.reshape(-1), p32)

@@ -160,6 +160,10 @@ def _build(
     return opt, params, grads
 
 
+def _applicable(opt: PrecisionAwareAdamW, p: torch.Tensor, g: torch.Tensor) -> bool:
+    return fused_gpu.applicable(opt.layout, opt.state.get(p, {}), opt.scales.get(p, {}), p, g)
+
+
 def _expected(
     opt: PrecisionAwareAdamW, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]
 ) -> dict[str, Any]:
@@ -169,7 +173,7 @@ def _expected(
     master = state.get("master_param")
     if master is None or p.dtype == FP32:
         p32 = p.detach().float().clone()
-    elif opt._uses_remainder(p):
+    elif opt.layout.uses_remainder(p):
         p32 = remainders.join_master(p.detach(), master)
     else:
         p32 = opt.get_unscaled_state(p, "master_param").clone()
@@ -186,7 +190,7 @@ def _expected(
         "exp_avg": reference_moment(want_m, opt.exp_avg_dtype),
         "exp_avg_sq": reference_moment(want_v, opt.exp_avg_sq_dtype),
     }
-    if master is not None and opt._uses_remainder(p):
+    if master is not None and opt.layout.uses_remainder(p):
         out["param"], out["master_param"] = remainders.split_master(want_p)
         out["master_param"] = (out["master_param"], None)
     else:
@@ -251,11 +255,13 @@ def test_group_kernel_equals_the_reference_and_codecs_bitwise(
     group["step"] = step
     want = [_expected(opt, p, g, group) for p, g in zip(params, grads, strict=True)]
     pairs = list(zip(params, grads, strict=True))
-    assert all(fused_gpu.applicable(opt, p, g, group) for p, g in pairs)
-    expected_launches = fused_gpu.launches_per_step(opt, pairs)  # type: ignore[arg-type]
+    assert all(_applicable(opt, p, g) for p, g in pairs)
+    expected_launches = fused_gpu.launches_per_step(opt.layout, opt.state, opt.scales, pairs)  # type: ignore[arg-type]
     with pytest.MonkeyPatch.context() as patch, counting_launches() as launches:
         patch.setattr(fused_gpu, "BLOCK", 64)
-        fused_gpu.update_group(opt, pairs, group)  # type: ignore[arg-type]
+        fused_gpu.update_group(
+            opt.layout, opt.state, opt.scales, pairs, group, owner=opt, group_index=0
+        )  # type: ignore[arg-type]
     assert len(launches) == expected_launches
     for p, w in zip(params, want, strict=True):
         _check(opt, p, w)
@@ -273,7 +279,8 @@ def test_one_launch_per_combination_three_when_scaled(launches: list[str]) -> No
                                     seed=3, lr=1e-2, weight_decay=0.1)  # fmt: skip
         group = {**opt.param_groups[0], "step": 2}
         want = [_expected(opt, p, g, group) for p, g in zip(params, grads, strict=True)]
-        fused_gpu.update_group(opt, list(zip(params, grads, strict=True)), group)
+        pairs = list(zip(params, grads, strict=True))
+        fused_gpu.update_group(opt.layout, opt.state, opt.scales, pairs, group, owner=opt)
         assert len(launches) == 3 * per_combo
         if per_combo == 3:
             assert launches[:3] == ["adamw_group_kernel", "finalize_kernel", "adamw_group_kernel"]
@@ -382,20 +389,23 @@ def test_scaled_state_is_fused_and_fused_true_keeps_torch() -> None:
     ):
         opt = PrecisionAwareAdamW([p], **kw)  # type: ignore[arg-type]
         opt.initialize_state(p)
-        assert fused_gpu.applicable(opt, p, g, opt.param_groups[0]) is expected, kw
+        assert _applicable(opt, p, g) is expected, kw
     opt = PrecisionAwareAdamW([p], exp_avg_dtype=FP8)
     opt.initialize_state(p)
     del opt._scales[p]["exp_avg"]  # a scaled state without its scale is not the kernel's
-    assert not fused_gpu.applicable(opt, p, g, opt.param_groups[0])
+    assert not _applicable(opt, p, g)
 
 
 def test_off_the_kernel_devices_nothing_applies() -> None:
     p = torch.nn.Parameter(torch.zeros(8))
     opt = PrecisionAwareAdamW([p], exp_avg_dtype=BF16)
     opt.initialize_state(p)
-    assert not fused_gpu.applicable(opt, p, torch.ones(8), opt.param_groups[0])
+    assert not _applicable(opt, p, torch.ones(8))
     with pytest.raises(ValueError, match="does not apply"):
-        fused_gpu.update(opt, p, torch.ones(8), opt.param_groups[0])
+        pairs = [(p, torch.ones(8))]
+        fused_gpu.update_group(
+            opt.layout, opt.state, opt.scales, pairs, opt.param_groups[0], owner=opt
+        )
 
 
 # ----------------------------------------------------------------------------- sm_90 build
@@ -491,11 +501,10 @@ def test_gpu_check_runs_its_rows_on_the_interpreter() -> None:
 
     for name in gpu_fused_step.CONFIGS:
         opt, params, grads = gpu_fused_step._make(name, (5, 3, 2), "cpu", cpu_kernel=False)
-        group = opt.param_groups[0]
         for p in params:
             opt.initialize_state(p)
         pairs = gpu_fused_step._pairs(params, grads, 0)
-        assert all(fused_gpu.applicable(opt, p, g, group) for p, g in pairs), name
+        assert all(_applicable(opt, p, g) for p, g in pairs), name
     name = list(gpu_fused_step.CONFIGS)[-1]
     rows = gpu_fused_step.rows(name, "cpu", large=False)
     assert len(rows) == 4 and all(ok for _, ok, _ in rows), rows

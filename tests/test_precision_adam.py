@@ -19,6 +19,8 @@ from wrapped_optim._adapters.precision import (
 )
 from wrapped_optim._formats import codecs, remainders
 from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers import _precision_state as precision_state
+from wrapped_optim.optimizers import _torch_step as torch_step
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
 
@@ -42,6 +44,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 PARAM_DTYPES = (FP32, BF16, FP16)
+
+
+def _scale_of(opt: Any, param: torch.Tensor, name: str) -> torch.Tensor | None:
+    """The per-tensor scale of ``param``'s state ``name`` in ``opt`` (None if unscaled)."""
+    return precision_state.scale_of(opt.layout, opt.scales, param, name)
 
 
 def make_params(shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0) -> list[Any]:
@@ -85,7 +92,7 @@ def assert_same_optimizer(
                 assert same_bits(a.state[pa][name], b.state[pb][name]), name
                 ea, eb = a.get_unscaled_state(pa, name), b.get_unscaled_state(pb, name)
                 assert same_bits(ea, eb), name
-                sa, sb = a._scale(pa, name), b._scale(pb, name)
+                sa, sb = _scale_of(a, pa, name), _scale_of(b, pb, name)
                 assert (sa is None) == (sb is None)
                 if scales and sa is not None and sb is not None:
                     assert same_bits(sa, sb), name
@@ -215,7 +222,7 @@ def test_chunked_write_equals_set_scaled_state(
     for name in a.name_to_dtype_map:
         if name == "master_param" and not a.master_weights:
             continue
-        if a._uses_remainder(pa[0], name):
+        if a.layout.uses_remainder(pa[0], name):
             src = torch.randint(-(2**15), 2**15, (30,), generator=gen, dtype=torch.int16)
         else:
             src = torch.randn(30, generator=gen) * 2.0**scale_exp
@@ -319,7 +326,7 @@ def test_step_tracks_fp32_reference(
     if master and config != "fp16-master-mixed":  # the FP32 master itself is much closer
         full = [
             remainders.join_master(p.data, opt.state[p]["master_param"])
-            if opt._uses_remainder(p)
+            if opt.layout.uses_remainder(p)
             else opt.get_unscaled_state(p, "master_param")
             for p in params
         ]
@@ -710,29 +717,31 @@ def test_small_params_packed_together_equal_one_by_one(config: str, dtype: torch
 
 
 @pytest.mark.parametrize("atomic", [True, False])
-def test_atomic_step_undoes_a_step_that_raises_partway(atomic: bool) -> None:
+def test_atomic_step_undoes_a_step_that_raises_partway(
+    atomic: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Two params: the second update raises after the first has been applied.
     a, b = make_params([(4,), (3,)], FP32)
-    # The torch path (the CPU kernel would update both in one call, without _update).
+    # The sliced torch path (the CPU kernel would update both in one call, without it).
     opt = PrecisionAwareAdamW(
         [a, b], lr=0.1, exp_avg_dtype=FP8, atomic_step=atomic, cpu_kernel=False
     )
-    opt._pack_small = False  # one _update call per param, so the fault lands between them
+    opt._pack_small = False  # one sliced update per param, so the fault lands between them
     for p in (a, b):
         p.grad = torch.ones_like(p)
     opt.step()
     before = copy.deepcopy(opt.state_dict())
     params_before = [a.detach().clone(), b.detach().clone()]
-    original = opt._update
+    original = torch_step.update
     calls = []
 
-    def failing_update(param: torch.Tensor, *args: Any) -> None:
-        calls.append(param)
+    def failing_update(*args: Any) -> None:
+        calls.append(args[3])  # the param
         if len(calls) == 2:
             raise RuntimeError("device failure")
-        original(param, *args)
+        original(*args)
 
-    opt._update = failing_update  # type: ignore[method-assign]
+    monkeypatch.setattr(torch_step, "update", failing_update)
     with pytest.raises(RuntimeError, match="device failure"):
         opt.step()
     after = opt.state_dict()

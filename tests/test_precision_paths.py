@@ -1,7 +1,7 @@
 """One source for which path a parameter takes, and for "did the caller pick torch's AdamW".
 
-PrecisionAwareAdamW's per-parameter path choice lives in ``optimizers/precision_paths.py``
-(split out of ``precision_adam.py``); ``kernel_would_update`` is the one answer to "would its
+PrecisionAwareAdamW's per-parameter path choice lives in ``optimizers/_precision_paths.py``;
+``kernel_would_update`` is the one answer to "would its
 step hand this parameter to the CPU kernel", which the step itself and HybridOffloadOptimizer's
 fused host step both use (the fused host step used to repeat the rule). Likewise
 ``_offload_layout.implementation_chosen`` is the one reading of the ``fused`` /
@@ -48,13 +48,18 @@ def test_kernel_would_update_is_what_the_step_does(
     for p in params:
         opt.initialize_state(p)
         p.grad = torch.randn(p.shape).to(dtype)
-    predicted = [precision_paths.kernel_would_update(opt, p, p.grad, group) for p in params]
+    predicted = [
+        precision_paths.kernel_would_update(
+            opt.layout, opt.state[p], opt.scales.get(p, {}), p, p.grad, group
+        )
+        for p in params
+    ]
     handed: list[int] = []
     real = precision_paths.kernel_update
 
-    def spy(optimizer: Any, operands: Any, group: Any) -> None:
+    def spy(operands: Any, group: Any, **options: Any) -> None:
         handed.extend(ops[0].data_ptr() for ops in operands)
-        real(optimizer, operands, group)
+        real(operands, group, **options)
 
     monkeypatch.setattr(precision_paths, "kernel_update", spy)
     opt.step()
@@ -85,7 +90,7 @@ def test_the_fused_host_step_asks_the_optimizer(monkeypatch: pytest.MonkeyPatch)
     assert [e.param for e in fused_plan(opt)] == params
     asked: list[torch.Tensor] = []
 
-    def says_no(sub: Any, param: Any, grad: Any, group: Any) -> bool:
+    def says_no(layout: Any, state: Any, scales: Any, param: Any, grad: Any, group: Any) -> bool:
         asked.append(param)
         return False
 

@@ -1,4 +1,4 @@
-"""PrecisionAwareAdamW's torch step paths (optimizers/torch_step.py): a per-thread workspace
+"""PrecisionAwareAdamW's torch step paths (optimizers/_torch_step.py): a per-thread workspace
 (two threads stepping one optimizer never share a buffer), no host copy of the step count,
 and a CPU ``lr`` tensor handed to device parameters as a number."""
 
@@ -16,6 +16,15 @@ from wrapped_optim.optimizers import PrecisionAwareAdamW
 from wrapped_optim.optimizers import _torch_step as torch_step
 
 FP16 = torch.float16
+
+
+def _update(
+    opt: PrecisionAwareAdamW, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]
+) -> None:
+    """The sliced path of one parameter, with ``opt``'s operands and its own workspace."""
+    torch_step.update(
+        opt.layout, opt.state[param], opt.scales[param], param, grad, group, opt._scratch
+    )
 
 
 def _two_params_opt() -> tuple[PrecisionAwareAdamW, list[torch.nn.Parameter]]:
@@ -55,7 +64,7 @@ def _run_threads(opt: PrecisionAwareAdamW, params: list[torch.nn.Parameter], ste
         try:
             for i in range(steps):
                 barrier.wait()  # both threads inside the same step at once
-                torch_step.update(opt, params[k], _grads(i)[k], group)
+                _update(opt, params[k], _grads(i)[k], group)
         except BaseException as error:  # pragma: no cover - reported below
             errors.append(error)
 
@@ -75,7 +84,7 @@ def test_two_threads_stepping_one_optimizer_give_the_sequential_result() -> None
     want_opt.param_groups[0]["step"] = 1
     for i in range(steps):
         for k in range(2):
-            torch_step.update(want_opt, want_params[k], _grads(i)[k], want_opt.param_groups[0])
+            _update(want_opt, want_params[k], _grads(i)[k], want_opt.param_groups[0])
     opt, params = _two_params_opt()
     _run_threads(opt, params, steps)
     for got, want in zip(_state(opt, params), _state(want_opt, want_params), strict=True):

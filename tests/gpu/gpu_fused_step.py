@@ -114,7 +114,10 @@ def _step(opt: PrecisionAwareAdamW, params: list[Any], grads: list[Any], step: i
             opt.initialize_state(p)
     group = opt.param_groups[0]
     group["step"] = group.get("step", 0) + 1
-    fused_gpu.update_group(opt, _pairs(params, grads, step), group)
+    pairs = _pairs(params, grads, step)
+    fused_gpu.update_group(
+        opt.layout, opt.state, opt.scales, pairs, group, owner=opt, group_index=0
+    )
 
 
 def _state(opt: PrecisionAwareAdamW, params: list[Any]) -> list[torch.Tensor]:
@@ -225,8 +228,10 @@ def rows(name: str, device: str = "cuda", *, large: bool = True) -> list[tuple[s
     opt, params, grads = _make(name, _SMALL, device)
     for p in params:
         opt.initialize_state(p)
-    group = opt.param_groups[0]
-    taken = all(fused_gpu.applicable(opt, p, g, group) for p, g in _pairs(params, grads, 0))
+    taken = all(
+        fused_gpu.applicable(opt.layout, opt.state[p], opt.scales.get(p, {}), p, g)
+        for p, g in _pairs(params, grads, 0)
+    )
     out.append((f"{name}: fused path taken", taken, f"{len(params)} params in one group"))
     # Step 0 builds the tables and compiles; step 1 gets new grads (a table rebuild) under
     # the sync debug mode; step 2 is counted with the tables cached (its grads are step 1's).
@@ -234,7 +239,10 @@ def rows(name: str, device: str = "cuda", *, large: bool = True) -> list[tuple[s
     error = _no_sync_step(opt, params, grads, device)
     out.append((f"{name}: no host synchronisation in step", not error, error))
     grads = [[g[0], g[1], g[1]] for g in grads]
-    expected = f"{fused_gpu.launches_per_step(opt, _pairs(params, grads, 2))} 0 0"
+    launches = fused_gpu.launches_per_step(
+        opt.layout, opt.state, opt.scales, _pairs(params, grads, 2)
+    )
+    expected = f"{launches} 0 0"
     counts = _launch_counts(opt, params, grads, device)
     out.append((f"{name}: kernels per step (ours, other, copies)", counts == expected,
                 f"{counts}; expected {expected}"))  # fmt: skip

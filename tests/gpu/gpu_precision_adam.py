@@ -17,6 +17,7 @@ import torch
 
 from wrapped_optim._formats import codecs
 from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers import _precision_state as precision_state
 
 from ._report import Section, main_of, require_cuda
 
@@ -39,6 +40,11 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         "exp_avg_sq_dtype": BF16,
     },
 }
+
+
+def _scale_of(opt: Any, param: torch.Tensor, name: str) -> torch.Tensor | None:
+    """The per-tensor scale of ``param``'s state ``name`` in ``opt`` (None if unscaled)."""
+    return precision_state.scale_of(opt.layout, opt.scales, param, name)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -90,8 +96,8 @@ def _checks(device: str = "cuda") -> list[tuple[str, bool]]:
             opt.set_scaled_state(p, name, host.clone().to(device))
             other.write_scaled_state_chunked(q, name, host, 1000)
             ok &= _same(opt.state[p][name], other.state[q][name])
-            if opt._scale(p, name) is not None:
-                ok &= _same(opt._scale(p, name), other._scale(q, name))
+            if _scale_of(opt, p, name) is not None:
+                ok &= _same(_scale_of(opt, p, name), _scale_of(other, q, name))
         results.append((f"{label}: chunked write from host == set_scaled_state", ok))
 
         sd = copy.deepcopy(opt.state_dict())

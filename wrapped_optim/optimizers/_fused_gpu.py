@@ -33,11 +33,12 @@ roundings. The test suite runs these very kernels on CPU through Triton's interp
 
 Example:
     >>> import torch
-    >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, fused_gpu
+    >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+    >>> from wrapped_optim.optimizers import _fused_gpu
     >>> p = torch.nn.Parameter(torch.zeros(4))
     >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
     >>> opt.initialize_state(p)
-    >>> fused_gpu.applicable(opt, p, torch.ones(4), opt.param_groups[0])  # a CPU parameter
+    >>> _fused_gpu.applicable(opt.layout, opt.state[p], {}, p, torch.ones(4))  # CPU
     False
 """
 
@@ -48,10 +49,10 @@ import importlib.util
 import struct
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -59,11 +60,11 @@ from torch.autograd.graph import increment_version
 
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import codecs
+from wrapped_optim.optimizers._precision_layout import PrecisionLayout
 
-if TYPE_CHECKING:
-    from wrapped_optim.optimizers._precision_adam import PrecisionAwareAdamW
+__all__ = ["BLOCK", "applicable", "available", "launches_per_step", "update_group"]
 
-__all__ = ["BLOCK", "applicable", "available", "launches_per_step", "update", "update_group"]
+_States = Mapping[Tensor, Mapping[str, Tensor]]
 
 #: Elements per Triton program.
 BLOCK = 4096
@@ -82,7 +83,7 @@ _DEVICE_TYPES = {"cuda"}
 _NOT_APPLICABLE = (
     "the fused GPU step does not apply to this parameter (CUDA, contiguous storage and the "
     "formats listed in this module's docstring only): send only pairs for which "
-    "fused_gpu.applicable(opt, param, grad, group) is True"
+    "_fused_gpu.applicable(...) is True"
 )
 
 
@@ -146,8 +147,8 @@ class _Operands:
         )
 
 
-def _scale_of(opt: PrecisionAwareAdamW, param: Tensor, name: str, device: torch.device) -> Tensor:
-    scale = opt._scales.get(param, {}).get(name)
+def _scale_of(scales: Mapping[str, Tensor], name: str, device: torch.device) -> Tensor:
+    scale = scales.get(name)
     if scale is None or scale.dtype != torch.float32 or scale.numel() != 1:
         raise LookupError(name)
     if scale.device != device:
@@ -155,7 +156,13 @@ def _scale_of(opt: PrecisionAwareAdamW, param: Tensor, name: str, device: torch.
     return scale
 
 
-def _operands(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor) -> _Operands | None:
+def _operands(
+    layout: PrecisionLayout,
+    state: Mapping[str, Tensor],
+    scales: Mapping[str, Tensor],
+    param: Tensor,
+    grad: Tensor,
+) -> _Operands | None:
     """The flat operands of ``param`` for the kernels, or None where they do not apply."""
     p, g = local_tensor(param), local_tensor(grad)
     device = p.device
@@ -163,7 +170,6 @@ def _operands(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor) -> _Operand
         return None
     if p.dtype not in _PARAM_KINDS or g.dtype not in _PARAM_KINDS or not p.is_contiguous():
         return None
-    state = opt.state[param]
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
     if m is None or v is None:
         return None
@@ -174,9 +180,9 @@ def _operands(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor) -> _Operand
     if m.dtype not in _VALUE_KINDS or v.dtype not in _VALUE_KINDS:
         return None
     try:
-        m_scale = _scale_of(opt, param, "exp_avg", device) if m.dtype in _SCALED else None
-        v_scale = _scale_of(opt, param, "exp_avg_sq", device) if v.dtype in _SCALED else None
-        master_kind, master_scale = _master_kind(opt, param, p, stored, device)
+        m_scale = _scale_of(scales, "exp_avg", device) if m.dtype in _SCALED else None
+        v_scale = _scale_of(scales, "exp_avg_sq", device) if v.dtype in _SCALED else None
+        master_kind, master_scale = _master_kind(layout, scales, param, stored, device)
     except LookupError:
         return None
     kinds = (master_kind, _PARAM_KINDS[p.dtype], _PARAM_KINDS[g.dtype], _VALUE_KINDS[m.dtype],
@@ -195,46 +201,55 @@ _SCALED = (torch.float16, codecs.FP8_E4M3)
 
 
 def _master_kind(
-    opt: PrecisionAwareAdamW,
+    layout: PrecisionLayout,
+    scales: Mapping[str, Tensor],
     param: Tensor,
-    p: Tensor,
     stored: Tensor | None,
     device: torch.device,
 ) -> tuple[int, Tensor | None]:
     if stored is None:
         return _MASTER_NONE, None
-    if opt._uses_remainder(param):
-        if stored.dtype != torch.int16 or p.dtype != torch.bfloat16:
+    if layout.uses_remainder(param):
+        if stored.dtype != torch.int16:
             raise LookupError("master_param")
         return _MASTER_REMAINDER, None
     if stored.dtype == torch.float32:
         return _MASTER_FP32, None
     if stored.dtype == torch.float16:
-        return _MASTER_FP16, _scale_of(opt, param, "master_param", device)
+        return _MASTER_FP16, _scale_of(scales, "master_param", device)
     raise LookupError("master_param")
 
 
 def applicable(
-    opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[str, Any]
+    layout: PrecisionLayout,
+    state: Mapping[str, Tensor],
+    scales: Mapping[str, Tensor],
+    param: Tensor,
+    grad: Tensor,
 ) -> bool:
-    """Whether :func:`update_group` updates ``param`` (see the module docstring for when).
+    """Whether :func:`update_group` updates ``param`` with its ``state`` and ``scales`` (see
+    the module docstring for when).
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> from wrapped_optim.optimizers._precision_layout import PrecisionLayout
         >>> p = torch.nn.Parameter(torch.zeros(4))
-        >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
-        >>> applicable(opt, p, torch.ones(4), opt.param_groups[0])  # no state yet
+        >>> applicable(PrecisionLayout(), {}, {}, p, torch.ones(4))  # no state yet
         False
     """
-    if opt.fused is True or not opt.state.get(param):
+    if layout.fused is True or not state:
         return False
     if local_tensor(param).device.type not in _DEVICE_TYPES:
         return False  # first: the CPU step asks about every parameter it cannot fuse
-    return available() and _operands(opt, param, grad) is not None
+    return available() and _operands(layout, state, scales, param, grad) is not None
 
 
-def launches_per_step(opt: PrecisionAwareAdamW, pairs: Sequence[tuple[Tensor, Tensor]]) -> int:
+def launches_per_step(
+    layout: PrecisionLayout,
+    states: _States,
+    scales: _States,
+    pairs: Sequence[tuple[Tensor, Tensor]],
+) -> int:
     """Kernel launches :func:`update_group` makes for ``pairs`` (one group's), once its
     tables are cached: one per device and format combination, three where one is scaled
     (only the scale kernel when all its tensors are empty; none for an empty unscaled one).
@@ -245,15 +260,15 @@ def launches_per_step(opt: PrecisionAwareAdamW, pairs: Sequence[tuple[Tensor, Te
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
         >>> opt.initialize_state(p)
-        >>> launches_per_step(opt, [])
+        >>> launches_per_step(opt.layout, opt.state, opt.scales, [])
         0
-        >>> launches_per_step(opt, [(p, torch.ones(4))])  # a CPU parameter
+        >>> launches_per_step(opt.layout, opt.state, opt.scales, [(p, torch.ones(4))])  # CPU
         Traceback (most recent call last):
         ValueError: the fused GPU step does not apply to this parameter (CUDA, ...
     """
     combos: dict[tuple[Any, ...], int] = {}
     for param, grad in pairs:
-        found = _operands(opt, param, grad)
+        found = _operands(layout, states[param], scales.get(param, {}), param, grad)
         if found is None:
             raise ValueError(_NOT_APPLICABLE)
         key = (found.param.device, found.kinds)
@@ -283,7 +298,7 @@ class _Entry:
         self.table = self.block_map = self.mults = self.amax = torch.empty(0)
 
 
-# optimizer -> {(group index, device, kinds, block): tables}; copies of an optimizer start empty.
+# owner (the optimizer) -> {(group index, device, kinds, block): tables}; copies start empty.
 _CACHES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], _Entry]] = weakref.WeakKeyDictionary()
 
 
@@ -296,9 +311,9 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
 
 
 def _entry(
-    opt: PrecisionAwareAdamW, key: tuple[Any, ...], items: list[_Operands], device: torch.device
+    owner: object, key: tuple[Any, ...], items: list[_Operands], device: torch.device
 ) -> _Entry:
-    cache = _CACHES.setdefault(opt, {})
+    cache = _CACHES.setdefault(owner, {})
     entry = cache.get(key)
     if entry is None:
         entry = cache[key] = _Entry()
@@ -333,10 +348,29 @@ def _launch(kernel: Any, grid: tuple[int], *args: Any, **constexprs: Any) -> Non
 
 
 def update_group(
-    opt: PrecisionAwareAdamW, pairs: Sequence[tuple[Tensor, Tensor]], group: dict[str, Any]
+    layout: PrecisionLayout,
+    states: _States,
+    scales: _States,
+    pairs: Sequence[tuple[Tensor, Tensor]],
+    group: Mapping[str, Any],
+    *,
+    owner: object,
+    group_index: int = -1,
 ) -> None:
     """One fused AdamW step of every ``(param, grad)`` of ``group`` in place: a launch per
     device and format combination (three where scaled), no host wait.
+
+    Args:
+        layout: the optimizer's storage layout.
+        states: each parameter's state (the optimizer's ``state``).
+        scales: each parameter's per-tensor scales (written for scaled states).
+        pairs: the parameters to update and their gradients.
+        group: the param group's options and step count.
+        owner: the object the launch tables are cached for (the optimizer; weakly held).
+        group_index: the group's index among the owner's groups (part of the cache key).
+
+    Raises:
+        ValueError: a pair :func:`applicable` rejects.
 
     Example:
         >>> import torch
@@ -344,52 +378,37 @@ def update_group(
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
         >>> opt.initialize_state(p)
-        >>> update_group(opt, [(p, torch.ones(4))], opt.param_groups[0])  # a CPU parameter
+        >>> update_group(opt.layout, opt.state, opt.scales, [(p, torch.ones(4))],
+        ...              opt.param_groups[0], owner=opt)  # a CPU parameter
         Traceback (most recent call last):
         ValueError: the fused GPU step does not apply to this parameter (CUDA, ...
     """
     buckets: dict[tuple[Any, ...], list[_Operands]] = {}
     for param, grad in pairs:
-        found = _operands(opt, param, grad)
+        found = _operands(layout, states[param], scales.get(param, {}), param, grad)
         if found is None:
             raise ValueError(_NOT_APPLICABLE)
         buckets.setdefault((found.param.device, found.kinds), []).append(found)
     if not buckets:
         return
-    index = next((i for i, g in enumerate(opt.param_groups) if g is group), -1)
-    hyper = _hyper(opt, group)
+    hyper = _hyper(group)
     for (device, kinds), items in buckets.items():
-        key = (index, device, kinds, BLOCK)
+        key = (group_index, device, kinds, BLOCK)
         try:
-            _run_bucket(opt, key, items, device, kinds, group, hyper)
+            entry = _entry(owner, key, items, device)
+            _run_bucket(entry, len(items), device, kinds, group, hyper, layout.adam_w_mode)
         except BaseException:
-            _CACHES.get(opt, {}).pop(key, None)  # an amax may be left uncleared
+            _CACHES.get(owner, {}).pop(key, None)  # an amax may be left uncleared
             raise
     written: list[Tensor] = []
     for param, _ in pairs:
         written.append(local_tensor(param))
-        written.extend(opt.state[param].values())
-        written.extend(opt._scales.get(param, {}).values())
+        written.extend(states[param].values())
+        written.extend(scales.get(param, {}).values())
     increment_version(written)  # written by kernels: tell autograd, as in-place ops would
 
 
-def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
-    """:func:`update_group` for one parameter.
-
-    Example:
-        >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
-        >>> p = torch.nn.Parameter(torch.zeros(4))
-        >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
-        >>> opt.initialize_state(p)
-        >>> update(opt, p, torch.ones(4), opt.param_groups[0])  # a CPU parameter
-        Traceback (most recent call last):
-        ValueError: the fused GPU step does not apply to this parameter (CUDA, ...
-    """
-    update_group(opt, [(param, grad)], group)
-
-
-def _hyper(opt: PrecisionAwareAdamW, group: dict[str, Any]) -> list[float]:
+def _hyper(group: Mapping[str, Any]) -> list[float]:
     beta1, beta2 = (float(b) for b in group["betas"])
     step = group["step"]
     correct = group["bias_correction"]
@@ -418,15 +437,14 @@ def _device_context(device: torch.device) -> AbstractContextManager[Any]:
 
 
 def _run_bucket(
-    opt: PrecisionAwareAdamW,
-    key: tuple[Any, ...],
-    items: list[_Operands],
+    entry: _Entry,
+    count: int,
     device: torch.device,
     kinds: tuple[int, int, int, int, int],
-    group: dict[str, Any],
+    group: Mapping[str, Any],
     hyper: list[float],
+    adam_w_mode: bool,
 ) -> None:
-    entry = _entry(opt, key, items, device)
     master, p_kind, g_kind, m_kind, v_kind = kinds
     scaled = _is_scaled(kinds)
     if entry.blocks == 0 and not scaled:
@@ -438,7 +456,7 @@ def _run_bucket(
         # No contraction into FMA and no flush-to-zero: the CPU kernel's bits.
         options = {"num_warps": NUM_WARPS, "enable_fp_fusion": False, "enable_reflect_ftz": False}
     constexprs = {
-        "ADAM_W": bool(opt.adam_w_mode), "MASTER": master, "P_KIND": p_kind, "G_KIND": g_kind,
+        "ADAM_W": adam_w_mode, "MASTER": master, "P_KIND": p_kind, "G_KIND": g_kind,
         "M_KIND": m_kind, "V_KIND": v_kind, "LR_TENSOR": lr_tensor is not None,
         "ALIGNED": entry.aligned, "BLOCK": BLOCK, **options,
     }  # fmt: skip
@@ -451,8 +469,8 @@ def _run_bucket(
                 _launch(kernels.adamw_group_kernel, grid, *args, PASS=1, **constexprs)
             finalize_options = {"num_warps": 4} if device.type == "cuda" else {}
             _launch(
-                kernels.finalize_kernel, (-(-len(items) // FINALIZE_BLOCK),),
-                entry.table, entry.mults, entry.amax, len(items),
+                kernels.finalize_kernel, (-(-count // FINALIZE_BLOCK),),
+                entry.table, entry.mults, entry.amax, count,
                 M_KIND=m_kind, V_KIND=v_kind, MASTER=master, BLOCK=FINALIZE_BLOCK,
                 **finalize_options,
             )  # fmt: skip

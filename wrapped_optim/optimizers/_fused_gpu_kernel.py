@@ -264,18 +264,12 @@ def _fold_amax(amax, t, slot: tl.constexpr, x, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _program(row, t, start, n, mults, amax, lr_ptr, lr, beta1, omb1, beta2, omb2, eps, wd,
-             inv_bc1, inv_bc2, ADAM_W: tl.constexpr, MASTER: tl.constexpr,
-             P_KIND: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr,
-             V_KIND: tl.constexpr, LR_TENSOR: tl.constexpr, PASS: tl.constexpr,
-             MASKED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
-    # An FP32 parameter's master is never read (it is written as a copy of the parameter).
-    READS_MASTER: tl.constexpr = MASTER != 0 and P_KIND != 0
-    # Pass 1 needs the parameter only where the amax depends on it.
-    NEED_P: tl.constexpr = PASS == 0 or not ADAM_W or MASTER == 3
-    NEW_P: tl.constexpr = PASS == 0 or MASTER == 3
+def _param_in(row, t, offs, mask, mults, NEED_P: tl.constexpr, READS_MASTER: tl.constexpr,
+              MASTER: tl.constexpr, P_KIND: tl.constexpr, PASS: tl.constexpr,
+              MASKED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """The FP32 parameter the update starts from: the parameter, its FP32 master, the bf16
+    parameter joined with its int16 remainder or the decoded fp16 master (zeros where pass 1
+    does not need it)."""
     if not NEED_P:
         p = tl.full([BLOCK], 0.0, tl.float32)
     elif not READS_MASTER:
@@ -289,54 +283,102 @@ def _program(row, t, start, n, mults, amax, lr_ptr, lr, beta1, omb1, beta2, omb2
     else:
         p = _read(row, COL_MASTER, offs, mask, 2, MASKED, ALIGNED)
         p = p * _decode_mult(row, mults, t, 2, 2, PASS)
-    g = _read(row, COL_GRAD, offs, mask, G_KIND, MASKED, ALIGNED)
-    m = _read(row, COL_M, offs, mask, M_KIND, MASKED, ALIGNED)
+    return p
+
+
+@triton.jit
+def _moment_in(row, column: tl.constexpr, t, offs, mask, mults, slot: tl.constexpr,
+               KIND: tl.constexpr, PASS: tl.constexpr, MASKED: tl.constexpr,
+               ALIGNED: tl.constexpr):  # fmt: skip
+    """One moment in FP32 (decoded with its scale's multiplier where scaled)."""
+    x = _read(row, column, offs, mask, KIND, MASKED, ALIGNED)
+    if KIND >= 2:
+        x = x * _decode_mult(row, mults, t, slot, KIND, PASS)
+    return x
+
+
+@triton.jit
+def _stepped(p, m, v, lr_ptr, lr, eps, wd, inv_bc1, inv_bc2, ADAM_W: tl.constexpr,
+             LR_TENSOR: tl.constexpr):  # fmt: skip
+    """TE's parameter update from the new moments."""
+    if LR_TENSOR:  # noqa: SIM108 - Triton compiles constexpr branches, not expressions
+        step_size = tl.load(lr_ptr).to(tl.float32)
+    else:
+        step_size = lr
+    denom = tl.sqrt_rn(v * inv_bc2) + eps
+    update = tl.div_rn(m * inv_bc1, denom)
+    if ADAM_W:
+        update = update + wd * p
+    return p - step_size * update
+
+
+@triton.jit
+def _fold_amaxes(amax, t, p, m, v, mask, MASTER: tl.constexpr, M_KIND: tl.constexpr,
+                 V_KIND: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """Pass 1: the new values' amaxes of the scaled slots."""
     if M_KIND >= 2:
-        m = m * _decode_mult(row, mults, t, 0, M_KIND, PASS)
-    v = _read(row, COL_V, offs, mask, V_KIND, MASKED, ALIGNED)
+        _fold_amax(amax, t, 0, m, mask, MASKED)
     if V_KIND >= 2:
-        v = v * _decode_mult(row, mults, t, 1, V_KIND, PASS)
+        _fold_amax(amax, t, 1, v, mask, MASKED)
+    if MASTER == 3:
+        _fold_amax(amax, t, 2, p, mask, MASKED)
+
+
+@triton.jit
+def _write_back(row, t, offs, mask, mults, p, m, v, MASTER: tl.constexpr,
+                P_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
+                MASKED: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+    """Pass 2: every result in its stored format (scaled slots with their new multipliers)."""
+    if M_KIND >= 2:
+        m = m * _encode_mult(mults, t, 0)
+    _write(row, COL_M, offs, mask, m, M_KIND, MASKED, ALIGNED)
+    if V_KIND >= 2:
+        v = v * _encode_mult(mults, t, 1)
+    _write(row, COL_V, offs, mask, v, V_KIND, MASKED, ALIGNED)
+    if MASTER == 2:
+        bits = p.to(tl.int32, bitcast=True)
+        remainder = bits.to(tl.int16)
+        high = ((bits - remainder.to(tl.int32)) >> 16).to(tl.int16)
+        _store(_address(row, COL_MASTER, tl.int16, ALIGNED), offs, mask, remainder, MASKED)
+        _store(_address(row, COL_PARAM, tl.int16, ALIGNED), offs, mask, high, MASKED)
+    else:
+        _write(row, COL_PARAM, offs, mask, p, P_KIND, MASKED, ALIGNED)
+        if MASTER == 1:
+            _write(row, COL_MASTER, offs, mask, p, 0, MASKED, ALIGNED)
+        elif MASTER == 3:
+            encoded = p * _encode_mult(mults, t, 2)
+            _write(row, COL_MASTER, offs, mask, encoded, 2, MASKED, ALIGNED)
+
+
+@triton.jit
+def _program(row, t, start, n, mults, amax, lr_ptr, lr, beta1, omb1, beta2, omb2, eps, wd,
+             inv_bc1, inv_bc2, ADAM_W: tl.constexpr, MASTER: tl.constexpr,
+             P_KIND: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr,
+             V_KIND: tl.constexpr, LR_TENSOR: tl.constexpr, PASS: tl.constexpr,
+             MASKED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < n
+    # An FP32 parameter's master is never read (it is written as a copy of the parameter).
+    READS_MASTER: tl.constexpr = MASTER != 0 and P_KIND != 0
+    # Pass 1 needs the parameter only where the amax depends on it.
+    NEED_P: tl.constexpr = PASS == 0 or not ADAM_W or MASTER == 3
+    NEW_P: tl.constexpr = PASS == 0 or MASTER == 3
+    p = _param_in(row, t, offs, mask, mults, NEED_P, READS_MASTER, MASTER, P_KIND, PASS,
+                  MASKED, ALIGNED, BLOCK)  # fmt: skip
+    g = _read(row, COL_GRAD, offs, mask, G_KIND, MASKED, ALIGNED)
+    m = _moment_in(row, COL_M, t, offs, mask, mults, 0, M_KIND, PASS, MASKED, ALIGNED)
+    v = _moment_in(row, COL_V, t, offs, mask, mults, 1, V_KIND, PASS, MASKED, ALIGNED)
     if not ADAM_W:
         g = g + wd * p
     m = beta1 * m + omb1 * g
     v = beta2 * v + omb2 * g * g
     if NEW_P:
-        if LR_TENSOR:  # noqa: SIM108 - Triton compiles constexpr branches, not expressions
-            step_size = tl.load(lr_ptr).to(tl.float32)
-        else:
-            step_size = lr
-        denom = tl.sqrt_rn(v * inv_bc2) + eps
-        update = tl.div_rn(m * inv_bc1, denom)
-        if ADAM_W:
-            update = update + wd * p
-        p = p - step_size * update
+        p = _stepped(p, m, v, lr_ptr, lr, eps, wd, inv_bc1, inv_bc2, ADAM_W, LR_TENSOR)
     if PASS == 1:
-        if M_KIND >= 2:
-            _fold_amax(amax, t, 0, m, mask, MASKED)
-        if V_KIND >= 2:
-            _fold_amax(amax, t, 1, v, mask, MASKED)
-        if MASTER == 3:
-            _fold_amax(amax, t, 2, p, mask, MASKED)
+        _fold_amaxes(amax, t, p, m, v, mask, MASTER, M_KIND, V_KIND, MASKED)
     else:
-        if M_KIND >= 2:
-            m = m * _encode_mult(mults, t, 0)
-        _write(row, COL_M, offs, mask, m, M_KIND, MASKED, ALIGNED)
-        if V_KIND >= 2:
-            v = v * _encode_mult(mults, t, 1)
-        _write(row, COL_V, offs, mask, v, V_KIND, MASKED, ALIGNED)
-        if MASTER == 2:
-            bits = p.to(tl.int32, bitcast=True)
-            remainder = bits.to(tl.int16)
-            high = ((bits - remainder.to(tl.int32)) >> 16).to(tl.int16)
-            _store(_address(row, COL_MASTER, tl.int16, ALIGNED), offs, mask, remainder, MASKED)
-            _store(_address(row, COL_PARAM, tl.int16, ALIGNED), offs, mask, high, MASKED)
-        else:
-            _write(row, COL_PARAM, offs, mask, p, P_KIND, MASKED, ALIGNED)
-            if MASTER == 1:
-                _write(row, COL_MASTER, offs, mask, p, 0, MASKED, ALIGNED)
-            elif MASTER == 3:
-                encoded = p * _encode_mult(mults, t, 2)
-                _write(row, COL_MASTER, offs, mask, encoded, 2, MASKED, ALIGNED)
+        _write_back(row, t, offs, mask, mults, p, m, v, MASTER, P_KIND, M_KIND, V_KIND, MASKED,
+                    ALIGNED)  # fmt: skip
 
 
 @triton.jit

@@ -86,7 +86,7 @@ def _kind(sub: torch.optim.Optimizer, torch_default: bool) -> str | None:
     optimizer is torch's AdamW with the implementation left to HybridOffloadOptimizer."""
     if isinstance(sub, PrecisionAwareAdamW):
         use_decoupled = sub.use_decoupled_grad  # it would read the copy's decoupled_grad
-        return None if use_decoupled or not kernel_enabled(sub) else "precision"
+        return None if use_decoupled or not kernel_enabled(sub.layout) else "precision"
     if type(sub) is not torch.optim.AdamW or not torch_default:
         return None  # not torch's AdamW, or the caller picked its implementation: they get it
     return "torch"
@@ -193,7 +193,11 @@ def plan(
             # grad, as the unfused path gives it: ``inner`` stands in for it) would use the
             # kernel, so the fused step is bitwise its update.
             if kind == "precision" and not (
-                state and precision_paths.kernel_would_update(sub, inner, inner, sub_group)  # type: ignore[arg-type]
+                state
+                and isinstance(sub, PrecisionAwareAdamW)
+                and precision_paths.kernel_would_update(
+                    sub.layout, state, sub.scales.get(inner, {}), inner, inner, sub_group
+                )
             ):
                 continue
             entries.append(FusedEntry(param, inner, grad, sub, sub_group))
@@ -220,7 +224,10 @@ def run(entries: Sequence[FusedEntry]) -> None:
     for entry in entries:
         sub = entry.optimizer
         if isinstance(sub, PrecisionAwareAdamW):
-            operands = kernel_operands(sub, entry.inner, entry.grad)
+            operands = kernel_operands(
+                sub.layout, sub.state[entry.inner], sub.scales.get(entry.inner, {}), entry.inner,
+                entry.grad,
+            )  # fmt: skip
             if operands is None:  # plan() checked this: the optimizer changed in between
                 raise RuntimeError(
                     "the fused host step lost a parameter the kernel reads: the host "
@@ -235,7 +242,8 @@ def run(entries: Sequence[FusedEntry]) -> None:
             step = float(state["step"]) + 1 if state else 1.0
             plain.setdefault((id(entry.group), step), []).append(entry)
     for sub, group, calls in precision.values():
-        kernel_update(sub, calls, group)  # its group step: advanced by sub.step
+        # its group step: advanced by sub.step
+        kernel_update(calls, group, adam_w_mode=bool(sub.adam_w_mode))
     for (_, step), same_step in plain.items():
         _torch_adamw(same_step, step)
 

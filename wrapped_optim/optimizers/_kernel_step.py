@@ -12,7 +12,8 @@ threads share all the group's elements.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -20,9 +21,7 @@ from torch import Tensor
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import codecs
 from wrapped_optim.optimizers import cpu_kernel
-
-if TYPE_CHECKING:
-    from wrapped_optim.optimizers._precision_adam import PrecisionAwareAdamW
+from wrapped_optim.optimizers._precision_layout import PrecisionLayout
 
 __all__ = ["KernelOperands", "kernel_enabled", "kernel_operands", "kernel_update"]
 
@@ -33,45 +32,46 @@ KernelOperands = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | N
 _MOMENTS = (torch.float32, torch.bfloat16, torch.float16, codecs.FP8_E4M3)
 
 
-def kernel_enabled(optimizer: PrecisionAwareAdamW) -> bool:
-    """Whether ``optimizer`` hands suitable parameters to the compiled kernel: its
-    ``cpu_kernel`` setting allows it and the kernel could be built.
+def kernel_enabled(layout: PrecisionLayout) -> bool:
+    """Whether an optimizer of ``layout`` hands suitable parameters to the compiled kernel:
+    its ``cpu_kernel`` setting allows it and the kernel could be built.
 
     Example:
-        >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
-        >>> from wrapped_optim.optimizers._kernel_step import kernel_enabled
-        >>> kernel_enabled(PrecisionAwareAdamW([torch.zeros(1)], cpu_kernel=False))
+        >>> from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+        >>> kernel_enabled(PrecisionLayout(cpu_kernel=False))
         False
     """
-    if optimizer.cpu_kernel is False or (optimizer.cpu_kernel is None and optimizer.fused is True):
+    if layout.cpu_kernel is False or (layout.cpu_kernel is None and layout.fused is True):
         return False
     return cpu_kernel.available()
 
 
 def kernel_operands(
-    optimizer: PrecisionAwareAdamW, param: Tensor, grad: Tensor
+    layout: PrecisionLayout,
+    state: Mapping[str, Tensor],
+    scales: Mapping[str, Tensor],
+    param: Tensor,
+    grad: Tensor,
 ) -> KernelOperands | None:
-    """The flat operands of ``param`` for the kernel, or None when its formats or layout are
-    not ones the kernel reads (the optimizer's torch paths update it then).
+    """The flat operands of ``param`` (its ``state`` and the ``scales`` of its scaled
+    states) for the kernel, or None when its formats or layout are not ones the kernel reads
+    (the optimizer's torch paths update it then).
 
     Example:
         >>> import torch
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
-        >>> from wrapped_optim.optimizers._kernel_step import kernel_operands
         >>> p = torch.nn.Parameter(torch.zeros(2, 3))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_sq_dtype=torch.uint8)
         >>> opt.initialize_state(p)
-        >>> ops = kernel_operands(opt, p, torch.ones(2, 3))
+        >>> ops = kernel_operands(opt.layout, opt.state[p], opt.scales[p], p, torch.ones(2, 3))
         >>> ops is None if not cpu_kernel.available() else (ops[0].shape, ops[6].item())
         (torch.Size([6]), 1.0)
     """
-    if not kernel_enabled(optimizer):
+    if not kernel_enabled(layout):
         return None
     p, g = local_tensor(param), local_tensor(grad)
     if p.device.type != "cpu" or g.device != p.device or g.numel() != p.numel():
         return None
-    state = optimizer.state[param]
     stored = [state["exp_avg"], state["exp_avg_sq"]]
     if any(t.dtype not in _MOMENTS for t in stored):
         return None
@@ -83,7 +83,7 @@ def kernel_operands(
             return None
     elif p.dtype != torch.bfloat16 or master is None:
         return None  # fp16 params, or bf16 params updated in place without a master
-    elif master.dtype != torch.float32 and not optimizer._uses_remainder(param):
+    elif master.dtype != torch.float32 and not layout.uses_remainder(param):
         return None  # an fp16 master
     if master is not None:
         stored.append(master)
@@ -96,27 +96,27 @@ def kernel_operands(
         flat[0],
         flat[1],
         flat[2] if master is not None else None,
-        optimizer._scale(param, "exp_avg"),
-        optimizer._scale(param, "exp_avg_sq"),
+        scales["exp_avg"] if layout.is_scaled(param, "exp_avg") else None,
+        scales["exp_avg_sq"] if layout.is_scaled(param, "exp_avg_sq") else None,
     )
 
 
 def kernel_update(
-    optimizer: PrecisionAwareAdamW, operands: list[KernelOperands], group: dict[str, Any]
+    operands: list[KernelOperands], group: Mapping[str, Any], *, adam_w_mode: bool
 ) -> None:
     """One kernel call updating every parameter of ``operands`` (one group's) in place, its
-    scales included.
+    scales included, with ``group``'s options and step count.
 
     Example:
         >>> import torch
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
-        >>> from wrapped_optim.optimizers._kernel_step import kernel_operands, kernel_update
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], lr=0.5, exp_avg_dtype=torch.bfloat16)
         >>> opt.initialize_state(p)
         >>> group = {**opt.param_groups[0], "step": 1}
         >>> if cpu_kernel.available():
-        ...     kernel_update(opt, [kernel_operands(opt, p, torch.ones(4))], group)
+        ...     ops = kernel_operands(opt.layout, opt.state[p], {}, p, torch.ones(4))
+        ...     kernel_update([ops], group, adam_w_mode=True)
         ... else:
         ...     _ = p.data.fill_(-0.5)
         >>> p.data
@@ -134,6 +134,6 @@ def kernel_update(
         weight_decay=group["weight_decay"],
         bias_correction1=1.0 - beta1**step if correct else 1.0,
         bias_correction2=1.0 - beta2**step if correct else 1.0,
-        adam_w_mode=bool(optimizer.adam_w_mode),
+        adam_w_mode=adam_w_mode,
         exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales,
     )  # fmt: skip

@@ -2,8 +2,7 @@
 
 ``state_dict()`` expands every state to FP32 through the instance's ``get_unscaled_state``.
 ``load_state_dict()`` first has the one validator (:mod:`~wrapped_optim._formats.state_format`)
-accept
-the *whole* incoming state, so a rejected checkpoint changes nothing; then it quantizes each
+accept the *whole* incoming state, so a rejected checkpoint changes nothing; then it quantizes each
 incoming tensor into the storage the optimizer already has, through the instance's
 ``set_scaled_state`` (which works in bounded slices). New storage is allocated only where a
 state is missing or its format or shape differs, one tensor at a time, after freeing the old.
@@ -15,14 +14,12 @@ instead: the caller's state dict is validated and never modified, so the load is
 from it before the exception propagates (an interrupt, or an error of a patched writer), and
 the optimizer holds its old state or the whole checkpoint, never a mix. Only when completing
 fails as well is it left partly loaded, which the exception's note says.
-
-Internal: :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` calls these.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,17 +27,21 @@ from torch import Tensor
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import holder_format, state_format
 from wrapped_optim._rollback import deep_clone
-
-if TYPE_CHECKING:
-    from wrapped_optim.optimizers._precision_adam import PrecisionAwareAdamW
+from wrapped_optim.optimizers._precision_layout import PrecisionLayout
 
 __all__ = ["load_portable", "portable_state_dict"]
 
 _Write = tuple[Tensor, str, Tensor]  # (param, state name, FP32 or int16 source)
+_Tables = MutableMapping[Tensor, dict[str, Tensor]]
 
 
-def portable_state_dict(opt: PrecisionAwareAdamW) -> dict[str, Any]:
-    """torch's state-dict layout with every state read through ``opt.get_unscaled_state``.
+def portable_state_dict(
+    param_groups: Sequence[Mapping[str, Any]],
+    state: Mapping[Tensor, Mapping[str, Tensor]],
+    read: Callable[[Tensor, str], Tensor],
+) -> dict[str, Any]:
+    """torch's state-dict layout of ``param_groups`` with every state of ``state`` read
+    through ``read(param, state_name)`` (the optimizer's ``get_unscaled_state``).
 
     Example:
         >>> import torch
@@ -48,12 +49,13 @@ def portable_state_dict(opt: PrecisionAwareAdamW) -> dict[str, Any]:
         >>> p = torch.nn.Parameter(torch.zeros(2))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
         >>> opt.initialize_state(p)
-        >>> sorted(portable_state_dict(opt)["state"][0])
+        >>> sd = portable_state_dict(opt.param_groups, opt.state, opt.get_unscaled_state)
+        >>> sorted(sd["state"][0])
         ['exp_avg', 'exp_avg_sq']
     """
     groups = []
     param_index: dict[int, int] = {}
-    for group in opt.param_groups:
+    for group in param_groups:
         packed = {k: v for k, v in group.items() if k != "params"}
         indices = []
         for p in group["params"]:
@@ -61,20 +63,32 @@ def portable_state_dict(opt: PrecisionAwareAdamW) -> dict[str, Any]:
             indices.append(param_index[id(p)])
         packed["params"] = indices
         groups.append(packed)
-    state: dict[int, dict[str, Tensor]] = {}
-    for group in opt.param_groups:
+    saved: dict[int, dict[str, Tensor]] = {}
+    for group in param_groups:
         for p in group["params"]:
-            entry = opt.state.get(p)
+            entry = state.get(p)
             if not entry:
                 continue
-            state[param_index[id(p)]] = {
-                name: opt.get_unscaled_state(p, name) for name in list(entry)
-            }
-    return {"state": state, "param_groups": groups}
+            saved[param_index[id(p)]] = {name: read(p, name) for name in list(entry)}
+    return {"state": saved, "param_groups": groups}
 
 
-def load_portable(opt: PrecisionAwareAdamW, state_dict: dict[str, Any]) -> None:
+def load_portable(
+    opt: torch.optim.Optimizer,
+    state_dict: dict[str, Any],
+    *,
+    layout: PrecisionLayout,
+    scales: _Tables,
+    write: Callable[[Tensor, str, Tensor], None],
+) -> None:
     """Validates ``state_dict`` whole, then writes it into ``opt``'s existing storage.
+
+    Args:
+        opt: the optimizer loaded (its ``state`` and ``param_groups``).
+        state_dict: the portable checkpoint (never modified).
+        layout: the optimizer's storage layout.
+        scales: its per-parameter scales (those of dropped states are removed).
+        write: quantizes one FP32 (or int16) source into a state (``set_scaled_state``).
 
     Example:
         >>> import torch
@@ -83,27 +97,34 @@ def load_portable(opt: PrecisionAwareAdamW, state_dict: dict[str, Any]) -> None:
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
         >>> opt.initialize_state(p)
         >>> storage = opt.state[p]["exp_avg"]
-        >>> load_portable(opt, {"state": {0: {"exp_avg": torch.ones(2),
-        ...                                   "exp_avg_sq": torch.ones(2)}},
-        ...                     "param_groups": [{**opt.param_groups[0], "params": [0]}]})
+        >>> sd = {"state": {0: {"exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}},
+        ...       "param_groups": [{**opt.param_groups[0], "params": [0]}]}
+        >>> load_portable(opt, sd, layout=opt.layout, scales=opt.scales,
+        ...               write=opt.set_scaled_state)
         >>> opt.state[p]["exp_avg"] is storage, storage.tolist()
         (True, [1.0, 1.0])
     """
     resolved, saved_groups = holder_format.check_holder_state_dict(opt, state_dict)
     groups = _merged_groups(opt.param_groups, saved_groups)
     writes = _unaliased(
-        opt,
+        opt.state,
         [
             (param, name, value)
             for key, param in resolved.items()
             for name, value in state_dict["state"][key].items()
         ],
     )
+
+    def install() -> None:
+        _install(writes, layout, write)
+        _drop_others(opt.state, scales, writes)
+        opt.param_groups = groups
+
     try:
-        _install(opt, writes, groups)
+        install()
     except BaseException as error:
         try:
-            _install(opt, writes, groups)
+            install()
         except BaseException:
             error.add_note(
                 f"{type(opt).__name__}.load_state_dict: completing the interrupted load failed "
@@ -137,14 +158,14 @@ def _merged_groups(
     return merged_groups
 
 
-def _unaliased(opt: PrecisionAwareAdamW, writes: list[_Write]) -> list[_Write]:
+def _unaliased(states: Mapping[Tensor, Mapping[str, Any]], writes: list[_Write]) -> list[_Write]:
     """The writes, with a copy of any source that shares memory with live state other than
     its own destination (a crafted state dict): writing in place must not change a source
     before it is read. ``load_state_dict(state_dict())`` shares only with the destinations
     themselves (FP32 states and remainders are their live tensors), which costs nothing."""
     live = {
         t.untyped_storage().data_ptr()
-        for entry in opt.state.values()
+        for entry in states.values()
         for t in entry.values()
         if isinstance(t, Tensor) and t.numel()
     }
@@ -152,7 +173,7 @@ def _unaliased(opt: PrecisionAwareAdamW, writes: list[_Write]) -> list[_Write]:
     for param, name, value in writes:
         local = local_tensor(value)
         if local.numel() and local.untyped_storage().data_ptr() in live:
-            destination = opt.state.get(param, {}).get(name)
+            destination = states.get(param, {}).get(name)
             if not _same_view(local, destination):
                 value = local.detach().clone()
         result.append((param, name, value))
@@ -170,27 +191,29 @@ def _same_view(a: Tensor, b: Any) -> bool:
     )
 
 
-def _install(opt: PrecisionAwareAdamW, writes: list[_Write], groups: list[dict[str, Any]]) -> None:
-    """Every write (a fresh FP32 conversion, one at a time, for other float dtypes), then
-    the state of params the checkpoint has none for is dropped and the groups replaced, as
-    torch's loader leaves them. Running it twice gives the same result."""
+def _install(
+    writes: list[_Write], layout: PrecisionLayout, write: Callable[[Tensor, str, Tensor], None]
+) -> None:
+    """Every write (a fresh FP32 conversion, one at a time, for other float dtypes). Running
+    it twice gives the same result."""
     for param, name, value in writes:
-        if value.dtype != torch.float32 and not opt._uses_remainder(param, name):
+        if value.dtype != torch.float32 and not layout.uses_remainder(param, name):
             value = value.float()
-        opt.set_scaled_state(param, name, value)
+        write(param, name, value)
         del value
+
+
+def _drop_others(
+    states: MutableMapping[Tensor, Any], scales: _Tables, writes: list[_Write]
+) -> None:
+    """Removes state (and scales) the checkpoint has no value for, as torch's loader does."""
     kept: dict[int, set[str]] = {}
     for param, name, _ in writes:
         kept.setdefault(id(param), set()).add(name)
-    _drop_others(opt, kept)
-    opt.param_groups = groups
-
-
-def _drop_others(opt: PrecisionAwareAdamW, kept: Mapping[int, Iterable[str]]) -> None:
-    """Removes state (and scales) the checkpoint has no value for."""
-    for table in (opt.state, opt._scales):
+    tables: tuple[MutableMapping[Tensor, Any], ...] = (states, scales)
+    for table in tables:
         for param in list(table):
-            names = set(kept.get(id(param), ()))
+            names = kept.get(id(param), set())
             entry = table[param]
             for name in [n for n in entry if n not in names]:
                 del entry[name]

@@ -1,21 +1,20 @@
 """Which path :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW`'s step gives each
-parameter, and the step over its param groups.
+parameter, and the step of one param group.
 
 Per parameter with a gradient, the first that applies: torch's fused AdamW kernel where its
 state needs no conversion (one call per device and dtype, as ``torch.optim.AdamW(fused=True)``
 does); the compiled CPU kernel (:mod:`~wrapped_optim.optimizers._kernel_step`, one call per
-group); the fused GPU kernel; a packed call shared by small parameters; the per-parameter
-conversion path (:mod:`~wrapped_optim.optimizers._torch_step`). The choice goes through the
-optimizer's seams (``_direct_views``, ``_packable``, ``_update``...), which tests may replace
-on an instance. :func:`kernel_would_update` is the one answer to "would the step hand this
-parameter to the CPU kernel", which HybridOffloadOptimizer's fused host step asks too.
-
-Internal: :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` calls these.
+group); the fused GPU kernel (:mod:`~wrapped_optim.optimizers._fused_gpu`); a packed call
+shared by small parameters; the per-parameter sliced path
+(:mod:`~wrapped_optim.optimizers._torch_step`). :func:`kernel_would_update` is the one answer
+to "would the step hand this parameter to the CPU kernel", which HybridOffloadOptimizer's
+fused host step asks too.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,31 +22,42 @@ from torch import Tensor
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim.optimizers import _fused_gpu, _torch_step
 from wrapped_optim.optimizers._kernel_step import KernelOperands, kernel_operands, kernel_update
+from wrapped_optim.optimizers._precision_layout import PrecisionLayout
 
-if TYPE_CHECKING:
-    from wrapped_optim.optimizers._precision_adam import PrecisionAwareAdamW
-
-__all__ = ["kernel_would_update", "step_groups"]
+__all__ = ["kernel_would_update", "step_group"]
 
 _Views = tuple[Tensor, Tensor, Tensor, Tensor]
+_State = Mapping[str, Tensor]
+_Group = Mapping[str, Any]
 
 
 def _fast_path(
-    opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[str, Any]
+    layout: PrecisionLayout,
+    state: _State,
+    scales: _State,
+    param: Tensor,
+    grad: Tensor,
+    group: _Group,
 ) -> tuple[_Views | None, KernelOperands | None]:
     """torch's fused kernel views of ``param`` when its state needs no conversion, else the
     compiled CPU kernel's operands when the kernel reads its formats, else neither."""
-    views = opt._direct_views(param, grad, group)
+    views = _torch_step.direct_views(layout, state, param, grad, group)
     if views is not None:
         return views, None
-    return None, kernel_operands(opt, param, grad)
+    return None, kernel_operands(layout, state, scales, param, grad)
 
 
 def kernel_would_update(
-    opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[str, Any]
+    layout: PrecisionLayout,
+    state: _State,
+    scales: _State,
+    param: Tensor,
+    grad: Tensor,
+    group: _Group,
 ) -> bool:
-    """Whether ``opt``'s step hands ``param`` (whose state exists) with ``grad`` to the
-    compiled CPU kernel: not to torch's fused kernel, and in formats the kernel reads.
+    """Whether a step of ``layout`` hands ``param`` (with its ``state``, ``scales`` and
+    ``grad``) to the compiled CPU kernel: not to torch's fused kernel, and in formats the
+    kernel reads.
 
     Example:
         >>> import torch
@@ -55,72 +65,105 @@ def kernel_would_update(
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
         >>> opt.initialize_state(p)
-        >>> kernel_would_update(opt, p, torch.ones(4), opt.param_groups[0]) == (
+        >>> g, group = torch.ones(4), opt.param_groups[0]
+        >>> kernel_would_update(opt.layout, opt.state[p], {}, p, g, group) == (
         ...     cpu_kernel.available())
         True
         >>> fp32 = PrecisionAwareAdamW([p])  # torch's fused kernel takes FP32 state
         >>> fp32.initialize_state(p)
-        >>> kernel_would_update(fp32, p, torch.ones(4), fp32.param_groups[0])
+        >>> kernel_would_update(fp32.layout, fp32.state[p], {}, p, g, group)
         False
     """
-    return _fast_path(opt, param, grad, group)[1] is not None
+    return _fast_path(layout, state, scales, param, grad, group)[1] is not None
 
 
-def step_groups(opt: PrecisionAwareAdamW) -> None:
-    """One step of every param group: counts the step, creates missing state, and updates
-    each parameter with a gradient along its path (see the module doc).
+class _Routes:
+    """One group's parameters by path, for the calls made after routing."""
+
+    def __init__(self) -> None:
+        # Parameters whose state needs no conversion go to torch's fused kernel together,
+        # one call per (device, dtype), as torch.optim.AdamW(fused=True) does.
+        self.batches: dict[tuple[torch.device, torch.dtype], list[_Views]] = {}
+        self.small: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
+        self.kernel: list[KernelOperands] = []  # one call for all of them: threads share it
+        self.fused_gpu: list[tuple[Tensor, Tensor]] = []  # one launch per format combination
+
+
+def step_group(
+    layout: PrecisionLayout,
+    group: _Group,
+    pairs: list[tuple[Tensor, Tensor]],
+    *,
+    states: Mapping[Tensor, _State],
+    scales: Mapping[Tensor, _State],
+    scratch: _torch_step.StepScratch,
+    owner: object,
+    group_index: int,
+) -> None:
+    """One step of ``group``'s ``(param, grad)`` pairs (their state exists; ``group["step"]``
+    already counts this step), each along its path (see the module doc).
+
+    Args:
+        layout: the optimizer's storage layout.
+        group: the param group's options and step count.
+        pairs: the parameters to update and their gradients.
+        states: each parameter's state (updated in place).
+        scales: each parameter's per-tensor scales (updated in place).
+        scratch: the step's FP32 workspace.
+        owner: the object the fused GPU kernel's tables are cached for (the optimizer).
+        group_index: the group's index among the owner's groups.
 
     Example:
         >>> import torch
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
-        >>> p, frozen = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
-        >>> opt = PrecisionAwareAdamW([p, frozen], lr=0.5, weight_decay=0.0,
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> opt = PrecisionAwareAdamW([p], lr=0.5, weight_decay=0.0,
         ...                           exp_avg_dtype=torch.bfloat16)
-        >>> p.grad = torch.ones(2)  # frozen has none: it gets no state and does not move
-        >>> step_groups(opt)
-        >>> p.data.tolist(), len(opt.state), opt.param_groups[0]["step"]
-        ([0.5, 0.5], 1, 1)
+        >>> opt.initialize_state(p)
+        >>> group = {**opt.param_groups[0], "step": 1}
+        >>> step_group(opt.layout, group, [(p, torch.ones(2))], states=opt.state, scales={},
+        ...            scratch=_torch_step.StepScratch(), owner=opt, group_index=0)
+        >>> p.data.tolist()
+        [0.5, 0.5]
     """
-    for group in opt.param_groups:
-        if not group["params"]:
-            continue
-        group["step"] = group.get("step", 0) + 1
-        # Parameters whose state needs no conversion go to torch's fused kernel together,
-        # one call per (device, dtype), as torch.optim.AdamW(fused=True) does.
-        batches: dict[tuple[torch.device, torch.dtype], list[_Views]] = {}
-        small: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
-        kernel: list[KernelOperands] = []  # one call for all of them: threads share it
-        fused_gpu: list[tuple[Tensor, Tensor]] = []  # one launch per format combination
-        for p in group["params"]:
-            grad = opt._grad_of(p)
-            if grad is None:
-                continue  # frozen or unused this step: no state, as torch's optimizers do
-            if not opt.state[p]:
-                opt.initialize_state(p)
-            if grad.is_sparse:
-                raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients.")
-            if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                raise RuntimeError(
-                    f"PrecisionAwareAdamW supports fp32, fp16 and bf16 parameters, got {p.dtype}"
-                )
-            views, operands = _fast_path(opt, p, grad, group)
-            if views is not None:
-                batches.setdefault((views[0].device, views[0].dtype), []).append(views)
-            elif operands is not None:
-                kernel.append(operands)
-            elif _fused_gpu.applicable(opt, p, grad, group):
-                fused_gpu.append((p, grad))
-            elif opt._packable(p, grad, group):
-                small.setdefault(local_tensor(p).device, []).append((p, grad))
-            else:
-                opt._update(p, grad, group)
-        for (device, _), items in batches.items():
-            step = _torch_step.step_tensor(group["step"], device)
-            ps, gs, ms, vs = (list(column) for column in zip(*items, strict=True))
-            opt._fused_math(ps, gs, ms, vs, group, [step] * len(ps))
-        for device, pairs in small.items():
-            opt._update_packed(pairs, group, device)
-        if kernel:
-            kernel_update(opt, kernel, group)
-        if fused_gpu:
-            _fused_gpu.update_group(opt, fused_gpu, group)
+    routes = _Routes()
+    for param, grad in pairs:
+        _route(routes, layout, group, param, grad, states[param], scales.get(param, {}), scratch)
+    for (device, _), items in routes.batches.items():
+        step = _torch_step.step_tensor(group["step"], device)
+        ps, gs, ms, vs = (list(column) for column in zip(*items, strict=True))
+        _torch_step.fused_math(
+            ps, gs, ms, vs, group, [step] * len(ps), adam_w_mode=layout.adam_w_mode
+        )
+    for device, small in routes.small.items():
+        _torch_step.update_packed(layout, states, small, group, device, scratch)
+    if routes.kernel:
+        kernel_update(routes.kernel, group, adam_w_mode=layout.adam_w_mode)
+    if routes.fused_gpu:
+        _fused_gpu.update_group(
+            layout, states, scales, routes.fused_gpu, group, owner=owner, group_index=group_index
+        )
+
+
+def _route(
+    routes: _Routes,
+    layout: PrecisionLayout,
+    group: _Group,
+    param: Tensor,
+    grad: Tensor,
+    state: _State,
+    scales: _State,
+    scratch: _torch_step.StepScratch,
+) -> None:
+    """Files ``param`` under its path; the sliced path updates it at once."""
+    views, operands = _fast_path(layout, state, scales, param, grad, group)
+    if views is not None:
+        routes.batches.setdefault((views[0].device, views[0].dtype), []).append(views)
+    elif operands is not None:
+        routes.kernel.append(operands)
+    elif _fused_gpu.applicable(layout, state, scales, param, grad):
+        routes.fused_gpu.append((param, grad))
+    elif _torch_step.packable(layout, state, scales, param, grad, group):
+        routes.small.setdefault(local_tensor(param).device, []).append((param, grad))
+    else:
+        _torch_step.update(layout, state, scales, param, grad, group, scratch)

@@ -1,11 +1,11 @@
-"""PrecisionAwareAdamW's torch step paths, on any device (moved out of precision_adam.py).
+"""PrecisionAwareAdamW's torch step paths, on any device.
 
-``step()`` sends each parameter down one of these paths: torch's fused AdamW on the stored
-tensors themselves (:func:`direct_views`), many small parameters packed into one fused call
-(:func:`packable` / :func:`update_packed`), or one parameter at a time (:func:`update`): the
-fused GPU kernel of :mod:`~wrapped_optim.optimizers._fused_gpu` where it applies, else slice by
-slice with a two-pass scale update for fp16/FP8 state. The CPU kernel's dispatch lives beside
-``step`` in precision_adam.py.
+Three paths (:mod:`~wrapped_optim.optimizers._precision_paths` picks one per parameter):
+torch's fused AdamW on the stored tensors themselves (:func:`direct_views`), many small
+parameters packed into one fused call (:func:`packable` / :func:`update_packed`), or one
+parameter slice by slice with a two-pass scale update for fp16/FP8 state (:func:`update`).
+Each takes explicit tensors, the param group's options and the optimizer's
+:class:`~wrapped_optim.optimizers._precision_layout.PrecisionLayout`.
 
 Nothing here waits for the device: the step count reaches a kernel as a device tensor filled
 by a kernel (:func:`step_tensor`), never through a host copy or ``.item()``. The FP32
@@ -16,7 +16,8 @@ different parameters) never share a buffer.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,11 +26,10 @@ from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import codecs
 from wrapped_optim._formats.remainders import join_master, split_master_into
 from wrapped_optim.optimizers import _fused_gpu
-
-if TYPE_CHECKING:
-    from wrapped_optim.optimizers._precision_adam import PrecisionAwareAdamW
+from wrapped_optim.optimizers._precision_layout import STATE_NAMES, PrecisionLayout
 
 __all__ = [
+    "StepLock",
     "StepScratch",
     "direct_views",
     "fused_math",
@@ -38,9 +38,11 @@ __all__ = [
     "step_tensor",
     "update",
     "update_packed",
+    "use_fused",
 ]
 
-_STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
+_Group = Mapping[str, Any]
+_State = Mapping[str, Tensor]
 # Devices with torch's fused (single-pass) Adam/AdamW kernels.
 _FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu")
 
@@ -141,13 +143,14 @@ def lr_operand(lr: float | Tensor, device: torch.device) -> float | Tensor:
 
 
 def fused_math(
-    opt: PrecisionAwareAdamW,
     params: list[Tensor],
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    group: dict[str, Any],
+    group: _Group,
     steps: list[Tensor],
+    *,
+    adam_w_mode: bool,
 ) -> None:
     """torch's single-pass AdamW (L2 Adam without ``adam_w_mode``) kernel.
 
@@ -156,18 +159,16 @@ def fused_math(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, torch_step
-        >>> p = torch.zeros(2)
-        >>> opt = PrecisionAwareAdamW([torch.nn.Parameter(p)], lr=0.5)
-        >>> m, v, step = torch.zeros(2), torch.zeros(2), torch.ones(())
-        >>> torch_step.fused_math(opt, [p], [torch.tensor([1.0, -1.0])], [m], [v],
-        ...                       opt.param_groups[0], [step])
+        >>> p, m, v, step = torch.zeros(2), torch.zeros(2), torch.zeros(2), torch.ones(())
+        >>> group = {"lr": 0.5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+        >>> fused_math([p], [torch.tensor([1.0, -1.0])], [m], [v], group, [step],
+        ...            adam_w_mode=True)
         >>> p
         tensor([-0.5000,  0.5000])
     """
     beta1, beta2 = group["betas"]
     lr = lr_operand(group["lr"], params[0].device) if params else group["lr"]
-    fused = torch._fused_adamw_ if opt.adam_w_mode else torch._fused_adam_
+    fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
     fused(
         params, grads, exp_avgs, exp_avg_sqs, [], steps,
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
@@ -175,48 +176,58 @@ def fused_math(
     )  # fmt: skip
 
 
-def _use_fused(opt: PrecisionAwareAdamW, device: torch.device, group: dict[str, Any]) -> bool:
-    if opt.fused is False or not group["bias_correction"]:
+def use_fused(layout: PrecisionLayout, device: torch.device, group: _Group) -> bool:
+    """Whether the FP32 update on ``device`` is torch's fused kernel (else TE's formula).
+
+    Example:
+        >>> from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+        >>> group = {"bias_correction": True}
+        >>> use_fused(PrecisionLayout(), torch.device("cpu"), group)
+        True
+        >>> use_fused(PrecisionLayout(fused=False), torch.device("cpu"), group)
+        False
+    """
+    if layout.fused is False or not group["bias_correction"]:
         return False
     supported = device.type in _FUSED_DEVICES
-    if opt.fused and not supported:
+    if layout.fused and not supported:
         raise RuntimeError(f"fused=True, but torch has no fused AdamW kernel for {device}")
     return supported
 
 
-def _scratch_for(opt: PrecisionAwareAdamW, device: torch.device, numel: int) -> Tensor:
-    """This thread's FP32 step workspace of ``opt`` on ``device``, at least ``numel`` long."""
-    scratch: StepScratch = opt._scratch
-    return scratch.get(device, numel)
-
-
-def packable(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[str, Any]) -> bool:
+def packable(
+    layout: PrecisionLayout,
+    state: _State,
+    scales: _State,
+    param: Tensor,
+    grad: Tensor,
+    group: _Group,
+) -> bool:
     """Small parameters whose state needs only per-element conversion (bf16/fp32 moments,
     an fp32 or remainder master) are updated many at a time (one fused call per pack),
     unless the fused GPU kernels update them (with their whole group, no conversion passes).
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, torch_step
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> p = torch.nn.Parameter(torch.zeros(8))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16, chunk_numel=64)
         >>> opt.initialize_state(p)
-        >>> torch_step.packable(opt, p, torch.ones(8), opt.param_groups[0])
+        >>> packable(opt.layout, opt.state[p], {}, p, torch.ones(8), opt.param_groups[0])
         True
     """
     p, g = local_tensor(param), local_tensor(grad)
-    if not opt._pack_small or _fused_gpu.applicable(opt, param, grad, group):
+    if not layout.pack_small or _fused_gpu.applicable(layout, state, scales, param, grad):
         return False
-    if p.numel() > opt.chunk_numel // 4 or not p.is_contiguous() or g.device != p.device:
+    if p.numel() > layout.chunk_numel // 4 or not p.is_contiguous() or g.device != p.device:
         return False
-    if not _use_fused(opt, p.device, group):
+    if not use_fused(layout, p.device, group):
         return False
-    state = opt.state[param]
     for name, storage in state.items():
         if name == "master_param":
             if param.dtype == torch.float32:  # its master is synced after the update
                 return False
-            if not opt._uses_remainder(param) and storage.dtype != torch.float32:
+            if not layout.uses_remainder(param) and storage.dtype != torch.float32:
                 return False
         elif storage.dtype not in (torch.float32, torch.bfloat16):
             return False
@@ -224,108 +235,136 @@ def packable(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[
 
 
 def update_packed(
-    opt: PrecisionAwareAdamW,
+    layout: PrecisionLayout,
+    states: Mapping[Tensor, _State],
     pairs: list[tuple[Tensor, Tensor]],
-    group: dict[str, Any],
+    group: _Group,
     device: torch.device,
+    scratch: StepScratch,
 ) -> None:
     """:func:`update` for many small parameters at once: their slices are packed into one
     workspace and updated by one fused call, with the same per-element arithmetic.
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, torch_step
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> ps = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
         >>> opt = PrecisionAwareAdamW(ps, lr=0.5, exp_avg_dtype=torch.bfloat16)
         >>> for p in ps:
         ...     opt.initialize_state(p)
-        >>> opt.param_groups[0]["step"] = 1
+        >>> group = {**opt.param_groups[0], "step": 1}
         >>> pairs = [(p, torch.ones(2)) for p in ps]
-        >>> torch_step.update_packed(opt, pairs, opt.param_groups[0], torch.device("cpu"))
+        >>> update_packed(opt.layout, opt.state, pairs, group, torch.device("cpu"),
+        ...               StepScratch())
         >>> ps[2].data
         tensor([-0.5000, -0.5000])
     """
-    c = opt.chunk_numel
-    scratch = _scratch_for(opt, device, 6 * c)
-    g_buf, m_buf, v_buf, p_buf, t1, t2 = scratch.view(6, c).unbind(0)
+    c = layout.chunk_numel
+    buffers = tuple(scratch.get(device, 6 * c).view(6, c).unbind(0))
     step = step_tensor(group["step"], device)
     start = 0
     pack: list[tuple[Tensor, Tensor]] = []
     for param, grad in [*pairs, (None, None)]:
         n = 0 if param is None else local_tensor(param).numel()
         if pack and (param is None or start + n > c):
-            _flush_pack(opt, pack, group, step, (g_buf, m_buf, v_buf, p_buf, t1, t2))
+            _flush_pack(layout, states, pack, group, step, buffers)
             pack, start = [], 0
         if param is not None and grad is not None:
             pack.append((param, grad))
             start += n
 
 
-def _flush_pack(
-    opt: PrecisionAwareAdamW,
-    pack: list[tuple[Tensor, Tensor]],
-    group: dict[str, Any],
-    step: Tensor,
-    buffers: tuple[Tensor, ...],
-) -> None:
-    g_buf, m_buf, v_buf, p_buf, t1, t2 = buffers
-    ps: list[Tensor] = []
-    gs: list[Tensor] = []
-    ms: list[Tensor] = []
-    vs: list[Tensor] = []
-    decode: list[tuple[Tensor, Tensor]] = []  # (fp32 slice, stored)
-    encode: list[tuple[Tensor, Tensor]] = []  # (stored, fp32 slice)
-    write_param: list[tuple[Tensor, Tensor]] = []  # (param, fp32 slice)
-    remainders: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
-    offset = 0
-    for param, grad in pack:
-        state = opt.state[param]
-        p_flat = local_tensor(param).view(-1)
-        g_flat = local_tensor(grad).reshape(-1)
-        k = p_flat.numel()
-        sl = slice(offset, offset + k)
-        offset += k
+class _Pack:
+    """The operands of one fused call over packed small parameters, and the copies around it:
+    stored values expanded into the workspace before, FP32 results stored back after."""
+
+    def __init__(self, buffers: tuple[Tensor, ...]) -> None:
+        self.g_buf, self.m_buf, self.v_buf, self.p_buf, self.t1, self.t2 = buffers
+        self.ps: list[Tensor] = []
+        self.gs: list[Tensor] = []
+        self.ms: list[Tensor] = []
+        self.vs: list[Tensor] = []
+        self.decode: list[tuple[Tensor, Tensor]] = []  # (fp32 slice, stored)
+        self.encode: list[tuple[Tensor, Tensor]] = []  # (stored, fp32 slice)
+        self.write_param: list[tuple[Tensor, Tensor]] = []  # (param, fp32 slice)
+        self.remainders: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+
+    def add_grad(self, g_flat: Tensor, sl: slice) -> None:
         if g_flat.dtype == torch.float32:
-            gs.append(g_flat)
+            self.gs.append(g_flat)
         else:
-            decode.append((g_buf[sl], g_flat))
-            gs.append(g_buf[sl])
-        for name, buf, out in (("exp_avg", m_buf, ms), ("exp_avg_sq", v_buf, vs)):
+            self.decode.append((self.g_buf[sl], g_flat))
+            self.gs.append(self.g_buf[sl])
+
+    def add_moments(self, state: _State, sl: slice) -> None:
+        for name, buf, out in (
+            ("exp_avg", self.m_buf, self.ms),
+            ("exp_avg_sq", self.v_buf, self.vs),
+        ):
             stored = state[name].view(-1)
             if stored.dtype == torch.float32:
                 out.append(stored)
             else:  # bf16: expanded exactly, re-encoded with round-to-nearest-even
-                decode.append((buf[sl], stored))
-                encode.append((stored, buf[sl]))
+                self.decode.append((buf[sl], stored))
+                self.encode.append((stored, buf[sl]))
                 out.append(buf[sl])
+
+    def add_param(self, param: Tensor, state: _State, remainder: bool, sl: slice) -> None:
+        p_flat = local_tensor(param).view(-1)
         if "master_param" not in state:
             if param.dtype == torch.float32:
-                ps.append(p_flat)
+                self.ps.append(p_flat)
             else:
-                decode.append((p_buf[sl], p_flat))
-                write_param.append((p_flat, p_buf[sl]))
-                ps.append(p_buf[sl])
-        elif opt._uses_remainder(param):
+                self.decode.append((self.p_buf[sl], p_flat))
+                self.write_param.append((p_flat, self.p_buf[sl]))
+                self.ps.append(self.p_buf[sl])
+        elif remainder:
             rem = state["master_param"].view(-1)
-            ps.append(join_master(p_flat, rem, out=p_buf[sl], scratch=t2[sl]))
-            remainders.append((p_buf[sl], p_flat, rem, t1[sl].view(torch.int32)))
+            p_buf = self.p_buf[sl]
+            self.ps.append(join_master(p_flat, rem, out=p_buf, scratch=self.t2[sl]))
+            self.remainders.append((p_buf, p_flat, rem, self.t1[sl].view(torch.int32)))
         else:
             master = state["master_param"].view(-1)
-            ps.append(master)
-            write_param.append((p_flat, master))
-    if decode:
-        torch._foreach_copy_([d for d, _ in decode], [src for _, src in decode])
-    fused_math(opt, ps, gs, ms, vs, group, [step] * len(ps))
-    if encode:
-        torch._foreach_copy_([d for d, _ in encode], [src for _, src in encode])
-    if write_param:
-        torch._foreach_copy_([d for d, _ in write_param], [src for _, src in write_param])
-    for values, p_flat, rem, bits in remainders:
+            self.ps.append(master)
+            self.write_param.append((p_flat, master))
+
+
+def _copy_pairs(pairs: list[tuple[Tensor, Tensor]]) -> None:
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [src for _, src in pairs])
+
+
+def _flush_pack(
+    layout: PrecisionLayout,
+    states: Mapping[Tensor, _State],
+    pairs: list[tuple[Tensor, Tensor]],
+    group: _Group,
+    step: Tensor,
+    buffers: tuple[Tensor, ...],
+) -> None:
+    pack = _Pack(buffers)
+    offset = 0
+    for param, grad in pairs:
+        state = states[param]
+        k = local_tensor(param).numel()
+        sl = slice(offset, offset + k)
+        offset += k
+        pack.add_grad(local_tensor(grad).reshape(-1), sl)
+        pack.add_moments(state, sl)
+        pack.add_param(param, state, layout.uses_remainder(param), sl)
+    _copy_pairs(pack.decode)
+    fused_math(
+        pack.ps, pack.gs, pack.ms, pack.vs, group, [step] * len(pack.ps),
+        adam_w_mode=layout.adam_w_mode,
+    )  # fmt: skip
+    _copy_pairs(pack.encode)
+    _copy_pairs(pack.write_param)
+    for values, p_flat, rem, bits in pack.remainders:
         split_master_into(values, p_flat, rem, scratch=bits)
 
 
 def direct_views(
-    opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[str, Any]
+    layout: PrecisionLayout, state: _State, param: Tensor, grad: Tensor, group: _Group
 ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
     """(param, grad, exp_avg, exp_avg_sq) when torch's fused kernel can update them as
     stored: FP32 param and moments, or bf16 param, grad and moments (the kernel loads
@@ -334,19 +373,17 @@ def direct_views(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, torch_step
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> p = torch.nn.Parameter(torch.zeros(2))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.uint8)
         >>> opt.initialize_state(p)
-        >>> torch_step.direct_views(opt, p, torch.ones(2), opt.param_groups[0]) is None
-        True
+        >>> direct_views(opt.layout, opt.state[p], p, torch.ones(2), opt.param_groups[0])
     """
     p = local_tensor(param)
     g = local_tensor(grad)
-    state = opt.state[param]
     if "master_param" in state or not p.is_contiguous() or g.device != p.device:
         return None
-    if not _use_fused(opt, p.device, group):
+    if not use_fused(layout, p.device, group):
         return None
     if p.dtype not in (torch.float32, torch.bfloat16) or g.dtype != p.dtype:
         return None
@@ -356,194 +393,262 @@ def direct_views(
     return p, g.reshape(p.shape).contiguous(), m, v
 
 
-def update(opt: PrecisionAwareAdamW, param: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
-    """One parameter: the fused GPU kernel where it applies, else slice by slice (expand each
-    slice of state to FP32, update, store).
+# How each state is seen in FP32 during the sliced update: "live" (fp32 storage, in place),
+# "chunk" (bf16: expanded and re-encoded per slice), "scaled" (fp16/FP8: expanded per slice
+# with the old scale, re-encoded with the new one) or "remainder" (the master is rebuilt per
+# slice from the bf16 param and its int16 remainder).
+_LIVE, _CHUNK, _SCALED, _REMAINDER = "live", "chunk", "scaled", "remainder"
 
-    Example:
-        >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, torch_step
-        >>> p = torch.nn.Parameter(torch.zeros(2))
-        >>> opt = PrecisionAwareAdamW([p], lr=0.5, exp_avg_dtype=torch.float16)
-        >>> opt.initialize_state(p)
-        >>> opt.param_groups[0]["step"] = 1
-        >>> torch_step.update(opt, p, torch.tensor([1.0, -1.0]), opt.param_groups[0])
-        >>> p.data
-        tensor([-0.5000,  0.5000])
-    """
-    if _fused_gpu.applicable(opt, param, grad, group):
-        _fused_gpu.update(opt, param, grad, group)
-        return
-    p_local = local_tensor(param)
-    g_flat = local_tensor(grad).reshape(-1)
-    n = p_local.numel()
-    if g_flat.numel() != n:
-        raise RuntimeError(
-            f"gradient has {g_flat.numel()} elements, the parameter has {n} (local shard)"
-        )
-    contiguous = p_local.is_contiguous()
-    p_work = p_local if contiguous else p_local.contiguous()
-    p_flat = p_work.view(-1)
-    state = opt.state[param]
-    beta1, beta2 = group["betas"]
-    step = group["step"]
-    bc1 = 1.0 - beta1**step if group["bias_correction"] else 1.0
-    bc2 = 1.0 - beta2**step if group["bias_correction"] else 1.0
-    device = p_local.device
-    lr = lr_operand(group["lr"], device)
-    wd = group["weight_decay"]
-    eps = group["eps"]
-    dtypes = opt.name_to_dtype_map
 
-    # How each state is seen in FP32 during the step: "live" (fp32 storage, in place),
-    # "chunk" (bf16: expanded and re-encoded per slice), "scaled" (fp16/FP8: expanded per
-    # slice with the old scale, re-encoded with the new one) or "remainder" (the master is
-    # rebuilt per slice from the bf16 param and its int16 remainder).
+def _modes(layout: PrecisionLayout, state: _State, param: Tensor) -> dict[str, str]:
     mode: dict[str, str] = {}
-    for name in _STATE_NAMES:
+    for name in STATE_NAMES:
         if name not in state:
             continue
-        dtype = dtypes[name]
-        if name == "master_param" and opt._uses_remainder(param):
-            mode[name] = "remainder"
+        dtype = layout.dtype_of(name)
+        if name == "master_param" and layout.uses_remainder(param):
+            mode[name] = _REMAINDER
         elif dtype == torch.float32:
-            mode[name] = "live"
+            mode[name] = _LIVE
         elif codecs.is_scaled(dtype):
-            mode[name] = "scaled"
+            mode[name] = _SCALED
         else:
-            mode[name] = "chunk"
-    flat = {name: state[name].view(-1) for name in mode}
-    fp32_param = param.dtype == torch.float32
-    master = None if fp32_param else mode.get("master_param")
-    m_mode, v_mode = mode["exp_avg"], mode["exp_avg_sq"]
-    # A scaled state's new scale needs the amax of its whole updated tensor (TE keeps a
-    # full FP32 copy for that). Instead, a first pass computes the update on copies of
-    # each slice only to collect the amaxes; the second pass redoes the identical
-    # arithmetic for real and encodes with the new scales: memory stays O(chunk_numel).
-    scaled = [
-        name
-        for name, kind in (
-            ("exp_avg", m_mode),
-            ("exp_avg_sq", v_mode),
-            ("master_param", master),
+            mode[name] = _CHUNK
+    return mode
+
+
+class _SlicedUpdate:
+    """One parameter's update slice by slice: its flat operands, how each state is seen in
+    FP32 (:func:`_modes`), the slice buffers and the group's options."""
+
+    def __init__(
+        self,
+        layout: PrecisionLayout,
+        state: _State,
+        scales: _State,
+        param: Tensor,
+        grad: Tensor,
+        group: _Group,
+    ) -> None:
+        self.p_local = local_tensor(param)
+        self.g_flat = local_tensor(grad).reshape(-1)
+        self.n = n = self.p_local.numel()
+        if self.g_flat.numel() != n:
+            raise RuntimeError(
+                f"gradient has {self.g_flat.numel()} elements, the parameter has {n} (local shard)"
+            )
+        self.contiguous = self.p_local.is_contiguous()
+        self.p_work = self.p_local if self.contiguous else self.p_local.contiguous()
+        self.p_flat = self.p_work.view(-1)
+        self.group = group
+        self.adam_w_mode = layout.adam_w_mode
+        self.beta1, self.beta2 = group["betas"]
+        step = group["step"]
+        self.bc1 = 1.0 - self.beta1**step if group["bias_correction"] else 1.0
+        self.bc2 = 1.0 - self.beta2**step if group["bias_correction"] else 1.0
+        self.device = self.p_local.device
+        self.lr = lr_operand(group["lr"], self.device)
+        self.wd = group["weight_decay"]
+        self.eps = group["eps"]
+        self.dtypes = {name: layout.dtype_of(name) for name in STATE_NAMES}
+        self.mode = _modes(layout, state, param)
+        self.flat = {name: state[name].view(-1) for name in self.mode}
+        self.fp32_param = param.dtype == torch.float32
+        self.master = None if self.fp32_param else self.mode.get("master_param")
+        self.m_mode, self.v_mode = self.mode["exp_avg"], self.mode["exp_avg_sq"]
+        # A scaled state's new scale needs the amax of its whole updated tensor (TE keeps a
+        # full FP32 copy for that). Instead, a first pass computes the update on copies of
+        # each slice only to collect the amaxes; the second pass redoes the identical
+        # arithmetic for real and encodes with the new scales: memory stays O(chunk_numel).
+        self.scaled = [name for name, kind in self.kinds() if kind == _SCALED]
+        old = {name: scales[name].clone() for name in self.scaled}
+        self.decode_mult = {
+            name: codecs.decode_multiplier(old[name], self.dtypes[name]) for name in self.scaled
+        }
+        self.encode_mult: dict[str, Tensor] = {}
+        self.fused_step = None
+        if use_fused(layout, self.device, group):
+            self.fused_step = step_tensor(step, self.device)
+        # Nothing to convert per slice (all FP32 views, FP32 grad): one pass over the tensor.
+        self.direct = (
+            self.m_mode == self.v_mode == _LIVE
+            and (self.master == _LIVE or (self.master is None and self.fp32_param))
+            and self.g_flat.dtype == torch.float32
+            and self.g_flat.device == self.device
         )
-        if kind == "scaled"
-    ]
-    old_scale = {name: opt._scales[param][name].clone() for name in scaled}
-    decode_mult = {n: codecs.decode_multiplier(old_scale[n], dtypes[n]) for n in scaled}
-    fused_step = None
-    if _use_fused(opt, device, group):
-        fused_step = step_tensor(step, device)
+        self.c = max(n, 1) if self.direct else min(layout.chunk_numel, max(n, 1))
 
-    # Nothing to convert per slice (all FP32 views, FP32 grad): one pass over the tensor.
-    direct = (
-        m_mode == v_mode == "live"
-        and (master == "live" or (master is None and fp32_param))
-        and g_flat.dtype == torch.float32
-        and g_flat.device == device
-    )
-    c = max(n, 1) if direct else min(opt.chunk_numel, max(n, 1))
-    # Six FP32 slice buffers, kept between steps: allocating them afresh costs page faults.
-    b = 0 if direct else c  # slice buffers
-    t = c if fused_step is None or master == "remainder" else 0  # temporaries
-    scratch = _scratch_for(opt, device, 4 * b + 2 * t)
-    g_buf, m_buf, v_buf, p_buf = (scratch[i * b : (i + 1) * b] for i in range(4))
-    t1, t2 = scratch[4 * b : 4 * b + t], scratch[4 * b + t :]
-    bits_buf = t1.view(torch.int32)  # only the remainder split uses it, t1 is free then
+    def kinds(self) -> tuple[tuple[str, str | None], ...]:
+        """(state name, mode) of the moments and the master as the update reads it."""
+        return (
+            ("exp_avg", self.m_mode),
+            ("exp_avg_sq", self.v_mode),
+            ("master_param", self.master),
+        )
 
-    def fp32_view(name: str, kind: str, s: int, e: int, buf: Tensor, trial: bool) -> Tensor:
-        if kind == "live":
-            live = flat[name][s:e]
+    def take_buffers(self, scratch: StepScratch) -> None:
+        """Six FP32 slice buffers, kept between steps: allocating them afresh costs page
+        faults (four slice buffers unless direct, two temporaries unless fused)."""
+        b = 0 if self.direct else self.c
+        t = self.c if self.fused_step is None or self.master == _REMAINDER else 0
+        buf = scratch.get(self.device, 4 * b + 2 * t)
+        self.g_buf, self.m_buf, self.v_buf, self.p_buf = (
+            buf[i * b : (i + 1) * b] for i in range(4)
+        )
+        self.t1, self.t2 = buf[4 * b : 4 * b + t], buf[4 * b + t :]
+        self.bits_buf = self.t1.view(torch.int32)  # only the remainder split uses it
+
+    def fp32_view(self, name: str, kind: str, s: int, e: int, buf: Tensor, trial: bool) -> Tensor:
+        if kind == _LIVE:
+            live = self.flat[name][s:e]
             return buf[: e - s].copy_(live) if trial else live
         out = buf[: e - s]
         codecs.decode_into(
-            flat[name][s:e], out, dtypes[name], None, multiplier=decode_mult.get(name)
-        )
+            self.flat[name][s:e], out, self.dtypes[name], None,
+            multiplier=self.decode_mult.get(name),
+        )  # fmt: skip
         return out
 
-    def update_slice(s: int, e: int, trial: bool) -> dict[str, Tensor]:
+    def master_view(self, s: int, e: int, trial: bool) -> Tensor:
+        """The FP32 parameter values of the slice: the param itself, a copy, or the master."""
+        k = e - s
+        if self.master is None:
+            live = self.fp32_param and not trial
+            return self.p_flat[s:e] if live else self.p_buf[:k].copy_(self.p_flat[s:e])
+        if self.master == _REMAINDER:
+            return join_master(
+                self.p_flat[s:e], self.flat["master_param"][s:e], out=self.p_buf[:k],
+                scratch=self.t2[:k],
+            )  # fmt: skip
+        return self.fp32_view("master_param", self.master, s, e, self.p_buf, trial)
+
+    def update_slice(self, s: int, e: int, trial: bool) -> dict[str, Tensor]:
         """The FP32 update of one slice; ``trial`` leaves all storage untouched."""
         k = e - s
-        g = g_flat[s:e]
-        if g.dtype != torch.float32 or g.device != device:
-            g = g_buf[:k].copy_(g)
-        m = fp32_view("exp_avg", m_mode, s, e, m_buf, trial)
-        v = fp32_view("exp_avg_sq", v_mode, s, e, v_buf, trial)
-        if master is None:
-            live = fp32_param and not trial
-            p32 = p_flat[s:e] if live else p_buf[:k].copy_(p_flat[s:e])
-        elif master == "remainder":
-            p32 = join_master(p_flat[s:e], flat["master_param"][s:e], out=p_buf[:k], scratch=t2[:k])
+        g = self.g_flat[s:e]
+        if g.dtype != torch.float32 or g.device != self.device:
+            g = self.g_buf[:k].copy_(g)
+        m = self.fp32_view("exp_avg", self.m_mode, s, e, self.m_buf, trial)
+        v = self.fp32_view("exp_avg_sq", self.v_mode, s, e, self.v_buf, trial)
+        p32 = self.master_view(s, e, trial)
+        if self.fused_step is not None:
+            fused_math(
+                [p32], [g], [m], [v], self.group, [self.fused_step], adam_w_mode=self.adam_w_mode
+            )
         else:
-            p32 = fp32_view("master_param", master, s, e, p_buf, trial)
-
-        if fused_step is not None:
-            fused_math(opt, [p32], [g], [m], [v], group, [fused_step])
-        else:  # TE's form, elementwise
-            if not opt.adam_w_mode and wd != 0:
-                g = torch.add(g, p32, alpha=wd, out=t1[:k])  # never into the caller's grad
-            m.mul_(beta1).add_(g, alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = torch.div(v, bc2, out=t1[:k]).sqrt_().add_(eps)
-            update = torch.div(m, bc1, out=t2[:k]).div_(denom)
-            if opt.adam_w_mode and wd != 0:
-                update.add_(p32, alpha=wd)
-            p32.sub_(update.mul_(lr))
+            self.te_formula(p32, g, m, v, k)
         return {"exp_avg": m, "exp_avg_sq": v, "master_param": p32}
 
-    new_scale: dict[str, Tensor] = {}
-    if scaled:
-        amax = {name: torch.zeros(1, device=device) for name in scaled}
-        for s, e in codecs.chunk_bounds(n, c):
-            values = update_slice(s, e, trial=True)
-            for name in scaled:
-                amax[name] = codecs.combine_amax(amax[name], codecs.amax_of(values[name]))
-        new_scale = {name: codecs.scale_from_amax(amax[name], dtypes[name]) for name in scaled}
-    encode_mult = {n: codecs.encode_multiplier(new_scale[n], dtypes[n]) for n in scaled}
+    def te_formula(self, p32: Tensor, g: Tensor, m: Tensor, v: Tensor, k: int) -> None:
+        """TE's update, elementwise, in place on the FP32 slices."""
+        wd = self.wd
+        if not self.adam_w_mode and wd != 0:
+            g = torch.add(g, p32, alpha=wd, out=self.t1[:k])  # never into the caller's grad
+        m.mul_(self.beta1).add_(g, alpha=1 - self.beta1)
+        v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+        denom = torch.div(v, self.bc2, out=self.t1[:k]).sqrt_().add_(self.eps)
+        update = torch.div(m, self.bc1, out=self.t2[:k]).div_(denom)
+        if self.adam_w_mode and wd != 0:
+            update.add_(p32, alpha=wd)
+        p32.sub_(update.mul_(self.lr))
 
-    for s, e in codecs.chunk_bounds(n, c):
-        values = update_slice(s, e, trial=False)
+    def new_scales(self) -> dict[str, Tensor]:
+        """Pass 1: the new scale of every scaled state, from the amax of its updated values."""
+        if not self.scaled:
+            return {}
+        amax = {name: torch.zeros(1, device=self.device) for name in self.scaled}
+        for s, e in codecs.chunk_bounds(self.n, self.c):
+            values = self.update_slice(s, e, trial=True)
+            for name in self.scaled:
+                amax[name] = codecs.combine_amax(amax[name], codecs.amax_of(values[name]))
+        return {name: codecs.scale_from_amax(amax[name], self.dtypes[name]) for name in self.scaled}
+
+    def write_slice(self, s: int, e: int, new_scale: Mapping[str, Tensor]) -> None:
+        """Pass 2 over one slice: update, then store the parameter and every state."""
+        values = self.update_slice(s, e, trial=False)
+        flat = self.flat
         # The parameter first: encoding below may scale the FP32 slices in place.
-        if master == "remainder":
+        if self.master == _REMAINDER:
             split_master_into(
-                values["master_param"], p_flat[s:e], flat["master_param"][s:e],
-                scratch=bits_buf[: e - s],
+                values["master_param"], self.p_flat[s:e], flat["master_param"][s:e],
+                scratch=self.bits_buf[: e - s],
             )  # fmt: skip
-        elif not fp32_param and master != "scaled":
-            p_flat[s:e].copy_(values["master_param"])  # round-to-nearest-even
-        for name, kind in (
-            ("exp_avg", m_mode),
-            ("exp_avg_sq", v_mode),
-            ("master_param", master),
-        ):
-            if kind in ("chunk", "scaled"):
+        elif not self.fp32_param and self.master != _SCALED:
+            self.p_flat[s:e].copy_(values["master_param"])  # round-to-nearest-even
+        for name, kind in self.kinds():
+            if kind in (_CHUNK, _SCALED):
                 codecs.encode_into(
-                    values[name], flat[name][s:e], dtypes[name], new_scale.get(name),
-                    overwrite_x=True, multiplier=encode_mult.get(name),
+                    values[name], flat[name][s:e], self.dtypes[name], new_scale.get(name),
+                    overwrite_x=True, multiplier=self.encode_mult.get(name),
                 )  # fmt: skip
-        if master == "scaled" and not fp32_param:
+        if self.master == _SCALED and not self.fp32_param:
             # The parameter is the rounding of the master *as stored* (fp16 with its new
             # scale), not of the FP32 value before encoding: the next step starts from the
             # stored master, so a step that changes nothing (lr=0) leaves the weights alone.
             stored = values["master_param"]  # its FP32 values were consumed by the encode
-            dtype = dtypes["master_param"]
+            dtype = self.dtypes["master_param"]
             codecs.decode_into(
                 flat["master_param"][s:e], stored, dtype, None,
                 multiplier=codecs.decode_multiplier(new_scale["master_param"], dtype),
             )  # fmt: skip
-            p_flat[s:e].copy_(stored)
+            self.p_flat[s:e].copy_(stored)
 
-    for name in scaled:
-        opt._scales[param][name].copy_(new_scale[name])
-    if fp32_param and "master_param" in state:
-        # TE leaves an fp32 parameter's master untouched; we keep it equal to the param.
-        if mode["master_param"] == "live":
-            flat["master_param"].copy_(p_flat)
-        else:
-            dtype = dtypes["master_param"]
-            scale = codecs.scale_from_amax(codecs.amax_of(p_flat), dtype)
-            for s, e in codecs.chunk_bounds(n, c):
-                codecs.encode_into(p_flat[s:e], flat["master_param"][s:e], dtype, scale)
-            opt._scales[param]["master_param"].copy_(scale)
-    if not contiguous:
-        p_local.copy_(p_work)
+    def sync_fp32_master(self, scales: _State) -> None:
+        """TE leaves an fp32 parameter's master untouched; we keep it equal to the param."""
+        if self.mode["master_param"] == _LIVE:
+            self.flat["master_param"].copy_(self.p_flat)
+            return
+        dtype = self.dtypes["master_param"]
+        scale = codecs.scale_from_amax(codecs.amax_of(self.p_flat), dtype)
+        for s, e in codecs.chunk_bounds(self.n, self.c):
+            codecs.encode_into(self.p_flat[s:e], self.flat["master_param"][s:e], dtype, scale)
+        scales["master_param"].copy_(scale)
+
+
+def update(
+    layout: PrecisionLayout,
+    state: _State,
+    scales: _State,
+    param: Tensor,
+    grad: Tensor,
+    group: _Group,
+    scratch: StepScratch,
+) -> None:
+    """One parameter, slice by slice: expand each slice of state to FP32, update, store.
+
+    Args:
+        layout: the optimizer's storage layout.
+        state: the parameter's state (updated in place).
+        scales: the per-tensor scales of its fp16/FP8 states (new values written in).
+        param: the parameter (updated in place).
+        grad: its gradient (never modified).
+        group: the param group's options and step count.
+        scratch: the step's FP32 workspace.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> opt = PrecisionAwareAdamW([p], lr=0.5, exp_avg_dtype=torch.float16)
+        >>> opt.initialize_state(p)
+        >>> group = {**opt.param_groups[0], "step": 1}
+        >>> update(opt.layout, opt.state[p], opt.scales[p], p, torch.tensor([1.0, -1.0]),
+        ...        group, StepScratch())
+        >>> p.data
+        tensor([-0.5000,  0.5000])
+    """
+    sliced = _SlicedUpdate(layout, state, scales, param, grad, group)
+    sliced.take_buffers(scratch)
+    new_scale = sliced.new_scales()
+    sliced.encode_mult = {
+        name: codecs.encode_multiplier(new_scale[name], sliced.dtypes[name])
+        for name in sliced.scaled
+    }
+    for s, e in codecs.chunk_bounds(sliced.n, sliced.c):
+        sliced.write_slice(s, e, new_scale)
+    for name in sliced.scaled:
+        scales[name].copy_(new_scale[name])
+    if sliced.fp32_param and "master_param" in state:
+        sliced.sync_fp32_master(scales)
+    if not sliced.contiguous:
+        sliced.p_local.copy_(sliced.p_work)

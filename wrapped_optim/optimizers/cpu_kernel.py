@@ -604,22 +604,13 @@ def adamw_step_(
             f"the CPU AdamW kernel is unavailable: {loaded_status.reason}; check "
             "wrapped_optim.optimizers.cpu_kernel.status() before calling adamw_step_"
         )
-    count = len(params)
-    masters = [None] * count if masters is None else masters
-    m_scales = [None] * count if exp_avg_scales is None else exp_avg_scales
-    v_scales = [None] * count if exp_avg_sq_scales is None else exp_avg_sq_scales
-    lengths = [len(grads), len(exp_avgs), len(exp_avg_sqs), len(masters), len(m_scales),
-               len(v_scales)]  # fmt: skip
-    if set(lengths) != {count}:
-        raise ValueError(
-            "params, grads, exp_avgs, exp_avg_sqs, masters, exp_avg_scales and "
-            f"exp_avg_sq_scales must have one entry per parameter; got {count}, "
-            + ", ".join(map(str, lengths[:-1]))
-            + f" and {lengths[-1]}"
-        )
+    masters, m_scales, v_scales = _per_param_lists(
+        params, grads, exp_avgs, exp_avg_sqs, masters, exp_avg_scales, exp_avg_sq_scales
+    )
     threads = torch.get_num_threads() if num_threads is None else num_threads
     if threads < 1:
         raise ValueError(f"num_threads must be at least 1, got {threads}")
+    count = len(params)
     operands = zip(params, grads, exp_avgs, exp_avg_sqs, masters, m_scales, v_scales, strict=True)
     described = [_describe(i, *ops) for i, ops in enumerate(operands)]
     tensors = (_Tensor * max(count, 1))(*described)
@@ -640,6 +631,20 @@ def adamw_step_(
     threads = max(1, min(threads, total // _MIN_ELEMENTS_PER_THREAD, _MAX_THREADS))
     if os.getpid() != _loaded_in_pid:
         threads = 1
+    _run_passes(lib, loaded_status, (tensors, count, total, threads, hyper), scaled)
+    # Written through raw pointers, so torch did not see it: tell autograd (and anything else
+    # that watches version counters) as torch's own in-place ops would.
+    written = [*params, *exp_avgs, *exp_avg_sqs, *(m for m in masters if m is not None)]
+    increment_version(written)
+
+
+def _run_passes(
+    lib: Any, loaded_status: KernelStatus, args: tuple[Any, ...], scaled: Sequence[_Scaled]
+) -> None:
+    """The kernel's passes over ``args`` (tensors, count, total, threads, hyper): first the
+    amaxes of the scaled moments (then their new scales and multipliers), then the update;
+    the new scales are written last."""
+    tensors, count, total, threads, hyper = args
 
     def run(pass_: int) -> None:
         # ctypes drops the GIL for the call; the threads are OpenMP's (torch's own runtime).
@@ -661,7 +666,30 @@ def adamw_step_(
     for scales, values in new_scales:
         for scale, value in zip(scales, values.unbind(), strict=True):
             scale.copy_(value)
-    # Written through raw pointers, so torch did not see it: tell autograd (and anything else
-    # that watches version counters) as torch's own in-place ops would.
-    written = [*params, *exp_avgs, *exp_avg_sqs, *(m for m in masters if m is not None)]
-    increment_version(written)
+
+
+def _per_param_lists(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    masters: Sequence[Tensor | None] | None,
+    exp_avg_scales: Sequence[Tensor | None] | None,
+    exp_avg_sq_scales: Sequence[Tensor | None] | None,
+) -> tuple[Sequence[Tensor | None], Sequence[Tensor | None], Sequence[Tensor | None]]:
+    """(masters, exp_avg scales, exp_avg_sq scales), None entries for lists not given;
+    every list must have one entry per parameter."""
+    count = len(params)
+    masters = [None] * count if masters is None else masters
+    m_scales = [None] * count if exp_avg_scales is None else exp_avg_scales
+    v_scales = [None] * count if exp_avg_sq_scales is None else exp_avg_sq_scales
+    lengths = [len(grads), len(exp_avgs), len(exp_avg_sqs), len(masters), len(m_scales),
+               len(v_scales)]  # fmt: skip
+    if set(lengths) != {count}:
+        raise ValueError(
+            "params, grads, exp_avgs, exp_avg_sqs, masters, exp_avg_scales and "
+            f"exp_avg_sq_scales must have one entry per parameter; got {count}, "
+            + ", ".join(map(str, lengths[:-1]))
+            + f" and {lengths[-1]}"
+        )
+    return masters, m_scales, v_scales
