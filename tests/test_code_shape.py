@@ -40,58 +40,9 @@ FOREIGN_PRIVATES = {
 }
 
 # Being reworked on other branches (issue #30): the lead empties these at merge.
-_NOT_YET_SEAMED_CYCLES = {
-    "wrapped_optim.optimizers._fused_gpu",
-    "wrapped_optim.optimizers._fused_host_step",
-    "wrapped_optim.optimizers._hybrid_offload",
-    "wrapped_optim.optimizers._kernel_step",
-    "wrapped_optim.optimizers._offload_grads",
-    "wrapped_optim.optimizers._offload_loading",
-    "wrapped_optim.optimizers._offload_state_rules",
-    "wrapped_optim.optimizers._precision_adam",
-    "wrapped_optim.optimizers._precision_loading",
-    "wrapped_optim.optimizers._precision_paths",
-    "wrapped_optim.optimizers._torch_step",
-}
-_NOT_YET_SEAMED = {
-    ("wrapped_optim/bench/hybrid.py", "_copy_back"),
-    ("wrapped_optim/bench/hybrid.py", "_copy_grads_to_copies"),
-    ("wrapped_optim/bench/hybrid.py", "_fused_params"),
-    ("wrapped_optim/bench/hybrid.py", "_guard_armed"),
-    ("wrapped_optim/bench/hybrid.py", "_sync_groups_to_sub_optimizers"),
-    ("wrapped_optim/optimizers/_fused_gpu.py", "_scales"),
-    ("wrapped_optim/optimizers/_fused_gpu.py", "_uses_remainder"),
-    ("wrapped_optim/optimizers/_fused_host_step.py", "_host_group_index"),
-    ("wrapped_optim/optimizers/_fused_host_step.py", "_implementation_chosen"),
-    ("wrapped_optim/optimizers/_kernel_step.py", "_scale"),
-    ("wrapped_optim/optimizers/_kernel_step.py", "_uses_remainder"),
-    ("wrapped_optim/optimizers/_offload_loading.py", "_adopt"),
-    ("wrapped_optim/optimizers/_offload_loading.py", "_copy_back_pending"),
-    ("wrapped_optim/optimizers/_offload_loading.py", "_expose_state"),
-    ("wrapped_optim/optimizers/_offload_loading.py", "_holder_of"),
-    ("wrapped_optim/optimizers/_offload_loading.py", "_holders"),
-    ("wrapped_optim/optimizers/_offload_loading.py", "_new_layout"),
-    ("wrapped_optim/optimizers/_offload_loading.py", "_placement"),
-    ("wrapped_optim/optimizers/_offload_loading.py", "_sub_optimizers_with_groups"),
-    ("wrapped_optim/optimizers/_offload_loading.py", "_sync_groups_to_sub_optimizers"),
-    ("wrapped_optim/optimizers/_precision_loading.py", "_scales"),
-    ("wrapped_optim/optimizers/_precision_loading.py", "_uses_remainder"),
-    ("wrapped_optim/optimizers/_precision_paths.py", "_direct_views"),
-    ("wrapped_optim/optimizers/_precision_paths.py", "_fused_math"),
-    ("wrapped_optim/optimizers/_precision_paths.py", "_grad_of"),
-    ("wrapped_optim/optimizers/_precision_paths.py", "_packable"),
-    ("wrapped_optim/optimizers/_precision_paths.py", "_update"),
-    ("wrapped_optim/optimizers/_precision_paths.py", "_update_packed"),
-    ("wrapped_optim/optimizers/_torch_step.py", "_pack_small"),
-    ("wrapped_optim/optimizers/_torch_step.py", "_scales"),
-    ("wrapped_optim/optimizers/_torch_step.py", "_scratch"),
-    ("wrapped_optim/optimizers/_torch_step.py", "_uses_remainder"),
-}
-_NOT_YET_SPLIT = {
-    "wrapped_optim/checkpoint/_load.py:StreamingLoadPlanner._build_targets",
-    "wrapped_optim/optimizers/_precision_adam.py:PrecisionAwareAdamW.__init__",
-    "wrapped_optim/optimizers/_torch_step.py:update",
-}
+_NOT_YET_SEAMED_CYCLES: set[str] = set()
+_NOT_YET_SEAMED: set[tuple[str, str]] = set()
+_NOT_YET_SPLIT = {"wrapped_optim/checkpoint/_load.py:StreamingLoadPlanner._build_targets"}
 
 
 def _modules() -> dict[str, Path]:
