@@ -237,10 +237,18 @@ def test_zero_dim_param_with_scaled_state_steps(state_dtype: torch.dtype) -> Non
 def test_hybrid_sync_over_precision_adamw_loads_its_own_checkpoint() -> None:
     """A group-step optimizer under HybridSyncOptimizer gets no per-param step injected."""
     from wrapped_optim.hybrid import HybridSyncOptimizer
-    from wrapped_optim.optimizers import PrecisionAwareAdamW
+    from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 
     param = torch.nn.Parameter(torch.ones(2))
-    opt = HybridSyncOptimizer(PrecisionAwareAdamW([param], lr=0.1))
+    opt = HybridSyncOptimizer(
+        HybridOffloadOptimizer(
+            [param],
+            offload_fraction=1.0,
+            cpu_optimizer_cls=PrecisionAwareAdamW,
+            gpu_optimizer_cls=PrecisionAwareAdamW,
+            lr=0.1,
+        )
+    )
     param.grad = torch.ones(2)
     opt.step()
     saved = checkpoint_roundtrip(opt.state_dict())
