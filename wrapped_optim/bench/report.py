@@ -589,8 +589,8 @@ def run_benchmarks(
     ``<out_dir>/bench/<topic>.json``. A full (not quick) run keeps the sections of topics not
     run now from their rows (or their pages) there; a quick run shows only what it ran.
     ``replot`` measures nothing: the pages, headlines and figures of the topics are remade
-    from their rows in ``out_dir`` (a topic without rows keeps its page, or fails when it has
-    none).
+    from their rows in ``out_dir`` (a topic without rows keeps its page; a topic named in
+    ``only`` that has neither fails, one not named is left out).
 
     Raises:
         UnknownTopicError: a name in ``only`` is not a topic module.
@@ -620,6 +620,8 @@ def run_benchmarks(
     for topic, module in modules:
         if replot:
             result = _replayed(topic, module, out, image_dir, kept=False)
+            if result is None and not only:
+                continue  # every topic with rows or a page: this one has neither
             if result is None:
                 result = _failed(
                     topic,
