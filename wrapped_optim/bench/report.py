@@ -14,7 +14,8 @@ Figures are drawn only when matplotlib is importable (``pip install 'wrapped-opt
 Output goes to ``--out`` (default ``./wrapped-optim-bench``, never the docs of whatever
 directory it runs in); the project's docs are regenerated with ``--out docs``. A full run of
 some topics (``wrapped-optim bench precision_adam --out docs``) refreshes their pages and keeps
-the other topics' sections from their pages of an earlier run, so the page stays whole.
+the other topics' sections, remade from their rows (or their pages) of an earlier run, so the
+page stays whole.
 
 Run it as ``wrapped-optim bench`` or ``python -m wrapped_optim.bench.report``.
 """
