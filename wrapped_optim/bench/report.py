@@ -536,7 +536,7 @@ def render_report(
                 status += " (quick run)"
         seconds = f"{r.seconds:.0f}" if r.seconds >= 10 else f"{r.seconds:.1f}"
         if r.kept and r.data is None:
-            status, seconds = status + " (kept from an earlier run)", "-"
+            status, seconds = status + " (kept from an earlier run that kept no rows)", "-"
         parts.append(f"| [{r.topic}](#{_anchor(r)}) | {status} | {seconds} |")
     if not results:
         parts.append("| (no topics) | | |")
