@@ -68,14 +68,17 @@ def test_bench_only_runs_the_topic_and_writes_the_page(
     assert "wrapped-optim bench --quick" in page
     assert "## Machine" in page and torch.__version__ in page
     assert "## How to reproduce" in page
-    assert "| [toy](#toy-topic) | ok |" in page
+    assert "| [toy](#toy-topic) | see its section |" in page
     # The section's headings move one level down; the fenced comment stays as it was.
     assert "\n## Toy topic\n" in page and "\n### Results\n" in page
     assert "\n# a shell comment, not a heading\n" in page
     assert "| 1M | 4.2 |" in page
     assert "plots turned off" in page
     assert "running toy" in capsys.readouterr().out
-    assert not (tmp_path / "bench").exists()  # quick runs leave the per-topic pages alone
+    # Quick runs write the topic's page too (into a folder of their own unless told);
+    # a topic without rows has no JSON.
+    assert (tmp_path / "bench" / "toy.md").read_text().startswith("# Toy topic\n")
+    assert not (tmp_path / "bench" / "toy.json").exists()
 
 
 def test_bench_runs_every_discovered_topic_and_survives_a_failure(
@@ -144,14 +147,17 @@ def test_plots_are_embedded_when_matplotlib_is_available(
 
     _topic(monkeypatch, "toy", plots=plots)
     monkeypatch.setattr(report, "matplotlib_available", lambda: True)
-    monkeypatch.setattr(report, "_runtime_plot", lambda results, image_dir: image_dir / "rt.png")
 
     assert main(["bench", "--only", "toy", "--out", str(tmp_path)]) == 0
 
     page = (tmp_path / "benchmarks.md").read_text()
     assert "![toy: toy_memory](img/toy_memory.png)" in page
-    assert "![Run time per topic](img/rt.png)" in page
     assert (tmp_path / "img" / "toy_memory.png").is_file()
+    # The topic's own page links the figure from its folder.
+    assert (
+        "![toy: toy_memory](../img/toy_memory.png)" in (tmp_path / "bench" / "toy.md").read_text()
+    )
+    assert "Run time per topic" not in page  # the old one-bar summary chart is gone
 
 
 def test_without_matplotlib_the_page_says_how_to_get_figures(
@@ -167,17 +173,14 @@ def test_without_matplotlib_the_page_says_how_to_get_figures(
     assert "pip install 'wrapped-optim[plots]'" in (tmp_path / "benchmarks.md").read_text()
 
 
-def test_real_matplotlib_draws_the_runtime_figure(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_no_summary_chart_is_drawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("matplotlib", reason="figures need the optional 'plots' extra")
     _topic(monkeypatch, "toy")
 
     assert main(["bench", "--only", "toy", "--out", str(tmp_path)]) == 0
 
-    figure = tmp_path / "img" / "bench_runtime.png"
-    assert figure.read_bytes().startswith(b"\x89PNG")
-    assert "(img/bench_runtime.png)" in (tmp_path / "benchmarks.md").read_text()
+    assert not (tmp_path / "img").exists()  # the topic draws nothing, the report neither
+    assert "![" not in (tmp_path / "benchmarks.md").read_text()
 
 
 # --------------------------------------------------------------------------- inspect
@@ -325,5 +328,6 @@ def test_bench_writes_where_asked_and_keeps_other_topics(
     assert main(["bench", "toy_a", "--out", str(out), "--no-plots"]) == 0
     page = (out / "benchmarks.md").read_text()
     assert "measured: 3 ms" in page and "2 ms" in page and "not run" not in page
-    assert "| [toy_b](#toy-b) | ok (kept from an earlier run) | - |" in page
+    kept = "see its section (kept from an earlier run that kept no rows)"
+    assert f"| [toy_b](#toy-b) | {kept} | - |" in page
     assert (out / "bench" / "toy_a.md").read_text() == "## Toy A\n\nmeasured: 3 ms\n"

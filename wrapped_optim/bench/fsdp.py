@@ -15,16 +15,18 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from wrapped_optim._adapters.megatron_fsdp import swap_grad
+from wrapped_optim.bench._figures import Panel, bar_panels
 from wrapped_optim.fsdp import FSDPAwareOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
 
-__all__ = ["run"]
+__all__ = ["collect", "headline", "plots", "render", "run"]
 
 
 class _CastEachStep(OptimizerWrapper):
@@ -104,42 +106,84 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def run(quick: bool = False) -> str:
-    """Runs the measurement and returns it as a Markdown section.
+_INNERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    "SGD(momentum=0.9)": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+}
+_APPROACHES: list[tuple[str, Callable[[torch.optim.Optimizer], Any], torch.dtype]] = [
+    ("FSDPAwareOptimizer (kept buffers)", FSDPAwareOptimizer, torch.bfloat16),
+    ("cast afresh each step (upstream hooks)", _CastEachStep, torch.bfloat16),
+    ("reference: FP32 grads, no wrapper", lambda inner: inner, torch.float32),
+]
+_SHORT = ("FSDPAwareOptimizer", "cast afresh", "FP32 reference")
+
+
+def collect(quick: bool = False) -> dict[str, Any]:
+    """Measures every inner optimizer with every way of handing it the grads (one CPU
+    thread) and returns the rows.
 
     Example:
-        >>> from wrapped_optim.bench.fsdp import run
-        >>> print(run(quick=True))  # doctest: +SKIP
-        ## FSDPAwareOptimizer: cast buffers are reused
-        ...
+        >>> from wrapped_optim.bench.fsdp import collect
+        >>> collect(quick=True)["rows"][0]["label"]  # doctest: +SKIP
+        'FSDPAwareOptimizer (kept buffers)'
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
+    count, numel, steps = (4, 1 << 16, 3) if quick else (8, 1 << 21, 10)
     try:
-        return _report(quick)
+        rows = [
+            {"inner": inner_name, **_measure(label, make, wrap, dtype, count, numel, steps)}
+            for inner_name, make in _INNERS.items()
+            for label, wrap, dtype in _APPROACHES
+        ]
     finally:  # later topics of the same report run with the caller's threads
         torch.set_num_threads(previous)
+    return {"count": count, "numel": numel, "steps": steps, "torch": torch.__version__,
+            "rows": rows}  # fmt: skip
 
 
-def _report(quick: bool) -> str:
-    count, numel, steps = (4, 1 << 16, 3) if quick else (8, 1 << 21, 10)
+def _by_inner(data: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """inner optimizer -> its rows in the order of :data:`_APPROACHES`."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for row in data["rows"]:
+        grouped.setdefault(row["inner"], []).append(row)
+    return grouped
+
+
+def headline(data: dict[str, Any]) -> str:
+    """The topic's result in one sentence (AdamW's rows, or the last inner's).
+
+    Example:
+        >>> rows = [{"inner": "AdamW", "alloc_per_step": a * 2**20} for a in (128, 192, 128)]
+        >>> from textwrap import fill
+        >>> print(fill(headline({"count": 8, "numel": 1 << 21, "rows": rows}), 80))
+        FSDPAwareOptimizer around AdamW: 0.00 MiB allocated per step beyond the
+        optimizer's own, where casting the bf16 grads afresh allocates 64.00 MiB (1.00x
+        the FP32 grads).
+    """
+    grouped = _by_inner(data)
+    inner = "AdamW" if "AdamW" in grouped else list(grouped)[-1]
+    ours, fresh, reference = (r["alloc_per_step"] for r in grouped[inner])
+    full = data["count"] * data["numel"] * 4
+    return (
+        f"FSDPAwareOptimizer around {inner}: {_mib(ours - reference)} MiB allocated per step "
+        f"beyond the optimizer's own, where casting the bf16 grads afresh allocates "
+        f"{_mib(fresh - reference)} MiB ({(fresh - reference) / full:.2f}x the FP32 grads)."
+    )
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown section of :func:`collect`'s ``data``.
+
+    Example:
+        >>> render.__name__
+        'render'
+    """
+    count, numel, steps = data["count"], data["numel"], data["steps"]
     full_grad_bytes = count * numel * 4
-    inners: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
-        "SGD(momentum=0.9)": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
-        "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-    }
-    approaches: list[tuple[str, Callable[[torch.optim.Optimizer], Any], torch.dtype]] = [
-        ("FSDPAwareOptimizer (kept buffers)", FSDPAwareOptimizer, torch.bfloat16),
-        ("cast afresh each step (upstream hooks)", _CastEachStep, torch.bfloat16),
-        ("reference: FP32 grads, no wrapper", lambda inner: inner, torch.float32),
-    ]
     rows = []
     summary = []
-    for inner_name, make_inner in inners.items():
-        results = [
-            _measure(label, make_inner, wrap, grad_dtype, count, numel, steps)
-            for label, wrap, grad_dtype in approaches
-        ]
+    for inner_name, results in _by_inner(data).items():
         for result in results:
             rows.append(
                 f"| {inner_name} | {result['label']} | {_mib(result['alloc_per_step'])} | "
@@ -155,6 +199,8 @@ def _report(quick: bool) -> str:
     return "\n".join(
         [
             "## FSDPAwareOptimizer: cast buffers are reused",
+            "",
+            f"**{headline(data)}**",
             "",
             f"{count} FP32 parameters of {numel:,} elements with bf16 grads (`grad_dtype`); "
             f"their FP32 grads would take {_mib(full_grad_bytes)} MiB. {steps} measured steps "
@@ -176,10 +222,54 @@ def _report(quick: bool) -> str:
             "noisy (the fastest of the timed steps is shown); the allocation counts are exact.",
             "",
             "Reproduce: `python -m wrapped_optim.bench.fsdp` (`--quick` for a small run). "
-            f"Measured with torch {torch.__version__}, 1 CPU thread.",
+            f"Measured with torch {data['torch']}, 1 CPU thread.",
             "",
         ]
     )
+
+
+def run(quick: bool = False) -> str:
+    """Runs the measurement and returns it as a Markdown section.
+
+    Example:
+        >>> from wrapped_optim.bench.fsdp import run
+        >>> print(run(quick=True))  # doctest: +SKIP
+        ## FSDPAwareOptimizer: cast buffers are reused
+        ...
+    """
+    return render(collect(quick))
+
+
+def plots(data: dict[str, Any], out_dir: Path | str) -> list[Path]:
+    """``fsdp_allocations.png``: bytes allocated per step and step time per way of handing
+    over the grads, against the size of the FP32 grads (needs matplotlib).
+
+    Example:
+        >>> import tempfile
+        >>> rows = [{"inner": "AdamW", "alloc_per_step": a * 2**20, "ms": 1.0}
+        ...         for a in (128, 192, 128)]
+        >>> data = {"count": 8, "numel": 1 << 21, "rows": rows}
+        >>> [p.name for p in plots(data, tempfile.mkdtemp())]
+        ['fsdp_allocations.png']
+    """
+    grouped = _by_inner(data)
+    labels = list(grouped)
+    full = data["count"] * data["numel"] * 4 / 2**20
+    memory = Panel(
+        "Bytes allocated inside optimizer.step(), per step",
+        labels,
+        {short: [rows[k]["alloc_per_step"] / 2**20 for rows in grouped.values()]
+         for k, short in enumerate(_SHORT)},
+        "MiB",
+        anchor=(f"the FP32 grads ({full:.0f} MiB)", full),
+    )  # fmt: skip
+    time = Panel(
+        "Fastest step",
+        labels,
+        {short: [rows[k]["ms"] for rows in grouped.values()] for k, short in enumerate(_SHORT)},
+        "milliseconds",
+    )
+    return [bar_panels(Path(out_dir) / "fsdp_allocations.png", [memory, time])]
 
 
 if __name__ == "__main__":

@@ -18,9 +18,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from wrapped_optim.bench._figures import Panel, bar_panels
 from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.optimizers import HybridOffloadOptimizer
 from wrapped_optim.optimizers._fused_host_step import run as run_fused
@@ -28,7 +31,7 @@ from wrapped_optim.optimizers._hybrid_offload import fused_plan
 from wrapped_optim.optimizers._offload_grads import give_grads
 from wrapped_optim.optimizers._offload_step import copy_back, sync_groups
 
-__all__ = ["run"]
+__all__ = ["breakdown", "collect", "headline", "plots", "render", "run"]
 
 _TENSORS = 10
 
@@ -158,14 +161,10 @@ def breakdown(
     return best
 
 
-def breakdown_section(sizes: list[int], rounds: int) -> list[str]:
-    """The Markdown table of :func:`breakdown` at ``sizes`` (bf16 params; FP32 at the first
-    size) with the ratio to the bare step and the target, and the bytes each phase moves.
-
-    Example:
-        >>> "| 0.01M | bf16 | 1.0 |" in "\\n".join(breakdown_section([10_000], rounds=1))
-        True
-    """
+def _breakdown_lines(data: dict[str, Any]) -> list[str]:
+    """The Markdown table of the breakdown rows with the ratio to the bare step and the
+    target, and the bytes each phase moves."""
+    rounds = data["rounds"]
     lines = [
         "## Hybrid offload step breakdown",
         "",
@@ -182,15 +181,13 @@ def breakdown_section(sizes: list[int], rounds: int) -> list[str]:
         "'device' is the host too, so the device step runs on the same cores.",
         "",
         "| params | param dtype | offload | copy-in | host step | copy-out | device step "
-        "| step | bare fused AdamW | step / bare | target |",
+        "| step | bare | step / bare | target |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     traffic: list[str] = []
-    cases = [(total, torch.bfloat16) for total in sizes] + [(sizes[0], torch.float32)]
-    for total, dtype in cases:
-        result = breakdown(total, dtype, rounds=rounds)
+    for case in data["breakdown"]:
+        total, name, result = case["params"], case["dtype"], case["result"]
         bare = result["bare"]["step"]
-        name = "bf16" if dtype == torch.bfloat16 else "fp32"
         for key in VARIANTS:
             m = result[key]
             ratio = m["step"] / bare
@@ -288,62 +285,181 @@ def _wrapper_overhead_us(calls: int = 20_000) -> float:
     return (wrapped - bare) / calls * 1e6
 
 
-def run(quick: bool = False, *, sizes: list[int] | None = None) -> str:
-    """Measures and returns the Markdown sections (10M params; also 100M unless quick).
+def collect(quick: bool = False, *, sizes: list[int] | None = None) -> dict[str, Any]:
+    """Measures the breakdown (bf16 params at ``sizes``, FP32 at the first) and the syncs
+    and guard (10M params; also 100M unless quick) and returns the rows.
 
     Example:
-        >>> section = run(sizes=[100_000])
+        >>> data = collect(sizes=[100_000])
+        >>> [(case["params"], case["dtype"]) for case in data["breakdown"]]
+        [(100000, 'bf16'), (100000, 'fp32')]
+        >>> section = render(data)
         >>> "| 0.1M |" in section and "| 0.1M | bf16 | 1.0 |" in section
         True
     """
     if sizes is None:
         sizes = [10_000_000] if quick else [10_000_000, 100_000_000]
+    rounds = 3 if quick else 5
+    cases = [(total, torch.bfloat16) for total in sizes] + [(sizes[0], torch.float32)]
+    return {
+        "rounds": rounds,
+        "tensors": _TENSORS,
+        "breakdown": [
+            {
+                "params": total,
+                "dtype": "bf16" if dtype == torch.bfloat16 else "fp32",
+                "result": breakdown(total, dtype, rounds=rounds),
+            }
+            for total, dtype in cases
+        ],
+        "sync": [
+            {"params": total, **_measure(total, 7 if total <= 10_000_000 else 3)} for total in sizes
+        ],
+        "wrapper_overhead_us": _wrapper_overhead_us(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s), "
+        f"torch {torch.__version__}, Python {sys.version.split()[0]}",
+    }
+
+
+def headline(data: dict[str, Any]) -> str:
+    """The topic's result in one sentence, from the largest bf16 model measured.
+
+    Example:
+        >>> step = {"copy_in": 0.0, "host": 0.064, "copy_out": 0.0, "device": 0.0,
+        ...         "step": 0.063, "fused": 10.0}
+        >>> unfused = dict(step, step=0.116, fused=0.0)
+        >>> case = {"params": 100_000_000, "dtype": "bf16",
+        ...         "result": {"1.0": step, "1.0 unfused": unfused, "bare": {"step": 0.061}}}
+        >>> from textwrap import fill
+        >>> print(fill(headline({"breakdown": [case]}), 80))
+        Hybrid offload at 100M bf16 parameters: a fully offloaded step takes 1.03x a
+        bare fused AdamW step (1.90x without the fused host step).
+    """
+    case = [c for c in data["breakdown"] if c["dtype"] == "bf16"][-1]
+    result = case["result"]
+    bare = result["bare"]["step"]
+    return (
+        f"Hybrid offload at {case['params'] / 1e6:g}M bf16 parameters: a fully offloaded step "
+        f"takes {result['1.0']['step'] / bare:.2f}x a bare fused AdamW step "
+        f"({result['1.0 unfused']['step'] / bare:.2f}x without the fused host step)."
+    )
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown sections of :func:`collect`'s ``data``.
+
+    Example:
+        >>> render.__name__  # run with measured rows in collect's example
+        'render'
+    """
+    breakdown_lines = _breakdown_lines(data)
     lines = [
-        *breakdown_section(sizes, rounds=3 if quick else 5),
+        *breakdown_lines[:2],
+        f"**{headline(data)}**",
+        "",
+        *breakdown_lines[2:],
         "## Hybrid offload sync and stale-master guard",
         "",
         "Portable `HybridOffloadOptimizer` (AdamW host and device sub-optimizers, bf16 params in",
-        f"{_TENSORS} equal tensors, offload_fraction=0.5, FP32 copies) wrapped in",
+        f"{data['tensors']} equal tensors, offload_fraction=0.5, FP32 copies) wrapped in",
         "`HybridSyncOptimizer`. Times are medians in milliseconds; ratios are relative to one",
         "bare optimizer step (`atomic_step=False`, the default). The `atomic_step=True` column",
         "snapshots the host half every step so that a failed device step can be undone. The",
         "guard and the syncs run once per construction or load.",
         "",
+        "Every step:",
+        "",
         "| params | step (bare) | step, atomic_step=True | step (wrapped, after guard) "
-        "| per-step overhead | guard, clean | guard, 1 stale tensor | model-only sync "
-        "| full-state sync |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| per-step overhead |",
+        "|---:|---:|---:|---:|---:|",
     ]
-    for total in sizes:
-        repeats = 7 if total <= 10_000_000 else 3
-        m = _measure(total, repeats)
+    once = [
+        "",
+        "Once per construction or load:",
+        "",
+        "| params | guard, clean | guard, 1 stale tensor | model-only sync | full-state sync |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for m in data["sync"]:
         base = m["bare"]
 
         def cell(key: str, m: dict[str, float] = m, base: float = base) -> str:
             return f"{m[key] * 1e3:.1f} ({m[key] / base:.2f}x)"
 
         overhead = (m["wrapped"] - base) / base * 100
+        size = f"{m['params'] / 1e6:g}M"
         lines.append(
-            f"| {total / 1e6:g}M | {base * 1e3:.1f} | {cell('atomic')} | {cell('wrapped')} "
-            f"| {overhead:+.1f}% "
-            f"| {cell('guard')} | {cell('guard_refresh')} | {cell('reload')} "
+            f"| {size} | {base * 1e3:.1f} | {cell('atomic')} | {cell('wrapped')} "
+            f"| {overhead:+.1f}% |"
+        )
+        once.append(
+            f"| {size} | {cell('guard')} | {cell('guard_refresh')} | {cell('reload')} "
             f"| {cell('full_sync')} |"
         )
     lines += [
+        *once,
         "",
         "The wrapped/bare step ratio is within this shared machine's noise; the wrapper's own",
         "per-step cost after the guard, measured on a no-op inner step, is "
-        f"{_wrapper_overhead_us():.1f} µs (the hook dispatch of `OptimizerWrapper.step` and one "
-        "flag check).",
+        f"{data['wrapper_overhead_us']:.1f} µs (the hook dispatch of `OptimizerWrapper.step` "
+        "and one flag check).",
         "",
-        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch thread(s), "
-        f"torch {torch.__version__}, Python {sys.version.split()[0]}.",
+        f"Machine: {data['machine']}.",
         "",
         "Reproduce: `wrapped-optim bench hybrid --out DIR` or "
         "`python -m wrapped_optim.bench.hybrid` (`--quick`: 10M only).",
         "",
     ]
     return "\n".join(lines)
+
+
+def run(quick: bool = False, *, sizes: list[int] | None = None) -> str:
+    """Measures and returns the Markdown sections (10M params; also 100M unless quick).
+
+    Example:
+        >>> run.__name__
+        'run'
+    """
+    return render(collect(quick, sizes=sizes))
+
+
+_PHASE_LABELS = {"copy_in": "copy-in", "host": "host step", "copy_out": "copy-out",
+                 "device": "device step"}  # fmt: skip
+
+
+def plots(data: dict[str, Any], out_dir: Path | str) -> list[Path]:
+    """``hybrid_phases.png``: one step split into its phases per size, dtype and variant,
+    against the bare fused AdamW step of the same numel (needs matplotlib).
+
+    Example:
+        >>> import tempfile
+        >>> phases = {"copy_in": 0.001, "host": 0.008, "copy_out": 0.001, "device": 0.0,
+        ...           "step": 0.01, "fused": 0.0}
+        >>> result = {**dict.fromkeys(VARIANTS, phases), "bare": {"step": 0.008}}
+        >>> data = {"breakdown": [{"params": 10**7, "dtype": "bf16", "result": result}]}
+        >>> [p.name for p in plots(data, tempfile.mkdtemp())]
+        ['hybrid_phases.png']
+    """
+    panels = []
+    for case in data["breakdown"]:
+        result = case["result"]
+        labels = [*(f"offload {key}" for key in VARIANTS), "bare AdamW(fused=True)"]
+        series = {
+            _PHASE_LABELS[phase]: [*(result[key][phase] * 1e3 for key in VARIANTS), None]
+            for phase in _PHASES
+        }
+        series["whole step()"] = [None] * len(VARIANTS) + [result["bare"]["step"] * 1e3]
+        panels.append(
+            Panel(
+                f"{case['params'] / 1e6:g}M {case['dtype']} params: one step by phase",
+                labels,
+                series,
+                "milliseconds",
+                stacked=True,
+                anchor=("bare fused AdamW", result["bare"]["step"] * 1e3),
+            )
+        )
+    return [bar_panels(Path(out_dir) / "hybrid_phases.png", panels)]
 
 
 if __name__ == "__main__":

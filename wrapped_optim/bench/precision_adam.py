@@ -21,7 +21,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,20 @@ import attrs
 import torch
 
 from wrapped_optim.bench._adam_peers import QUALITY_STEPS, peers, quality_loss
+from wrapped_optim.bench._figures import Panel, bar_panels
 from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
 
-__all__ = ["CONFIGS", "TARGET_CONFIG", "Config", "run", "state_bytes_per_param"]
+__all__ = [
+    "CONFIGS",
+    "TARGET_CONFIG",
+    "Config",
+    "collect",
+    "headline",
+    "plots",
+    "render",
+    "run",
+    "state_bytes_per_param",
+]
 
 BF16, FP32, FP8, FP16 = torch.bfloat16, torch.float32, torch.uint8, torch.float16
 #: The configuration the headline target is about (fp32 params, bf16 moments).
@@ -258,16 +269,43 @@ def _quality(config: Config) -> float:
 _DEEPSPEED_FP32 = "DeepSpeedCPUAdam (FP32)"
 # One cell of the measurements: (parameters, threads) -> label -> x torch fused.
 _Cells = dict[tuple[int, int], dict[str, float]]
+# A row of the targets table and (size, configuration, reasons it missed: "" when met).
+_Verdict = tuple[str, tuple[str, str, str]]
 
 
-def run(quick: bool = False, sizes: list[int] | None = None) -> str:
-    """Measure every configuration and peer; return a Markdown section with the tables
-    (``sizes`` overrides the parameter counts, e.g. for a smoke test).
+@attrs.frozen
+class _Spec:
+    """What the page needs of a :class:`Config` (no factory: it is read back from JSON)."""
+
+    label: str
+    dtype: str  # "float32", "bfloat16"
+    bytes_moved: float
+    traffic: str
+    target: float | None = None
+    loops: str | None = None
+    group: str | None = None
+
+
+def _spec(config: Config) -> dict[str, Any]:
+    return {
+        "label": config.label,
+        "dtype": str(config.dtype).removeprefix("torch."),
+        "bytes_moved": config.bytes_moved,
+        "traffic": config.traffic,
+        "target": config.target,
+        "loops": config.loops,
+        "group": config.group,
+    }
+
+
+def collect(quick: bool = False, sizes: list[int] | None = None) -> dict[str, Any]:
+    """Measures every configuration and peer and returns the rows (``sizes`` overrides the
+    parameter counts, e.g. for a smoke test).
 
     Example:
-        >>> from wrapped_optim.bench.precision_adam import run
-        >>> run(quick=True).startswith("## PrecisionAwareAdamW")  # doctest: +SKIP
-        True
+        >>> from wrapped_optim.bench.precision_adam import collect
+        >>> collect(quick=True)["cells"][0]["params"]  # doctest: +SKIP
+        1000000
     """
     if sizes is None:
         sizes = [1_000_000] if quick else [10_000_000, 50_000_000]
@@ -275,25 +313,126 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> str:
     default_threads = torch.get_num_threads()
     thread_counts = [1, 2] if (os.cpu_count() or 1) >= 2 else [1]
     kernel = cpu_kernel.status()
-    loops = (
-        f"fp16/FP8 moments run the {kernel.loops} loops unless a row names others; this CPU "
-        f"runs {', '.join(kernel.loop_families)}"
-    )
-    kernel_line = (
-        f"CPU kernel: built ({kernel.library.name if kernel.library else '?'}; {loops})."
-        if kernel.available
-        else f"CPU kernel: unavailable ({kernel.reason}); its rows fall back to torch ops."
-    )
     rows, skipped = _rows()
     deepspeed = next((c.factory for c in rows if c.label == _DEEPSPEED_FP32), None)
     reference = quality_loss(lambda ps: torch.optim.AdamW(ps, foreach=False), FP32)
     quality = {c.label: _quality(c) / reference for c in rows}
     load_before = os.getloadavg()
-    hz = _cpu_hz()
+    cells = []
+    try:
+        for numel in sizes:
+            for t in thread_counts:
+                torch.set_num_threads(t)
+                triad = _triad(numel)
+                results = [
+                    attrs.asdict(_time_config(c, numel, rounds[numel], deepspeed, triad))
+                    for c in rows
+                ]
+                del triad
+                gc.collect()
+                cells.append({"params": numel, "threads": t, "rounds": rounds[numel],
+                              "results": results})  # fmt: skip
+    finally:
+        torch.set_num_threads(default_threads)
+    return {
+        "torch": torch.__version__,
+        "processor": platform.processor() or platform.machine(),
+        "hz": _cpu_hz(),
+        "cpus": os.cpu_count(),
+        "thread_counts": thread_counts,
+        "kernel": {
+            "available": kernel.available,
+            "library": kernel.library.name if kernel.library else None,
+            "reason": kernel.reason,
+            "loops": kernel.loops,
+            "loop_families": list(kernel.loop_families),
+        },
+        "configs": [_spec(c) for c in rows],
+        "skipped": skipped,
+        "quality": quality,
+        "load": [load_before[0], os.getloadavg()[0]],
+        "cells": cells,
+    }
+
+
+def _measured(data: dict[str, Any]) -> list[tuple[int, int, list[tuple[_Spec, _Timed]]]]:
+    """(parameters, threads, [(configuration, timings)]) of every cell of ``data``."""
+    specs = [_Spec(**c) for c in data["configs"]]
+    return [
+        (cell["params"], cell["threads"],
+         [(spec, _Timed(**r)) for spec, r in zip(specs, cell["results"], strict=True)])
+        for cell in data["cells"]
+    ]  # fmt: skip
+
+
+#: The configurations the headline speaks for, first found first.
+_HEADLINE = (TARGET_CONFIG, "ours FP8 moments")
+
+
+def headline(data: dict[str, Any]) -> str:
+    """The topic's result in one sentence: at the largest size and thread count measured,
+    our bf16- and FP8-moment steps against torch's fused FP32 step and its 8 bytes of state
+    per parameter.
+
+    Example:
+        >>> timed = {"median_ms": 2.0, "fused_ms": 1.0, "deepspeed_ms": None,
+        ...          "bandwidth": 1e10}
+        >>> data = {"configs": [
+        ...     {"label": TARGET_CONFIG, "dtype": "float32", "bytes_moved": 20, "traffic": ""},
+        ...     {"label": "ours FP8 moments", "dtype": "float32", "bytes_moved": 22,
+        ...      "traffic": ""}],
+        ...     "cells": [{"params": 10**7, "threads": 2, "results": [
+        ...         dict(timed, best_ms=0.8, state_bytes=4.0),
+        ...         dict(timed, best_ms=1.38, state_bytes=2.0)]}]}
+        >>> from textwrap import fill
+        >>> print(fill(headline(data), 80))
+        At 10M parameters, 2 threads: bf16 moments step in 0.80x torch's fused AdamW
+        time with 4.0 bytes of state per parameter instead of 8; FP8 moments 1.38x with
+        2.0.
+    """
+    numel, t, results = _measured(data)[-1]
+    found = {spec.label: r for spec, r in results}
+    parts = []
+    for label, name in zip(_HEADLINE, ("bf16 moments", "FP8 moments"), strict=True):
+        if label in found:
+            r = found[label]
+            parts.append((name, r.best_ms / r.fused_ms, r.state_bytes))
+    if not parts:
+        return f"At {numel / 1e6:g}M parameters no PrecisionAwareAdamW configuration ran."
+    (name, ratio, state), *rest = parts
+    text = (
+        f"At {numel / 1e6:g}M parameters, {t} thread{'s' if t > 1 else ''}: {name} step in "
+        f"{ratio:.2f}x torch's fused AdamW time with {state:.1f} bytes of state per parameter "
+        "instead of 8"
+    )
+    text += "".join(f"; {n} {x:.2f}x with {b:.1f}" for n, x, b in rest)
+    return text + "."
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown section of :func:`collect`'s ``data``.
+
+    Example:
+        >>> render.__name__
+        'render'
+    """
+    kernel, hz, thread_counts = data["kernel"], data["hz"], data["thread_counts"]
+    loops = (
+        f"fp16/FP8 moments run the {kernel['loops']} loops unless a row names others; this CPU "
+        f"runs {', '.join(kernel['loop_families'])}"
+    )
+    kernel_line = (
+        f"CPU kernel: built ({kernel['library'] or '?'}; {loops})."
+        if kernel["available"]
+        else f"CPU kernel: unavailable ({kernel['reason']}); its rows fall back to torch ops."
+    )
+    specs = [_Spec(**c) for c in data["configs"]]
     lines = [
         "## PrecisionAwareAdamW vs torch and its peers, against the memory-bandwidth floor",
         "",
-        f"torch {torch.__version__}, {platform.processor() or platform.machine()}"
+        f"**{headline(data)}**",
+        "",
+        f"torch {data['torch']}, {data['processor']}"
         f"{f' at {hz / 1e9:.2f} GHz' if hz else ''}, {' and '.join(map(str, thread_counts))} "
         "thread(s). Model: four equal parameter tensors, fresh gradients each step. Every "
         "configuration is stepped in rounds (8 at 1M and 10M parameters, 4 at 50M, after a "
@@ -312,45 +451,38 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> str:
         "optimizer shows here however fast it is). "
         + kernel_line
         + " Peers: "
-        + (", ".join(c.label for c in rows if c.group and not c.label.startswith("ours"))
+        + (", ".join(c.label for c in specs if c.group and not c.label.startswith("ours"))
            or "none")
         + ".",
         "",
-        *[f"- {reason}" for reason in skipped],
-        *([""] if skipped else []),
+        *[f"- {reason}" for reason in data["skipped"]],
+        *([""] if data["skipped"] else []),
     ]  # fmt: skip
-    verdicts: list[str] = []
+    verdicts: list[_Verdict] = []
     cells: _Cells = {}
-    try:
-        for numel in sizes:
-            for t in thread_counts:
-                torch.set_num_threads(t)
-                triad = _triad(numel)
-                results = [(c, _time_config(c, numel, rounds[numel], deepspeed, triad))
-                           for c in rows]  # fmt: skip
-                del triad
-                gc.collect()
-                lines += _size_table(numel, t, results, hz, quality, verdicts)
-                cells[numel, t] = {c.label: r.best_ms / r.fused_ms for c, r in results}
-    finally:
-        torch.set_num_threads(default_threads)
-    load_after = os.getloadavg()
+    for numel, t, results in _measured(data):
+        lines += _size_table(numel, t, results, hz, data["quality"], verdicts)
+        cells[numel, t] = {c.label: r.best_ms / r.fused_ms for c, r in results}
+    load_before, load_after = data["load"]
     lines += [
-        f"Machine load (1-minute load average, {os.cpu_count()} CPUs) at the start and the "
-        f"end: {load_before[0]:.1f} and {load_after[0]:.1f}: other processes shared the "
+        f"Machine load (1-minute load average, {data['cpus']} CPUs) at the start and the "
+        f"end: {load_before:.1f} and {load_after:.1f}: other processes shared the "
         "cores, which the interleaved rounds and best-of-N figures spread over all rows alike.",
         "",
-        *_class_table(rows, cells),
+        *_class_table(specs, cells),
         "### Targets (issues 16 and 29)",
         "",
         "bf16 moments: <= 0.85x torch's fused FP32 step and <= 1.2x the floor; fp16/FP8 "
         "moments: <= 1.3x torch fused with the AVX-512 loops, <= 1.5x with the AVX2 loops; "
         "every kernel configuration faster than DeepSpeedCPUAdam, or the gap explained by "
-        "bytes moved and cycles per parameter.",
+        "bytes moved and cycles per parameter. A missed target's reason is listed under the "
+        "table.",
         "",
         "| size | threads | configuration | x fused | x floor | vs DeepSpeed | cycles | verdict |",
         "|---|---:|---|---:|---:|---:|---:|---|",
-        *[v for v in verdicts if v],
+        *[row for row, _ in verdicts],
+        "",
+        *[f"- {size}, {label}: {reason}" for _, (size, label, reason) in verdicts if reason],
         "",
         "How: torch's fused AdamW needs parameter, gradient and moments in one dtype. The "
         "compiled kernel (`wrapped_optim.optimizers.cpu_kernel`, C built at first use with the "
@@ -378,15 +510,72 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> str:
     return "\n".join(lines)
 
 
+def run(quick: bool = False, sizes: list[int] | None = None) -> str:
+    """Measure every configuration and peer; return a Markdown section with the tables
+    (``sizes`` overrides the parameter counts, e.g. for a smoke test).
+
+    Example:
+        >>> from wrapped_optim.bench.precision_adam import run
+        >>> run(quick=True).startswith("## PrecisionAwareAdamW")  # doctest: +SKIP
+        True
+    """
+    return render(collect(quick, sizes))
+
+
+def plots(data: dict[str, Any], out_dir: Path | str) -> list[Path]:
+    """``precision_adam_step.png``: at the largest size and thread count measured, every
+    configuration's step time against torch's fused AdamW (and the time its bytes need at
+    the measured bandwidth), and the bytes it moves and keeps per parameter (needs
+    matplotlib).
+
+    Example:
+        >>> import tempfile
+        >>> data = {"configs": [{"label": TARGET_CONFIG, "dtype": "float32",
+        ...                      "bytes_moved": 20, "traffic": ""}],
+        ...         "cells": [{"params": 10**6, "threads": 1, "results": [
+        ...             {"best_ms": 0.8, "median_ms": 0.9, "fused_ms": 1.0,
+        ...              "deepspeed_ms": None, "bandwidth": 1e10, "state_bytes": 4.0}]}]}
+        >>> [p.name for p in plots(data, tempfile.mkdtemp())]
+        ['precision_adam_step.png']
+    """
+    numel, t, results = _measured(data)[-1]
+    bandwidth = max(r.bandwidth for _, r in results)
+    labels = [spec.label for spec, _ in results]
+    where = f"{numel / 1e6:g}M parameters, {t} thread{'s' if t > 1 else ''}"
+    time = Panel(
+        f"Step time against torch's AdamW(fused=True) on the same param dtype ({where})",
+        labels,
+        {
+            "measured (best of the rounds)": [r.best_ms / r.fused_ms for _, r in results],
+            "its bytes at the triad bandwidth (floor)": [
+                spec.bytes_moved * numel / bandwidth * 1e3 / r.fused_ms for spec, r in results
+            ],
+        },
+        "x torch's fused step",
+        anchor=("torch fused = 1", 1.0),
+    )
+    nbytes = Panel(
+        "Bytes per parameter",
+        labels,
+        {
+            "moved by one step": [spec.bytes_moved for spec, _ in results],
+            "optimizer state kept": [r.state_bytes for _, r in results],
+        },
+        "bytes per parameter",
+        anchor=("torch's FP32 step moves 28", 28.0),
+    )
+    return [bar_panels(Path(out_dir) / "precision_adam_step.png", [time, nbytes])]
+
+
 def _size_table(
-    numel: int, t: int, results: list[tuple[Config, _Timed]], hz: float | None,
-    quality: dict[str, float], verdicts: list[str],
+    numel: int, t: int, results: list[tuple[_Spec, _Timed]], hz: float | None,
+    quality: dict[str, float], verdicts: list[_Verdict],
 ) -> list[str]:  # fmt: skip
     """The table of one size and thread count (appending each row's verdict)."""
     bandwidth = max(r.bandwidth for _, r in results)
     ds = [r.deepspeed_ms for _, r in results if r.deepspeed_ms is not None]
     ds_ms = min(ds) if ds else None
-    fp32_fused = min(r.fused_ms for c, r in results if c.dtype == FP32)
+    fp32_fused = min(r.fused_ms for c, r in results if c.dtype == "float32")
     lines = [
         f"### {numel / 1e6:g}M parameters, {t} thread{'s' if t > 1 else ''}",
         "",
@@ -408,15 +597,16 @@ def _size_table(
         x_ds = f"{r.best_ms / ds_ms:.2f}" if ds_ms is not None else "n/a"
         cycles = r.best_ms * 1e-3 * hz * t / numel if hz else None
         lines.append(
-            f"| {config.label} | {str(config.dtype).removeprefix('torch.')} | "
+            f"| {config.label} | {config.dtype} | "
             f"{config.bytes_moved:g} | {r.best_ms:.1f} / {r.median_ms:.1f} | "
             f"{x_fused:.2f} | {r.best_ms / floor_ms:.2f} | {x_ds} | "
             f"{'n/a' if cycles is None else f'{cycles:.1f}'} | {r.state_bytes:.2f} | "
             f"{quality[config.label]:.2f} |"
         )
-        verdicts.append(
-            _verdict(config, numel, t, x_fused, r.best_ms / floor_ms, r.best_ms, ds_ms, cycles)
-        )
+        verdict = _verdict(config, numel, t, x_fused, r.best_ms / floor_ms, r.best_ms, ds_ms,
+                           cycles)  # fmt: skip
+        if verdict is not None:
+            verdicts.append(verdict)
     return [*lines, ""]
 
 
@@ -427,7 +617,7 @@ def _span(values: list[float]) -> str:
     return f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}"
 
 
-def _class_table(rows: list[Config], cells: _Cells) -> list[str]:
+def _class_table(rows: Sequence[Config | _Spec], cells: _Cells) -> list[str]:
     """Issue 29's table: per class, ours (each loop family) and the fastest peer, x torch
     fused on parameters of the same dtype, over every size and thread count measured."""
     groups = list(dict.fromkeys(c.group for c in rows if c.group))
@@ -464,12 +654,13 @@ def _class_table(rows: list[Config], cells: _Cells) -> list[str]:
 
 
 def _verdict(
-    config: Config, numel: int, threads: int, x_fused: float, x_floor: float, best_ms: float,
+    config: _Spec, numel: int, threads: int, x_fused: float, x_floor: float, best_ms: float,
     ds_ms: float | None, cycles: float | None,
-) -> str:  # fmt: skip
-    """A row of the targets table for configurations that run in the kernel."""
+) -> _Verdict | None:  # fmt: skip
+    """A row of the targets table for configurations that run in the kernel, and the
+    reasons a missed target was missed (listed under the table)."""
     if config.target is None:
-        return ""
+        return None
     reasons = []
     if x_fused > config.target:
         reasons.append(
@@ -487,11 +678,13 @@ def _verdict(
                 f"slower than DeepSpeed although it moves {config.bytes_moved:g} bytes "
                 f"against 28 (compute-bound here: {x_floor:.2f}x its floor)"
             )
-    verdict = "met" if not reasons else "missed: " + "; ".join(reasons)
-    return (
+    size = f"{numel / 1e6:g}M, {threads} thread{'s' if threads > 1 else ''}"
+    row = (
         f"| {numel / 1e6:g}M | {threads} | {config.label} | {x_fused:.2f} | {x_floor:.2f} | "
-        f"{vs_ds} | {'n/a' if cycles is None else f'{cycles:.1f}'} | {verdict} |"
+        f"{vs_ds} | {'n/a' if cycles is None else f'{cycles:.1f}'} | "
+        f"{'missed' if reasons else 'met'} |"
     )
+    return row, (size, config.label, "; ".join(reasons))
 
 
 def main() -> None:

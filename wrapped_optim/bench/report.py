@@ -1,16 +1,21 @@
 """Runs the benchmark topics and writes ``benchmarks.md`` with its plots where it is told.
 
 Every module ``wrapped_optim.bench.<topic>`` (except this one and the CUDA-only ``gpu_*``
-scripts) is a topic: its ``run(quick)`` returns a Markdown section, and its optional
-``plots(out_dir)`` writes PNG figures. The report runs each topic in turn, keeps going when one
+scripts) is a topic. A topic measures with ``collect(quick)`` (a JSON-able dict of its rows)
+and turns those rows into its Markdown section (``render(data)``), its one-sentence result
+(``headline(data)``) and its PNG figures (``plots(data, image_dir)``); a simpler topic has only
+``run(quick)`` returning Markdown. The report runs each topic in turn, keeps going when one
 fails (the page says which and why), and writes one page: a header with the machine, the date
-and how to reproduce, a summary table, then every topic's section with its figures. Figures are
-drawn only when matplotlib is importable (``pip install 'wrapped-optim[plots]'``).
+and how to reproduce, a summary of every topic's headline, then every topic's section with its
+figures. Each topic's rows are kept beside its page as ``bench/<topic>.json``, so
+``--replot`` redraws the figures and rewrites the pages from them without measuring again.
+Figures are drawn only when matplotlib is importable (``pip install 'wrapped-optim[plots]'``).
 
 Output goes to ``--out`` (default ``./wrapped-optim-bench``, never the docs of whatever
 directory it runs in); the project's docs are regenerated with ``--out docs``. A full run of
 some topics (``wrapped-optim bench precision_adam --out docs``) refreshes their pages and keeps
-the other topics' sections from their pages of an earlier run, so the page stays whole.
+the other topics' sections, remade from their rows (or their pages) of an earlier run, so the
+page stays whole.
 
 Run it as ``wrapped-optim bench`` or ``python -m wrapped_optim.bench.report``.
 """
@@ -24,6 +29,7 @@ import datetime
 import gc
 import importlib
 import importlib.util
+import json
 import os
 import pkgutil
 import platform
@@ -34,9 +40,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import attrs
 import torch
+
+from wrapped_optim.bench import _figures
 
 __all__ = [
     "BenchReport",
@@ -47,7 +56,9 @@ __all__ = [
     "machine_summary",
     "main",
     "matplotlib_available",
+    "read_rows",
     "render_report",
+    "rows_path",
     "run_benchmarks",
 ]
 
@@ -78,12 +89,16 @@ class TopicResult:
 
     Attributes:
         topic: the module's short name.
-        markdown: its section as returned by ``run`` (empty when it failed).
-        seconds: wall time of ``run`` (plus ``plots``).
-        error: ``"Type: message"`` when ``run`` or ``plots`` raised, else None.
+        markdown: its section as returned by ``render`` or ``run`` (empty when it failed).
+        seconds: wall time of the measurement (plus the figures).
+        error: ``"Type: message"`` when the topic raised, else None.
         plots: the figures it wrote.
-        kept: the section was not measured now but kept from the topic's page of an
-            earlier full run in the same output folder.
+        kept: the section was not measured now but kept from the topic's page or rows of
+            an earlier run in the same output folder.
+        headline: the topic's one-sentence result (None for a topic without rows).
+        data: the rows the section, headline and figures were made from (None for a
+            topic with only ``run``); saved as ``bench/<topic>.json``.
+        quick: the rows were measured in quick mode.
 
     Example:
         >>> from wrapped_optim.bench.report import TopicResult
@@ -97,6 +112,9 @@ class TopicResult:
     error: str | None
     plots: tuple[Path, ...]
     kept: bool = False
+    headline: str | None = None
+    data: Any = attrs.field(default=None, eq=False, repr=False)
+    quick: bool = False
 
     @property
     def ok(self) -> bool:
@@ -247,37 +265,147 @@ def _heartbeat(topic: str, echo: Callable[[str], None] | None) -> Iterator[None]
         thread.join()
 
 
+def _has_rows(module: ModuleType) -> bool:
+    """The topic measures rows (``collect``) and makes its page from them (``render``)."""
+    return all(callable(getattr(module, name, None)) for name in ("collect", "render", "headline"))
+
+
+def _from_rows(
+    topic: str, module: ModuleType, data: Any, image_dir: Path | None, *, seconds: float,
+    quick: bool, kept: bool = False,
+) -> TopicResult:  # fmt: skip
+    """The section, headline and figures of ``topic`` made from its measured ``data``."""
+    markdown = module.render(data)
+    if not isinstance(markdown, str):
+        raise TypeError(f"render() returned a {type(markdown).__name__}, not Markdown text")
+    headline = str(module.headline(data))
+    plots: tuple[Path, ...] = ()
+    make_plots: Callable[[Any, Path], Sequence[Path]] | None = getattr(module, "plots", None)
+    if image_dir is not None and make_plots is not None:
+        image_dir.mkdir(parents=True, exist_ok=True)
+        plots = tuple(Path(p) for p in make_plots(data, image_dir))
+    return TopicResult(topic, markdown, seconds, None, plots, kept, headline, data, quick)
+
+
+def _failed(topic: str, exc: Exception, seconds: float) -> TopicResult:
+    return TopicResult(topic, "", seconds, f"{type(exc).__name__}: {exc}", ())
+
+
 def _run_topic(topic: str, module: ModuleType, quick: bool, image_dir: Path | None) -> TopicResult:
     start = time.perf_counter()
-    markdown: str = ""
-    error: str | None = None
-    plots: tuple[Path, ...] = ()
+    data = None
     try:
+        if _has_rows(module):
+            data = module.collect(quick)
+            return _from_rows(
+                topic, module, data, image_dir, seconds=time.perf_counter() - start, quick=quick
+            )
         markdown = module.run(quick)
         if not isinstance(markdown, str):
             raise TypeError(f"run() returned a {type(markdown).__name__}, not Markdown text")
+        plots: tuple[Path, ...] = ()
         make_plots: Callable[[Path], Sequence[Path]] | None = getattr(module, "plots", None)
         if image_dir is not None and make_plots is not None:
             image_dir.mkdir(parents=True, exist_ok=True)
             plots = tuple(Path(p) for p in make_plots(image_dir))
+        return TopicResult(topic, markdown, time.perf_counter() - start, None, plots, quick=quick)
     except Exception as exc:  # a failing topic is reported, the others still run
-        error = f"{type(exc).__name__}: {exc}"
+        # Rows measured before the page failed are kept: --replot can use them.
+        failed = _failed(topic, exc, time.perf_counter() - start)
+        return attrs.evolve(failed, data=data, quick=quick)
     finally:
         gc.collect()
-    return TopicResult(topic, markdown, time.perf_counter() - start, error, plots)
 
 
-def _kept_results(out: Path, topics: Sequence[str]) -> list[TopicResult]:
-    """The sections of ``topics`` from their pages of an earlier full run in ``out``, with
-    the figures there named ``<topic>_*.png``."""
-    kept = []
-    for topic in topics:
-        page = out / TOPIC_DIR / f"{topic}.md"
-        if page.is_file():
+#: The version of the ``bench/<topic>.json`` layout.
+ROWS_FORMAT = 1
+
+
+def rows_path(out: Path, topic: str) -> Path:
+    """Where the rows of ``topic`` are kept: ``<out>/bench/<topic>.json``.
+
+    Example:
+        >>> from pathlib import Path
+        >>> from wrapped_optim.bench.report import rows_path
+        >>> rows_path(Path("docs"), "staged").as_posix()
+        'docs/bench/staged.json'
+    """
+    return out / TOPIC_DIR / f"{topic}.json"
+
+
+def _write_topic(out: Path, result: TopicResult) -> None:
+    """The topic's own page: its section with its figures."""
+    folder = out / TOPIC_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    page = result.markdown.strip("\n")
+    if result.plots:
+        page = _with_figures(page, result, folder)
+    (folder / f"{result.topic}.md").write_text(page + "\n")
+
+
+def _write_rows(out: Path, result: TopicResult) -> None:
+    """``bench/<topic>.json``: the rows of ``result`` with when and where they were measured."""
+    (out / TOPIC_DIR).mkdir(parents=True, exist_ok=True)
+    record = {
+        "format": ROWS_FORMAT,
+        "topic": result.topic,
+        "quick": result.quick,
+        "seconds": round(result.seconds, 1),
+        "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        "machine": dict(machine_summary()),
+        "data": result.data,
+    }
+    rows_path(out, result.topic).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def read_rows(out: Path, topic: str) -> dict[str, Any] | None:
+    """The record :func:`run_benchmarks` kept for ``topic`` in ``out`` (None if there is none).
+
+    Raises:
+        ValueError: the file is not such a record (it names the file and what to do).
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from wrapped_optim.bench.report import read_rows
+        >>> read_rows(Path(tempfile.mkdtemp()), "staged") is None
+        True
+    """
+    path = rows_path(out, topic)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON ({exc}); measure again without --replot") from None
+    if not isinstance(record, dict) or record.get("format") != ROWS_FORMAT or "data" not in record:
+        raise ValueError(
+            f"{path} is not a format-{ROWS_FORMAT} record of measured rows; measure the topic "
+            "again without --replot"
+        )
+    return record
+
+
+def _replayed(
+    topic: str, module: ModuleType, out: Path, image_dir: Path | None, *, kept: bool
+) -> TopicResult | None:
+    """The topic's section, headline and figures remade from its kept rows (None: no rows;
+    the topic's page without rows is kept as it is)."""
+    page = out / TOPIC_DIR / f"{topic}.md"
+    try:
+        record = read_rows(out, topic) if _has_rows(module) else None
+        if record is None:
+            if not page.is_file():
+                return None
             # Its figures are the files plots() wrote, named after the topic.
             figures = tuple(sorted((out / IMAGE_DIR).glob(f"{topic}_*.png")))
-            kept.append(TopicResult(topic, page.read_text(), 0.0, None, figures, kept=True))
-    return kept
+            return TopicResult(topic, page.read_text(), 0.0, None, figures, kept=True)
+        return _from_rows(
+            topic, module, record["data"], image_dir, seconds=float(record.get("seconds", 0.0)),
+            quick=bool(record.get("quick")), kept=kept,
+        )  # fmt: skip
+    except Exception as exc:  # a broken record fails its topic, not the page
+        return _failed(topic, exc, 0.0)
 
 
 def matplotlib_available() -> bool:
@@ -288,27 +416,7 @@ def matplotlib_available() -> bool:
         >>> isinstance(matplotlib_available(), bool)
         True
     """
-    return importlib.util.find_spec("matplotlib") is not None
-
-
-def _runtime_plot(results: Sequence[TopicResult], image_dir: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 1.6 + 0.4 * len(results)))
-    names = [r.topic for r in results]
-    axes.barh(names, [r.seconds for r in results], color=["C0" if r.ok else "C3" for r in results])
-    axes.invert_yaxis()
-    axes.set_xlabel("wall time of the topic's benchmark (s)")
-    axes.set_title("Benchmark run time per topic")
-    figure.tight_layout()
-    image_dir.mkdir(parents=True, exist_ok=True)
-    path = image_dir / "bench_runtime.png"
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return _figures.available()
 
 
 def _shift_headings(markdown: str, topic: str) -> str:
@@ -334,6 +442,28 @@ def _shift_headings(markdown: str, topic: str) -> str:
     return "\n".join(out)
 
 
+def _with_figures(markdown: str, result: TopicResult, page_dir: Path) -> str:
+    """``markdown`` with links to the result's figures (relative to ``page_dir``) under the
+    first paragraph after its top heading (the headline), or at the end when it has none."""
+    links = [
+        f"![{result.topic}: {plot.stem}]({_relative(plot, page_dir)})" for plot in result.plots
+    ]
+    links = [link for link in links if link.split("](")[1] not in markdown]
+    if not links:
+        return markdown
+    lines = markdown.split("\n")
+    heading = next((i for i, line in enumerate(lines) if line.startswith("#")), None)
+    if heading is None or result.headline is None:
+        return "\n".join([*lines, "", *links])
+    start = heading + 1
+    while start < len(lines) and not lines[start].strip():
+        start += 1
+    end = start
+    while end < len(lines) and lines[end].strip():
+        end += 1
+    return "\n".join([*lines[:end], "", *links, *lines[end:]])
+
+
 def render_report(
     results: Sequence[TopicResult],
     *,
@@ -342,7 +472,6 @@ def render_report(
     machine: Sequence[tuple[str, str]],
     date: datetime.datetime,
     plots_note: str | None = None,
-    summary_plot: Path | None = None,
 ) -> str:
     """The Markdown of ``benchmarks.md`` for ``results`` (figure links relative to ``page_dir``).
 
@@ -350,7 +479,8 @@ def render_report(
         >>> import datetime
         >>> from pathlib import Path
         >>> from wrapped_optim.bench.report import TopicResult, render_report
-        >>> toy = TopicResult("toy", "# Toy\\n\\n| n | s |\\n|---|---|\\n| 1 | 2 |", 0.25, None, ())
+        >>> toy = TopicResult("toy", "# Toy\\n\\n| n | s |\\n|---|---|\\n| 1 | 2 |", 0.25, None, (),
+        ...                   headline="Toy: 2 s for one n.")
         >>> page = render_report(
         ...     [toy],
         ...     page_dir=Path("docs"), quick=True, machine=[("CPU", "test")],
@@ -358,6 +488,8 @@ def render_report(
         >>> print(page.splitlines()[0])
         # Benchmarks
         >>> "## Toy" in page and "2026-01-02 03:04 UTC" in page
+        True
+        >>> "| [toy](#toy) | Toy: 2 s for one n. | 0.2 |" in page
         True
     """
     mode = "quick mode (`--quick`, smaller sizes)" if quick else "full mode"
@@ -368,7 +500,10 @@ def render_report(
         "",
         f"Generated by `{command}` on {stamp}, {mode}. Running the command again overwrites "
         f"this page and its figures in `{IMAGE_DIR}/`; speed and memory claims in these docs "
-        "are backed by the numbers below, not by timed tests.",
+        "are backed by the numbers below, not by timed tests. Each topic's measured rows are "
+        f"kept in `{TOPIC_DIR}/<topic>.json`: `wrapped-optim bench --replot --out "
+        f"{page_dir.name}` remakes the pages, headlines and figures from them without "
+        "measuring.",
         "",
         "## Machine",
         "",
@@ -383,39 +518,36 @@ def render_report(
         "wrapped-optim bench --out docs         # every topic, full sizes, into docs/",
         "wrapped-optim bench --quick            # every topic, small sizes (./wrapped-optim-bench)",
         "wrapped-optim bench TOPIC --out docs   # some topics; the others' sections are kept",
+        "wrapped-optim bench --replot --out docs  # pages and figures from the kept rows",
         "python -m wrapped_optim.bench.TOPIC    # one topic, printed instead of written",
         "```",
         "",
         "## Summary",
         "",
-        "| topic | result | time (s) | reproduce |",
-        "|---|---|---:|---|",
+        "| topic | result | time (s) |",
+        "|---|---|---:|",
     ]
     for r in results:
-        status = "ok" if r.ok else f"**failed**: {_cell(r.error or '')}"
-        if r.kept:
-            status = "ok (kept from an earlier run)"
-        seconds = "-" if r.kept else f"{r.seconds:.1f}"
-        parts.append(
-            f"| [{r.topic}](#{_anchor(r)}) | {status} | {seconds} | "
-            f"`python -m {PACKAGE}.{r.topic}` |"
-        )
+        if not r.ok:
+            status = f"**failed**: {_cell(r.error or '')}"
+        else:
+            status = _cell(r.headline or "see its section")
+            if r.quick and not quick:
+                status += " (quick run)"
+        seconds = f"{r.seconds:.0f}" if r.seconds >= 10 else f"{r.seconds:.1f}"
+        if r.kept and r.data is None:
+            status, seconds = status + " (kept from an earlier run that kept no rows)", "-"
+        parts.append(f"| [{r.topic}](#{_anchor(r)}) | {status} | {seconds} |")
     if not results:
-        parts.append("| (no topics) | | | |")
+        parts.append("| (no topics) | | |")
     parts.append("")
     if plots_note:
         parts += [plots_note, ""]
-    if summary_plot is not None:
-        parts += [f"![Run time per topic]({_relative(summary_plot, page_dir)})", ""]
     for r in results:
         if r.ok:
-            parts.append(_shift_headings(r.markdown, r.topic))
+            parts.append(_with_figures(_shift_headings(r.markdown, r.topic), r, page_dir))
         else:
             parts += [f"## {r.topic}", "", f"This topic failed: `{r.error}`"]
-        for plot in r.plots:
-            link = _relative(plot, page_dir)
-            if link not in r.markdown:
-                parts += ["", f"![{r.topic}: {plot.stem}]({link})"]
         parts.append("")
     return "\n".join(parts).rstrip("\n") + "\n"
 
@@ -448,14 +580,18 @@ def run_benchmarks(
     package: str = PACKAGE,
     plots: bool = True,
     echo: Callable[[str], None] | None = None,
+    replot: bool = False,
 ) -> BenchReport:
     """Runs the topics and writes ``<out_dir>/benchmarks.md`` and ``<out_dir>/img/*.png``.
 
     ``only`` picks topics by name (all discovered ones by default); every name is checked
-    before anything runs. ``echo`` receives one progress line per topic. A full (not quick)
-    run also refreshes each successful topic's own page, ``<out_dir>/bench/<topic>.md``,
-    and the page keeps the sections of topics not run now from their pages there (marked as
-    kept); a quick run leaves those pages alone and shows only what it ran.
+    before anything runs. ``echo`` receives one progress line per topic. Every topic that
+    ran also gets its own page, ``<out_dir>/bench/<topic>.md``, and its rows,
+    ``<out_dir>/bench/<topic>.json``. A full (not quick) run keeps the sections of topics not
+    run now from their rows (or their pages) there; a quick run shows only what it ran.
+    ``replot`` measures nothing: the pages, headlines and figures of the topics are remade
+    from their rows in ``out_dir`` (a topic without rows keeps its page; a topic named in
+    ``only`` that has neither fails, one not named is left out).
 
     Raises:
         UnknownTopicError: a name in ``only`` is not a topic module.
@@ -479,29 +615,46 @@ def run_benchmarks(
     modules = [(topic, _load_topic(package, topic, known)) for topic in topics]
 
     out = Path(out_dir)
-    image_dir = out / IMAGE_DIR
     draw = plots and matplotlib_available()
+    image_dir = out / IMAGE_DIR if draw else None
     results = []
     for topic, module in modules:
-        if echo is not None:
-            echo(f"running {topic} ...")
-        with _heartbeat(topic, echo):
-            result = _run_topic(topic, module, quick, image_dir if draw else None)
+        if replot:
+            result = _replayed(topic, module, out, image_dir, kept=False)
+            if result is None and not only:
+                continue  # every topic with rows or a page: this one has neither
+            if result is None:
+                result = _failed(
+                    topic,
+                    FileNotFoundError(
+                        f"no rows in {rows_path(out, topic)}: measure it first "
+                        f"(wrapped-optim bench {topic} --out {out})"
+                    ),
+                    0.0,
+                )
+        else:
+            if echo is not None:
+                echo(f"running {topic} ...")
+            with _heartbeat(topic, echo):
+                result = _run_topic(topic, module, quick, image_dir)
         if echo is not None:
             status = "ok" if result.ok else f"FAILED ({result.error})"
-            echo(f"  {topic}: {status} in {result.seconds:.1f} s")
-        if result.ok and not quick:
-            (out / TOPIC_DIR).mkdir(parents=True, exist_ok=True)
-            (out / TOPIC_DIR / f"{topic}.md").write_text(result.markdown.strip("\n") + "\n")
+            verb = "replotted" if replot else f"in {result.seconds:.1f} s"
+            echo(f"  {topic}: {status} {verb}")
+        if result.ok and not (replot and result.data is None):
+            _write_topic(out, result)
+        if result.data is not None and not replot:  # even when only its page failed
+            _write_rows(out, result)
         results.append(result)
     if not quick:
-        kept = _kept_results(out, [t for t in known if t not in topics])
-        if kept:  # the page lists topics in their usual order
-            order = {topic: i for i, topic in enumerate(known)}
-            results = sorted([*results, *kept], key=lambda r: order.get(r.topic, len(order)))
+        for topic in known:
+            if topic not in topics:
+                module = _load_topic(package, topic, known)
+                if (kept := _replayed(topic, module, out, image_dir, kept=True)) is not None:
+                    results.append(kept)
+        order = {topic: i for i, topic in enumerate(known)}  # the page's usual order
+        results.sort(key=lambda r: order.get(r.topic, len(order)))
 
-    measured = [r for r in results if not r.kept]
-    summary_plot = _runtime_plot(measured, image_dir) if draw and measured else None
     if draw:
         note = None
     elif plots:
@@ -517,11 +670,10 @@ def run_benchmarks(
         render_report(
             results,
             page_dir=out,
-            quick=quick,
+            quick=quick or (replot and any(r.quick for r in results)),
             machine=machine_summary(),
             date=datetime.datetime.now(datetime.UTC),
             plots_note=note,
-            summary_plot=summary_plot,
         )
     )
     return BenchReport(page, tuple(results))
@@ -529,7 +681,7 @@ def run_benchmarks(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the bench options (``TOPIC...``, ``--quick``, ``--only``, ``--out``,
-    ``--no-plots``) to a parser.
+    ``--no-plots``, ``--replot``) to a parser.
 
     Example:
         >>> import argparse
@@ -560,6 +712,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "project's docs: --out docs)",
     )
     parser.add_argument("--no-plots", action="store_true", help="do not draw figures")
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="measure nothing: remake the pages, headlines and figures from the rows an "
+        "earlier run kept in <out>/bench/<topic>.json",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -582,6 +740,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             out_dir=args.out,
             plots=not args.no_plots,
             echo=lambda line: print(line, flush=True),
+            replot=getattr(args, "replot", False),
         )
     except UnknownTopicError as error:
         print(f"wrapped-optim bench: error: {error}", file=sys.stderr)

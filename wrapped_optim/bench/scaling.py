@@ -36,17 +36,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from wrapped_optim.bench._figures import pyplot, save_figure
+from wrapped_optim.bench._figures import Panel, bar_panels
 from wrapped_optim.bench._memory import proc_status, reset_peak
 
-__all__ = ["plots", "run"]
+__all__ = ["collect", "headline", "plots", "render", "run"]
 
 SIZES = (10, 30, 100, 200, 400, 800, 1200, 1500)  # millions of parameters
 LARGEST_TENSOR = 16 << 20  # elements
 BYTES_PER_PARAM = 12  # FP32 param and grad, two bf16 moments
 BASE_BYTES = 1 << 30  # torch, the interpreter, the streaming calls' buffers: a bound
 MiB = float(1 << 20)
-_LAST: list[dict[str, Any]] = []
 
 
 def _build(n_params: int, seed: int) -> tuple[Any, list[Any]]:
@@ -220,16 +219,13 @@ def _reading(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def run(quick: bool = False) -> str:
-    """Runs every size that fits the cap (``quick``: 10M and 30M) and returns Markdown.
+def collect(quick: bool = False) -> dict[str, Any]:
+    """Runs every size that fits the cap (``quick``: 10M and 30M) and returns the rows.
 
     Example:
-        From a shell, ``python -m wrapped_optim.bench.scaling --quick`` prints what
-        ``run(quick=True)`` returns.
-
-        >>> from wrapped_optim.bench.scaling import run
-        >>> run(quick=True).startswith("# Scaling")  # doctest: +SKIP
-        True
+        >>> from wrapped_optim.bench.scaling import collect
+        >>> [r["params"] for r in collect(quick=True)["rows"]]  # doctest: +SKIP
+        [10000000, 30000000]
     """
     cap = memory_cap()
     sizes = SIZES[:2] if quick else tuple(m for m in SIZES if _estimate(m) <= cap)
@@ -239,12 +235,61 @@ def run(quick: bool = False) -> str:
         rows = [_run_child(m * 10**6, root) for m in sizes]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    _LAST[:] = rows
+    return {
+        "rows": rows,
+        "cap": cap,
+        "cap_from_env": bool(os.environ.get("WRAPPED_OPTIM_BENCH_MAX_GIB")),
+        "skipped": skipped,
+    }
 
+
+def headline(data: dict[str, Any]) -> str:
+    """The topic's result in one sentence.
+
+    Example:
+        >>> rows = [{"params": n, "step": n * 2e-9, "save": n * 7e-8, "load": n * 5e-8,
+        ...          "steady_rss": 400 * MiB + 12 * n, "save_growth": 65 * MiB,
+        ...          "load_growth": 193 * MiB} for n in (10**7, 10**8, 4 * 10**8)]
+        >>> from textwrap import fill
+        >>> print(fill(headline({"rows": rows}), 80))
+        From 10M to 400M parameters step, save and load grow linearly (exponents 1.00,
+        1.00, 1.00); memory 12.00 bytes per parameter, and a save or a load adds at most
+        193 MiB at any size.
+    """
+    rows = data["rows"]
+    n = [float(r["params"]) for r in rows]
+    per_param = _fit(n, [float(r["steady_rss"]) for r in rows])[1] if len(rows) > 1 else 0.0
+    exponents = [_exponent(rows, key) for key in _CAUSES] if len(rows) > 1 else []
+    shape = "grow linearly" if exponents and max(exponents) <= 1.1 else "grow superlinearly"
+    growth = max(max(r["save_growth"], r["load_growth"]) for r in rows)
+    return (
+        f"From {rows[0]['params'] / 1e6:,.0f}M to {rows[-1]['params'] / 1e6:,.0f}M parameters "
+        + (
+            f"step, save and load {shape} (exponents "
+            + ", ".join(f"{k:.2f}" for k in exponents)
+            + "); "
+            if exponents
+            else ""
+        )
+        + f"memory {per_param:.2f} bytes per parameter, and a save or a load adds at most "
+        f"{growth / MiB:,.0f} MiB at any size."
+    )
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown section of :func:`collect`'s ``data``.
+
+    Example:
+        >>> render.__name__
+        'render'
+    """
+    rows, cap, skipped = data["rows"], data["cap"], data["skipped"]
     n = [float(r["params"]) for r in rows]
     fixed, per_param = _fit(n, [float(r["steady_rss"]) for r in rows])
     lines = [
         "# Scaling with the model size",
+        "",
+        f"**{headline(data)}**",
         "",
         "PrecisionAwareAdamW (FP32 params and grads, bf16 moments; the step path it "
         "chooses: the compiled CPU kernel where it builds), tensors of at most "
@@ -252,23 +297,35 @@ def run(quick: bool = False) -> str:
         "process; save = `save_optimizer` (streaming), load = `load_optimizer` (atomic, "
         "undo journal on disk). Peak growth is over the RSS just before the call.",
         "",
-        "| params | step s | save s | load s | ns/param step | ns/param save | ns/param load "
-        "| RSS after steps MiB | bytes/param | peak RSS MiB | save growth MiB "
+        "### Time",
+        "",
+        "| params | step s | save s | load s | step ns/param | save ns/param | load ns/param |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    memory = [
+        "",
+        "### Memory",
+        "",
+        "| params | RSS after steps MiB | bytes/param | peak RSS MiB | save growth MiB "
         "| load growth MiB | loaded exactly |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for r in rows:
         p = r["params"]
         lines.append(
             f"| {p / 1e6:,.0f}M | {r['step']:.3f} | {r['save']:.2f} | {r['load']:.2f} "
             f"| {r['step'] / p * 1e9:.2f} | {r['save'] / p * 1e9:.2f} "
-            f"| {r['load'] / p * 1e9:.2f} | {r['steady_rss'] / MiB:,.0f} "
+            f"| {r['load'] / p * 1e9:.2f} |"
+        )
+        memory.append(
+            f"| {p / 1e6:,.0f}M | {r['steady_rss'] / MiB:,.0f} "
             f"| {r['steady_rss'] / p:.2f} | {r['peak_rss'] / MiB:,.0f} "
             f"| {r['save_growth'] / MiB:,.0f} | {r['load_growth'] / MiB:,.0f} "
             f"| {'yes' if r['correct'] else 'NO'} |"
         )
     exponents = ", ".join(f"{key} {_exponent(rows, key):.2f}" for key in _CAUSES)
     lines += [
+        *memory,
         "",
         f"Memory: RSS after the steps = {fixed / MiB:,.0f} MiB + **{per_param:.2f} bytes per "
         f"parameter** (least squares over the sizes; {BYTES_PER_PARAM} expected: FP32 param "
@@ -285,7 +342,7 @@ def run(quick: bool = False) -> str:
         why = (
             "set for this run with `WRAPPED_OPTIM_BENCH_MAX_GIB`, as the machine's memory was "
             "shared with other work"
-            if os.environ.get("WRAPPED_OPTIM_BENCH_MAX_GIB")
+            if data["cap_from_env"]
             else "80% of the memory available at the start"
         )
         lines += [
@@ -300,36 +357,60 @@ def run(quick: bool = False) -> str:
     return "\n".join(lines)
 
 
-def plots(out_dir: Path | str) -> list[Path]:
-    """Time per call and memory against the size, from the last :func:`run` (matplotlib);
-    nothing before a run.
+def run(quick: bool = False) -> str:
+    """Runs every size that fits the cap (``quick``: 10M and 30M) and returns Markdown.
 
     Example:
-        >>> _LAST.clear(); plots("/tmp/unused")
-        []
+        From a shell, ``python -m wrapped_optim.bench.scaling --quick`` prints what
+        ``run(quick=True)`` returns.
+
+        >>> from wrapped_optim.bench.scaling import run
+        >>> run(quick=True).startswith("# Scaling")  # doctest: +SKIP
+        True
     """
-    if not _LAST:
-        return []
-    sizes = [r["params"] / 1e6 for r in _LAST]
-    figure, axes = pyplot().subplots(1, 2, figsize=(11, 4))
-    for key in ("step", "save", "load"):
-        axes[0].loglog(sizes, [r[key] for r in _LAST], marker="o", label=key)
-    axes[0].set_xlabel("parameters (M)")
-    axes[0].set_ylabel("seconds")
-    axes[0].set_title("time per call (log-log)")
-    axes[0].legend()
-    for key, label in (
-        ("steady_rss", "RSS after steps"),
-        ("peak_rss", "peak RSS (load)"),
-        ("save_growth", "save peak growth"),
-        ("load_growth", "load peak growth"),
-    ):
-        axes[1].plot(sizes, [r[key] / MiB for r in _LAST], marker="o", label=label)
-    axes[1].set_xlabel("parameters (M)")
-    axes[1].set_ylabel("MiB")
-    axes[1].set_title("host memory")
-    axes[1].legend()
-    return [save_figure(figure, Path(out_dir) / "scaling.png")]
+    return render(collect(quick))
+
+
+def plots(data: dict[str, Any], out_dir: Path | str) -> list[Path]:
+    """``scaling_per_param.png``: time and memory per parameter at every size, against the
+    12 bytes per parameter the state needs and the largest tensor that bounds a streaming
+    call (needs matplotlib).
+
+    Example:
+        >>> import tempfile
+        >>> rows = [{"params": n, "step": n * 2e-9, "save": n * 7e-8, "load": n * 5e-8,
+        ...          "steady_rss": 400 * MiB + 12 * n, "save_growth": 65 * MiB,
+        ...          "load_growth": 193 * MiB} for n in (10**7, 10**8)]
+        >>> [p.name for p in plots({"rows": rows}, tempfile.mkdtemp())]
+        ['scaling_per_param.png']
+    """
+    rows = data["rows"]
+    labels = [f"{r['params'] / 1e6:,.0f}M" for r in rows]
+    time = Panel(
+        "Time per parameter of each call",
+        labels,
+        {key: [r[key] / r["params"] * 1e9 for r in rows] for key in _CAUSES},
+        "nanoseconds per parameter (log)",
+        log=True,
+    )
+    memory = Panel(
+        "Resident memory after the steps, per parameter (the process's fixed part included)",
+        labels,
+        {"RSS / params": [r["steady_rss"] / r["params"] for r in rows]},
+        "bytes per parameter",
+        anchor=(f"the state's {BYTES_PER_PARAM} bytes", float(BYTES_PER_PARAM)),
+    )
+    growth = Panel(
+        "Peak memory growth of one checkpoint call",
+        labels,
+        {
+            "save": [r["save_growth"] / MiB for r in rows],
+            "load": [r["load_growth"] / MiB for r in rows],
+        },
+        "MiB",
+        anchor=("largest tensor, FP32", LARGEST_TENSOR * 4 / MiB),
+    )
+    return [bar_panels(Path(out_dir) / "scaling_per_param.png", [time, memory, growth])]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,14 +32,18 @@ from typing import Any
 import torch
 
 from wrapped_optim._staging.engine import staged_save
+from wrapped_optim.bench._figures import Panel, bar_panels
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.testing.probe import DeviceMemoryProbe, count_unstaged_expansions
 
 __all__ = [
     "build_model_optimizer",
+    "collect",
+    "headline",
     "measure",
     "plots",
     "ratios",
+    "render",
     "run",
     "whole_tensor_state_dict",
 ]
@@ -47,7 +51,6 @@ __all__ = [
 MiB = 1 << 20
 HIDDEN = 1024
 EMBEDDING_SHARE = 0.4
-_LAST: list[dict[str, Any]] = []
 
 
 def build_model_optimizer(
@@ -231,12 +234,13 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / MiB:,.1f}"
 
 
-def run(quick: bool = False) -> str:
-    """Runs the benchmark and returns its Markdown section.
+def collect(quick: bool = False) -> dict[str, Any]:
+    """Measures every size (10M to 200M parameters; ``quick``: up to 50M) and returns the
+    rows with the settings they were measured with (JSON-able).
 
     Example:
-        >>> run.__name__
-        'run'
+        >>> collect.__name__
+        'collect'
     """
     sizes = (
         [10_000_000, 25_000_000, 50_000_000]
@@ -245,23 +249,67 @@ def run(quick: bool = False) -> str:
     )
     chunk_bytes = 4 * MiB
     rounds = 3 if quick else 5
-    rows = []
-    for size in sizes:
-        rows.append(measure(size, chunk_bytes=chunk_bytes, reps=rounds, check=size <= 50_000_000))
-    _LAST[:] = rows
+    rows = [
+        measure(size, chunk_bytes=chunk_bytes, reps=rounds, check=size <= 50_000_000)
+        for size in sizes
+    ]
+    return {
+        "chunk_bytes": chunk_bytes,
+        "rounds": rounds,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+
+
+def headline(data: dict[str, Any]) -> str:
+    """The topic's result in one sentence, from the largest model measured.
+
+    Example:
+        >>> row = {"params": 200e6, "save_peak": {"unstaged": 1600 * MiB, "chunked": 0},
+        ...        "load_peak": {"chunked": 4 * MiB},
+        ...        "save_rounds": {"unstaged": [(1.0, 1.0)], "chunked": [(0.96, 1.0)]}}
+        >>> from textwrap import fill
+        >>> print(fill(headline({"chunk_bytes": 4 * MiB, "rows": [row]}), 80))
+        Chunked staging at 200M parameters: at most 4.0 MiB of extra device memory (the
+        4 MiB chunk) instead of 1,600.0 MiB for an unstaged save, at 0.96x its save
+        time.
+    """
+    r = data["rows"][-1]
+    peak = max(r["save_peak"]["chunked"], r["load_peak"]["chunked"])
+    return (
+        f"Chunked staging at {r['params'] / 1e6:.0f}M parameters: at most {_mib(peak)} MiB of "
+        f"extra device memory (the {data['chunk_bytes'] // MiB} MiB chunk) instead of "
+        f"{_mib(r['save_peak']['unstaged'])} MiB for an unstaged save, at "
+        f"{ratios(r, 'save', 'chunked')['paired']:.2f}x its save time."
+    )
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown section of :func:`collect`'s ``data``.
+
+    Example:
+        >>> render.__name__
+        'render'
+    """
+    rows, chunk_bytes, rounds = data["rows"], data["chunk_bytes"], data["rounds"]
     lines = [
         "## Staged checkpoints (StagedCheckpointOptimizer)",
+        "",
+        f"**{headline(data)}**",
         "",
         "PrecisionAwareAdamW, bf16 `exp_avg`, fp16 `exp_avg_sq`, FP32 params; 40% of each",
         f"model is one embedding of width {HIDDEN}; `chunk_bytes` = {chunk_bytes // MiB} MiB;",
         "device: CPU (peak extra device bytes from the staging ledger, see notes); times from",
         f"{rounds} rounds per size, each running every mode once, in an order rotated from",
-        f"round to round; torch threads: {torch.get_num_threads()}.",
+        f"round to round; torch threads: {data['threads']}.",
         "",
         "### Peak extra device memory (MiB)",
         "",
+        "*Load, whole-tensor*: a TE-style loader that takes one whole FP32 tensor per call (a",
+        "lower bound).",
+        "",
         "| params | largest tensor | save unstaged | save whole-tensor | save chunked "
-        "| load, TE-style whole-tensor loader (lower bound) | load chunked |",
+        "| load, whole-tensor | load chunked |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -278,22 +326,30 @@ def run(quick: bool = False) -> str:
         "Ratios to the unstaged call: *paired* is the median over rounds of the two calls' ratio",
         "within one round (the target's figure: neighbours in time see the same machine load),",
         "*best* the best wall time over the best, *CPU* the best process CPU time (all threads)",
-        "over the best.",
+        "over the best. Target: a chunked save within 1.1x of the unstaged one (paired).",
         "",
-        "| params | save unstaged, best (s) | whole-tensor / unstaged (paired) "
-        "| chunked / unstaged: paired | best | CPU | <= 1.1x "
-        "| load unstaged, best (s) | chunked / unstaged (paired) |",
-        "|---:|---:|---:|---:|---:|---:|:---:|---:|---:|",
+        "| params | unstaged (s) | whole-tensor (paired) | chunked (paired) | best | CPU "
+        "| target |",
+        "|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for r in rows:
-        st, lt = r["save_time"], r["load_time"]
         whole, chunked = ratios(r, "save", "whole"), ratios(r, "save", "chunked")
-        load = ratios(r, "load", "chunked")
         lines.append(
-            f"| {r['params'] / 1e6:.0f}M | {st['unstaged']:.3f} | {whole['paired']:.2f}x "
-            f"| {chunked['paired']:.2f}x | {chunked['best']:.2f}x | {chunked['cpu']:.2f}x "
-            f"| {'yes' if chunked['paired'] <= 1.1 else 'NO'} "
-            f"| {lt['unstaged']:.3f} | {load['paired']:.2f}x |"
+            f"| {r['params'] / 1e6:.0f}M | {r['save_time']['unstaged']:.3f} "
+            f"| {whole['paired']:.2f}x | {chunked['paired']:.2f}x | {chunked['best']:.2f}x "
+            f"| {chunked['cpu']:.2f}x | {'met' if chunked['paired'] <= 1.1 else 'missed'} |"
+        )
+    lines += [
+        "",
+        "Loads:",
+        "",
+        "| params | unstaged (s) | chunked (paired) |",
+        "|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['params'] / 1e6:.0f}M | {r['load_time']['unstaged']:.3f} "
+            f"| {ratios(r, 'load', 'chunked')['paired']:.2f}x |"
         )
     bound_ok = all(r["save_peak"]["chunked"] <= chunk_bytes for r in rows) and all(
         r["load_peak"]["chunked"] <= chunk_bytes for r in rows
@@ -322,39 +378,55 @@ def run(quick: bool = False) -> str:
     return "\n".join(lines)
 
 
-def plots(out_dir: Path | str) -> list[Path]:
-    """Peak extra device memory vs model size from the last :func:`run` (needs matplotlib).
+def run(quick: bool = False) -> str:
+    """Runs the benchmark and returns its Markdown section.
 
     Example:
-        >>> plots.__name__
-        'plots'
+        >>> run.__name__
+        'run'
     """
-    if not _LAST:
-        return []
-    import matplotlib
+    return render(collect(quick))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    sizes = [r["params"] / 1e6 for r in _LAST]
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, modes in (
-        (axes[0], "save_peak", ("unstaged", "whole", "chunked")),
-        (axes[1], "load_peak", ("unstaged", "chunked")),
-    ):
-        for mode in modes:
-            ax.plot(sizes, [r[key][mode] / MiB for r in _LAST], marker="o", label=mode)
-        ax.set_xlabel("parameters (M)")
-        ax.set_ylabel("peak extra device MiB")
-        ax.set_title(key.replace("_", " "))
-        ax.legend()
-    path = out / "staged_peak_memory.png"
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return [path]
+def plots(data: dict[str, Any], out_dir: Path | str) -> list[Path]:
+    """``staged_cost.png``: peak extra device memory and time per size against the unstaged
+    save, from :func:`collect`'s ``data`` (needs matplotlib).
+
+    Example:
+        >>> import tempfile
+        >>> row = {"params": 1e7, "save_peak": {"unstaged": 80 * MiB, "whole": 16 * MiB,
+        ...        "chunked": 0}, "load_peak": {"unstaged": 16 * MiB, "chunked": 4 * MiB},
+        ...        "save_rounds": {m: [(1.0, 1.0)] for m in ("unstaged", "whole", "chunked")},
+        ...        "load_rounds": {m: [(1.0, 1.0)] for m in ("unstaged", "chunked")}}
+        >>> [p.name for p in plots({"chunk_bytes": 4 * MiB, "rows": [row]}, tempfile.mkdtemp())]
+        ['staged_cost.png']
+    """
+    rows = data["rows"]
+    labels = [f"{r['params'] / 1e6:.0f}M" for r in rows]
+    memory = Panel(
+        "Peak extra device memory of one checkpoint call",
+        labels,
+        {
+            "save unstaged": [r["save_peak"]["unstaged"] / MiB for r in rows],
+            "save whole-tensor": [r["save_peak"]["whole"] / MiB for r in rows],
+            "save chunked": [r["save_peak"]["chunked"] / MiB for r in rows],
+            "load chunked": [r["load_peak"]["chunked"] / MiB for r in rows],
+        },
+        "MiB",
+        anchor=(f"chunk_bytes ({data['chunk_bytes'] // MiB} MiB)", data["chunk_bytes"] / MiB),
+    )
+    time = Panel(
+        "Time against the unstaged call (paired median over rounds)",
+        labels,
+        {
+            "save whole-tensor": [ratios(r, "save", "whole")["paired"] for r in rows],
+            "save chunked": [ratios(r, "save", "chunked")["paired"] for r in rows],
+            "load chunked": [ratios(r, "load", "chunked")["paired"] for r in rows],
+        },
+        "x the unstaged call",
+        anchor=("unstaged = 1", 1.0),
+    )
+    return [bar_panels(Path(out_dir) / "staged_cost.png", [memory, time])]
 
 
 if __name__ == "__main__":

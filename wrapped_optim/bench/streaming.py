@@ -32,9 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from wrapped_optim.bench._figures import Panel, bar_panels
 from wrapped_optim.bench._memory import proc_status, reset_peak
 
-__all__ = ["run"]
+__all__ = ["collect", "headline", "plots", "render", "run"]
 
 SCENARIOS = (
     "plain_save",
@@ -174,28 +175,23 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f}"
 
 
-def run(quick: bool = False, rounds: int | None = None) -> str:
-    """Runs the benchmark (about 4 minutes; ``quick``: about one) and returns Markdown.
+def collect(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
+    """Runs every scenario (about 4 minutes; ``quick``: about one) and returns the rows.
 
     The atomic and the ``atomic=False`` streaming load run ``rounds`` times, interleaved
-    (default 3; ``quick``: 1): their fastest time and largest peak growth are reported.
+    (default 3; ``quick``: 1): their fastest time and largest peak growth are kept.
 
     Each scenario runs in its own child process (so even ``quick`` takes about a minute):
     peak RSS growth then measures that call alone, not memory an earlier call left behind.
 
     Example:
-        From a shell, ``python -m wrapped_optim.bench.streaming --quick`` prints what
-        ``run(quick=True)`` returns: a Markdown table of seconds and peak RSS growth per call.
-
-        >>> from wrapped_optim.bench.streaming import run
-        >>> run(quick=True).startswith("# Streaming optimizer checkpoints")  # doctest: +SKIP
-        True
+        >>> from wrapped_optim.bench.streaming import collect
+        >>> sorted(collect(quick=True)["results"])[0]  # doctest: +SKIP
+        'plain_load'
     """
     n_tensors, numel = (4, 1 << 20) if quick else (8, 32 << 20)
     rounds = rounds if rounds is not None else (1 if quick else 3)
     chunk_bytes = (1 << 20) if quick else (64 << 20)
-    largest = numel * 4  # one FP32 expansion of the largest state tensor
-    expanded = n_tensors * numel * 2 * 4
     root = Path(tempfile.mkdtemp(prefix="wrapped_optim_bench_streaming_"))
     try:
         results = {s: _run_child(s, root, n_tensors, numel, chunk_bytes) for s in SCENARIOS}
@@ -212,9 +208,71 @@ def run(quick: bool = False, rounds: int | None = None) -> str:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
+    return {
+        "n_tensors": n_tensors,
+        "numel": numel,
+        "rounds": rounds,
+        "chunk_bytes": chunk_bytes,
+        "checkpoint_bytes": ckpt_bytes,
+        "results": results,
+    }
+
+
+def _ratios(data: dict[str, Any]) -> dict[str, float]:
+    results = data["results"]
+
+    def ratio(a: str, b: str, key: str = "seconds") -> float:
+        return float(results[a][key] / results[b][key])
+
+    return {
+        "save": ratio("stream_save", "plain_save"),
+        "load": ratio("stream_load_stream_ckpt", "plain_load"),
+        "undo": ratio("stream_load_stream_ckpt", "stream_load_not_atomic"),
+        "undo_cpu": ratio("stream_load_stream_ckpt", "stream_load_not_atomic", "cpu"),
+    }
+
+
+def headline(data: dict[str, Any]) -> str:
+    """The topic's result in one sentence.
+
+    Example:
+        >>> def call(s, growth): return {"seconds": s, "cpu": s, "peak_growth": growth << 20}
+        >>> data = {"results": {"plain_save": call(10, 2048), "stream_save": call(11, 64),
+        ...         "plain_load": call(5, 2304), "stream_load_stream_ckpt": call(4, 200),
+        ...         "stream_load_not_atomic": call(3, 192)}}
+        >>> from textwrap import fill
+        >>> print(fill(headline(data), 80))
+        Streaming checkpoints: save and load grow the memory by 64 and 200 MiB instead
+        of 2,048 and 2,304 MiB for plain DCP, at 1.10x and 0.80x its time.
+    """
+    results, r = data["results"], _ratios(data)
+    return (
+        "Streaming checkpoints: save and load grow the memory by "
+        f"{_mib(results['stream_save']['peak_growth'])} and "
+        f"{_mib(results['stream_load_stream_ckpt']['peak_growth'])} MiB instead of "
+        f"{_mib(results['plain_save']['peak_growth'])} and "
+        f"{_mib(results['plain_load']['peak_growth'])} MiB for plain DCP, at "
+        f"{r['save']:.2f}x and {r['load']:.2f}x its time."
+    )
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown section of :func:`collect`'s ``data``.
+
+    Example:
+        >>> render.__name__
+        'render'
+    """
+    n_tensors, numel, rounds = data["n_tensors"], data["numel"], data["rounds"]
+    chunk_bytes, ckpt_bytes = data["chunk_bytes"], data["checkpoint_bytes"]
+    results = data["results"]
+    largest = numel * 4  # one FP32 expansion of the largest state tensor
+    expanded = n_tensors * numel * 2 * 4
     saved = results["plain_save"]["digest"]
     lines = [
         "# Streaming optimizer checkpoints (DCP)",
+        "",
+        f"**{headline(data)}**",
         "",
         f"PrecisionAwareAdamW, bf16 `exp_avg`/`exp_avg_sq`, {n_tensors} parameters of "
         f"{numel:,} elements ({n_tensors * numel / 1e6:,.0f} M): **{_mib(expanded)} MiB** of "
@@ -240,11 +298,9 @@ def run(quick: bool = False, rounds: int | None = None) -> str:
         )
     growth = {name: r["peak_growth"] for name, r in results.items()}
     budget = 1.5 * largest + chunk_bytes  # target: 1.5x largest tensor + one chunk buffer
-    save_ratio = results["stream_save"]["seconds"] / results["plain_save"]["seconds"]
-    load_ratio = results["stream_load_stream_ckpt"]["seconds"] / results["plain_load"]["seconds"]
-    atomic, not_atomic = results["stream_load_stream_ckpt"], results["stream_load_not_atomic"]
-    undo_ratio = atomic["seconds"] / not_atomic["seconds"]
-    undo_cpu = atomic["cpu"] / not_atomic["cpu"]
+    ratio = _ratios(data)
+    save_ratio, load_ratio, undo_ratio = ratio["save"], ratio["load"], ratio["undo"]
+    undo_cpu = ratio["undo_cpu"]
 
     def verdict(ok: bool) -> str:
         return "met" if ok else "NOT met"
@@ -287,6 +343,69 @@ def run(quick: bool = False, rounds: int | None = None) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def run(quick: bool = False, rounds: int | None = None) -> str:
+    """Runs the benchmark and returns Markdown (see :func:`collect`).
+
+    Example:
+        From a shell, ``python -m wrapped_optim.bench.streaming --quick`` prints what
+        ``run(quick=True)`` returns: a Markdown table of seconds and peak RSS growth per call.
+
+        >>> from wrapped_optim.bench.streaming import run
+        >>> run(quick=True).startswith("# Streaming optimizer checkpoints")  # doctest: +SKIP
+        True
+    """
+    return render(collect(quick, rounds))
+
+
+_SHORT = {
+    "plain_save": "plain save (dcp.save)",
+    "stream_save": "save_optimizer",
+    "plain_load": "plain load (dcp.load)",
+    "stream_load_plain_ckpt": "load_optimizer, plain ckpt",
+    "stream_load_stream_ckpt": "load_optimizer",
+    "stream_load_not_atomic": "load_optimizer, atomic=False",
+}
+
+
+def plots(data: dict[str, Any], out_dir: Path | str) -> list[Path]:
+    """``streaming_cost.png``: each call's peak memory growth against the streaming bound,
+    and its time split into CPU time and the rest (disk, waiting), beside plain DCP's.
+
+    Example:
+        >>> import tempfile
+        >>> call = {"seconds": 2.0, "cpu": 1.5, "peak_growth": 64 << 20}
+        >>> data = {"numel": 1 << 20, "chunk_bytes": 1 << 20,
+        ...         "results": dict.fromkeys(SCENARIOS, call)}
+        >>> [p.name for p in plots(data, tempfile.mkdtemp())]
+        ['streaming_cost.png']
+    """
+    results = data["results"]
+    labels = [_SHORT[s] for s in SCENARIOS]
+    budget = 1.5 * data["numel"] * 4 + data["chunk_bytes"]
+    memory = Panel(
+        "Peak RSS growth of the call",
+        labels,
+        {"peak growth": [results[s]["peak_growth"] / 2**20 for s in SCENARIOS]},
+        "MiB",
+        anchor=(f"streaming bound ({_mib(budget)} MiB)", budget / 2**20),
+    )
+    cpu = [min(results[s]["cpu"], results[s]["seconds"]) for s in SCENARIOS]
+    time = Panel(
+        "Where the time goes",
+        labels,
+        {
+            "CPU time": cpu,
+            "not on a CPU (disk, waiting)": [
+                results[s]["seconds"] - c for s, c in zip(SCENARIOS, cpu, strict=True)
+            ],
+        },
+        "seconds",
+        stacked=True,
+        anchor=("plain save", results["plain_save"]["seconds"]),
+    )
+    return [bar_panels(Path(out_dir) / "streaming_cost.png", [memory, time])]
 
 
 def main(argv: list[str] | None = None) -> None:
