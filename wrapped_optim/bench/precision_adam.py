@@ -148,7 +148,7 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
             for value in optimizer.state.get(p, {}).values():
                 if isinstance(value, torch.Tensor) and value.numel() == p.numel():
                     total += value.numel() * value.element_size()
-    scales: dict[Any, dict[str, torch.Tensor]] = getattr(optimizer, "_scales", {})
+    scales: dict[Any, dict[str, torch.Tensor]] = getattr(optimizer, "scales", {})
     total += sum(s.numel() * s.element_size() for per in scales.values() for s in per.values())
     return total / max(numel, 1)
 

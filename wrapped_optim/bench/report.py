@@ -351,7 +351,7 @@ def _write_rows(out: Path, result: TopicResult) -> None:
         "topic": result.topic,
         "quick": result.quick,
         "seconds": round(result.seconds, 1),
-        "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        "measured": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
         "machine": dict(machine_summary()),
         "data": result.data,
     }
