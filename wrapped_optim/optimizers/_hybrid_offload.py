@@ -1,7 +1,7 @@
 """HybridOffloadOptimizer: Megatron HybridDeviceOptimizer's structure, on any device.
 
 The class gathers operands; its layout, step, loading and state rules are functions over an
-:class:`~wrapped_optim.optimizers._offload_layout.OffloadLayout` (see docs/hybrid.md).
+``wrapped_optim.optimizers._offload_layout.OffloadLayout`` (see docs/hybrid.md).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     def layout(self) -> OffloadLayout:
         """The copies and sub-optimizers this optimizer steps (replaced by a load).
 
-        Example:
+        Examples:
             >>> import torch
             >>> p = torch.nn.Parameter(torch.ones(2))
             >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0)
@@ -186,7 +186,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     @property
     def sub_optimizer_keywords(self) -> dict[str, Any]:
         """The keyword arguments the sub-optimizers are constructed with: the caller's
-        (``lr``, ``exp_avg_dtype``, ...), without the defaults :attr:`defaults` gains from
+        (``lr``, ``exp_avg_dtype``, ...), without the defaults ``defaults`` gains from
         the sub-optimizers (a copy).
 
         Examples:
@@ -231,7 +231,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
     # Stepping
     # ------------------------------------------------------------------------------------
     def _expose_state(self) -> None:
-        """Publishes :attr:`state` (host entries take writes in place)."""
+        """Publishes ``state`` (host entries take writes in place)."""
         self.state = exposed_state(
             self._layout.cpu_optimizers,
             self._layout.gpu_optimizer,
@@ -335,7 +335,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         """Refreshes the FP32 copies (only those) from the parameters, as Megatron's does.
 
         Host copies of FP32 parameters are *not* refreshed — use
-        :meth:`wrapped_optim.HybridSyncOptimizer.reload_model_params` to refresh every copy.
+        ``wrapped_optim.HybridSyncOptimizer.reload_model_params`` to refresh every copy.
 
         Examples:
             >>> import torch
@@ -391,7 +391,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         """torch's state dict; precision-aware sub-optimizers' params in FusedAdam's format.
 
         With plain sub-optimizers this is what torch's ``Optimizer.state_dict`` makes of
-        :attr:`state`, each param's entry the sub-optimizer's own dict, as torch's (a plain
+        ``state``, each param's entry the sub-optimizer's own dict, as torch's (a plain
         dict, never the in-place view ``state`` holds for a host param).
         A param stepped by a precision-aware holder gets each of its states read through the
         holder's ``get_unscaled_state`` (the instance attribute, so instance-level patches
@@ -463,7 +463,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         load_state_dict_with_hooks(self, state_dict, self._load)
 
     def _load(self, state_dict: dict[str, Any]) -> None:
-        """Validates ``state_dict`` whole, then loads it (see :meth:`load_state_dict`)."""
+        """Validates ``state_dict`` whole, then loads it (see ``load_state_dict``)."""
         layout, fp32 = self._layout, self.param_update_in_fp32
         references = References(
             layout, (self.cpu_optimizer_cls, self.gpu_optimizer_cls), self._keywords
@@ -495,7 +495,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
 def fused_plan(opt: HybridOffloadOptimizer) -> list[FusedEntry]:
     """The params the fused host step updates in ``opt``'s next step, from its options.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from wrapped_optim.optimizers import cpu_kernel
         >>> p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))

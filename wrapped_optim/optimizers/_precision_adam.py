@@ -1,9 +1,9 @@
 """A device-agnostic AdamW with Transformer Engine FusedAdam's precision-aware state.
 
 The class gathers operands: its options become a
-:class:`~wrapped_optim.optimizers._precision_layout.PrecisionLayout`, and the step, loading
-and format functions (:mod:`~wrapped_optim.optimizers._precision_paths`,
-:mod:`~wrapped_optim.optimizers._precision_loading`, :mod:`wrapped_optim._formats.codecs`)
+``wrapped_optim.optimizers._precision_layout.PrecisionLayout``, and the step, loading
+and format functions (``wrapped_optim.optimizers._precision_paths``,
+``wrapped_optim.optimizers._precision_loading``, ``wrapped_optim._formats.codecs``)
 take that layout with explicit tensors.
 """
 
@@ -161,7 +161,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     def layout(self) -> PrecisionLayout:
         """The storage layout the options describe (state dtypes, remainders, kernels).
 
-        Example:
+        Examples:
             >>> import torch
             >>> opt = PrecisionAwareAdamW([torch.zeros(1)], exp_avg_dtype=torch.bfloat16)
             >>> opt.layout.exp_avg_dtype, opt.layout.master_weights
@@ -187,7 +187,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         tensors, live: a step writes new values into them). Never saved: the checkpoint holds
         the unscaled values.
 
-        Example:
+        Examples:
             >>> import torch
             >>> p = torch.nn.Parameter(torch.zeros(2))
             >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.uint8)
@@ -256,7 +256,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
         Allocates the state if absent. The caller's tensor is never modified (FusedAdam's fp16
         path scales it in place). The scale is TE's ``amax / range`` unless the values are
-        exactly representable under a neighbouring scale (see :func:`codecs.exact_scale`),
+        exactly representable under a neighbouring scale (see ``codecs.exact_scale``),
         which makes ``set_scaled_state(get_unscaled_state())`` lossless.
 
         Examples:
@@ -307,7 +307,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         """Quantize ``source`` into one state, moving ``chunk_numel`` elements at a time.
 
         ``source`` (float32, or int16 for a remainder master) may live on any device; the
-        result is bitwise what :meth:`set_scaled_state` produces, with device temporaries of
+        result is bitwise what ``set_scaled_state`` produces, with device temporaries of
         ``O(chunk_numel)`` elements. ``source`` is never modified.
 
         Examples:
@@ -458,14 +458,14 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load FusedAdam's portable format (or torch's Adam/AdamW layout, converted by
-        :func:`~wrapped_optim.optimizers.from_torch_adam`), validating everything before the
+        ``wrapped_optim.optimizers.from_torch_adam``), validating everything before the
         first write.
 
         Every problem (group or parameter count, shapes, remainder vs FP32 master, a missing
         master, unknown state names, non-finite values) raises ``ValueError`` naming the
         parameter index and state, and leaves this optimizer exactly as it was. States are
         then written through ``self.set_scaled_state`` into the existing storage, in slices
-        (see :mod:`~wrapped_optim.optimizers._precision_loading`: the extra memory is one
+        (see ``wrapped_optim.optimizers._precision_loading``: the extra memory is one
         slice; a load interrupted half-way is completed before the exception propagates);
         the caller's tensors are never modified.
 
