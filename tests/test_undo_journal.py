@@ -504,19 +504,21 @@ def test_pieces_at_any_address_are_written_from_their_own_pages(
     start: int, size: int, piece_bytes: int, refused: bool
 ) -> None:
     """A region at any byte offset in its storage (so at any place in a page) round-trips
-    bitwise, its neighbours untouched by the replay. Under O_DIRECT only the record headers
-    go through the journal's own buffer: each piece is written from the pages it lies in;
-    where O_DIRECT refuses that memory, the piece goes through the buffer instead."""
+    bitwise, its neighbours untouched by the replay. Under O_DIRECT only the record headers and
+    the piece's partial first and last pages (under a page each) go through the journal's own
+    buffer: the pages wholly inside a piece are written from its memory; where O_DIRECT
+    refuses that memory, all of the piece goes through the buffer."""
     g = torch.Generator().manual_seed(start + size)
     storage = torch.randint(0, 256, (start + size + 5000,), generator=g, dtype=torch.uint8)
     region = storage[start : start + size]
     before = storage.clone()
-    buffered: list[int] = []
+    buffered: list[int] = []  # bytes of data (not headers) written through the buffer
     with pytest.MonkeyPatch.context() as patch:
         original_put = UndoJournal._put
 
         def spying(self: UndoJournal, data: memoryview, offset: int, skew: int = 0) -> None:
-            buffered.append(len(data))
+            if bytes(data[:8]) != journal_module._MAGIC:
+                buffered.append(len(data))
             original_put(self, data, offset, skew)
 
         patch.setattr(UndoJournal, "_put", spying)
@@ -535,8 +537,8 @@ def test_pieces_at_any_address_are_written_from_their_own_pages(
             journal.rollback()
             direct = journal.direct
     assert torch.equal(storage, expected)
-    headers = [n for n in buffered if n == journal_module._HEADER.size]
-    if direct and not refused:
-        assert buffered == headers
-    elif direct and size:
-        assert sum(buffered) - sum(headers) == size
+    if direct:
+        assert sum(buffered) == size if refused else all(n < 4096 for n in buffered)
+        pieces = -(-size // piece_bytes)
+        if not refused and size > 3 * 4096 * pieces:
+            assert sum(buffered) <= 2 * 4096 * pieces < size  # most bytes went straight

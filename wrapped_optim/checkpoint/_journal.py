@@ -17,9 +17,10 @@ file, at most ``piece_bytes`` at a time, and copied back if the load fails:
   be replayed exactly raises :class:`~wrapped_optim._formats.errors.RollbackError` rather than
   restoring wrong values silently;
 * where the filesystem takes ``O_DIRECT`` (local disks), the file bypasses the page cache and
-  each piece is written from the tensor's own pages (the whole pages it lies in; its bytes sit
-  in the record at their offset within the first page), so neither the kernel nor this module
-  copies it; replays read through one page-aligned 8 MiB buffer per thread. Elsewhere (tmpfs)
+  each piece is written from the tensor's own pages (its bytes sit in the record at their
+  offset within their first page; only its partial first and last pages are copied), so
+  neither the kernel nor this module copies it; replays read through one page-aligned 8 MiB
+  buffer per thread. Elsewhere (tmpfs)
   CPU tensors are written from, and replayed into, their own memory. Device tensors go through
   one host piece at a time.
 """
@@ -261,18 +262,34 @@ class UndoJournal:
             self._seq += 1
             self.written += len(data)
         record = _Record(piece, offset, len(data), skew, _checksum(data), seq)
-        if self._align > 1 and len(data):
-            try:  # the whole pages the piece lies in, straight from its memory (no copy)
-                _pwrite_all(self._fd, _span(address - skew, self._aligned(skew + len(data))),
-                            offset + head)  # fmt: skip
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.EFAULT):
-                    raise
-                self._put(data, offset + head, skew)  # memory O_DIRECT refuses: through ours
+        if self._align > 1:
+            self._put_direct(data, address, offset + head, skew)
         elif len(data):
             self._put(data, offset + head)
         self._put(memoryview(record.header()), offset)
         return record
+
+    def _put_direct(self, data: memoryview, address: int, offset: int, skew: int) -> None:
+        """Writes ``data`` (at ``address`` in memory) at ``offset + skew`` under O_DIRECT: the
+        pages wholly inside it straight from its memory (no copy); its partial first and last
+        pages, whose other bytes the reader may be writing meanwhile, through the bounce
+        buffer (under a page each), as is all of it where O_DIRECT refuses the memory."""
+        end = skew + len(data)
+        lo, hi = self._aligned(skew), end // self._align * self._align
+        if hi < lo:  # inside one page
+            self._put(data, offset, skew)
+            return
+        if lo > skew:
+            self._put(data[: lo - skew], offset, skew)
+        if hi > lo:
+            try:
+                _pwrite_all(self._fd, _span(address - skew + lo, hi - lo), offset + lo)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EFAULT):
+                    raise
+                self._put(data[lo - skew : hi - skew], offset + lo)  # memory O_DIRECT refuses
+        if end > hi:
+            self._put(data[hi - skew :], offset + hi)
 
     def _aligned(self, n: int) -> int:
         return -(-n // self._align) * self._align
