@@ -17,6 +17,8 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -542,3 +544,27 @@ def test_pieces_at_any_address_are_written_from_their_own_pages(
         pieces = -(-size // piece_bytes)
         if not refused and size > 3 * 4096 * pieces:
             assert sum(buffered) <= 2 * 4096 * pieces < size  # most bytes went straight
+
+
+def test_the_file_is_closed_in_the_background_and_room_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() hands the file's close (freeing its blocks) to a thread of its own; a journal
+    that finds too little room waits for such closes before it refuses."""
+    with UndoJournal(tmp_path) as journal:
+        journal.keep_now(torch.arange(10.0))
+        fd = journal.fileno()
+    for closing in list(journal_module._CLOSING):
+        closing.join()
+    with pytest.raises(OSError) as closed:
+        os.fstat(fd)
+    assert closed.value.errno == errno.EBADF
+    freed = threading.Event()
+    slow = threading.Thread(target=lambda: (time.sleep(0.2), freed.set()))
+    slow.start()
+    monkeypatch.setattr(journal_module, "_CLOSING", [slow])
+    monkeypatch.setattr(journal_module, "_free_bytes", lambda fd: 10**9 if freed.is_set() else 100)
+    with UndoJournal(tmp_path) as journal:
+        journal.plan("a", torch.zeros(1000))
+        journal.reserve(journal.planned_bytes())  # waits for the earlier close, then has room
+    assert freed.is_set()

@@ -52,6 +52,7 @@ _HEADER = struct.Struct("<8sQQQQI")
 _MAGIC = b"WOUNDO02"
 _BLOCK_WORDS = 512  # the checksum's blocks: 4 KiB of 8-byte words
 _PENDING, _BUSY, _DONE, _FAILED = range(4)
+_CLOSING: list[threading.Thread] = []  # closes of earlier journals (see UndoJournal.close)
 _ALIGN = 4096  # O_DIRECT transfers: offsets, lengths and buffers in whole blocks
 _BOUNCE = 8 << 20  # bytes of one O_DIRECT transfer (one aligned buffer per thread)
 
@@ -162,8 +163,12 @@ class UndoJournal:
     def reserve(self, nbytes: int) -> None:
         """Raises :class:`UndoJournalError` (ENOSPC) unless the journal's filesystem has room
         for ``nbytes`` (plus headers) now, before anything is written."""
-        free = _free_bytes(self._fd)
         needed = nbytes + _HEADER.size * (len(self._regions) + nbytes // self.piece_bytes + 1)
+        free = _free_bytes(self._fd)
+        if needed > free and _CLOSING:  # earlier journals may still be freeing their blocks
+            while _CLOSING:
+                _CLOSING.pop().join()
+            free = _free_bytes(self._fd)
         if needed > free:
             raise UndoJournalError(
                 errno.ENOSPC,
@@ -392,11 +397,19 @@ class UndoJournal:
         return self._fd
 
     def close(self) -> None:
-        """Stops the worker and closes the file, which frees its blocks (it has no name)."""
+        """Stops the worker and closes the file, which frees its blocks (it has no name).
+
+        The close runs on a thread of its own: freeing a file's blocks takes the filesystem
+        about 0.3 s per GiB, which the load need not wait for. A later :meth:`reserve` that
+        finds too little room waits for such closes before it refuses."""
         self._halt()
         self._bounce = threading.local()  # this thread's buffer goes (the worker's went)
         if self._fd >= 0:
-            os.close(self._fd)
+            closing = threading.Thread(
+                target=os.close, args=(self._fd,), name="wrapped_optim-undo-close", daemon=True
+            )
+            closing.start()
+            _CLOSING[:] = [*(t for t in _CLOSING if t.is_alive()), closing]
             self._fd = -1
 
     def __enter__(self) -> UndoJournal:
