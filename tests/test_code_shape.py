@@ -6,10 +6,6 @@
   Triton) names listed in :data:`FOREIGN_PRIVATES`, each with its reason;
 * no function over :data:`MAX_FUNCTION_LINES` lines of code (its docstring not counted)
   outside the benchmarks and the demo.
-
-The ``_NOT_YET_*`` sets list today's offenders in modules other branches are reworking
-(issue #30); the lead empties them when those branches merge. Each test also fails when a
-listed offender no longer offends, so the lists can only shrink.
 """
 
 from __future__ import annotations
@@ -38,11 +34,6 @@ FOREIGN_PRIVATES = {
     "_exit": "os._exit: ends a deliberately crashed save's process without clean-up",
     "_elementwise_max": "triton.language.standard._elementwise_max: Triton's max combiner",
 }
-
-# Being reworked on other branches (issue #30): the lead empties these at merge.
-_NOT_YET_SEAMED_CYCLES: set[str] = set()
-_NOT_YET_SEAMED: set[tuple[str, str]] = set()
-_NOT_YET_SPLIT = {"wrapped_optim/checkpoint/_load.py:StreamingLoadPlanner._build_targets"}
 
 
 def _modules() -> dict[str, Path]:
@@ -120,7 +111,7 @@ def test_the_import_walk_sees_type_checking_imports() -> None:
 
 
 def test_no_import_cycle_among_the_package_modules_even_under_type_checking() -> None:
-    assert sorted(_modules_in_cycles()) == sorted(_NOT_YET_SEAMED_CYCLES)
+    assert sorted(_modules_in_cycles()) == []
 
 
 # ----------------------------------------------------------------------------------------
@@ -164,11 +155,10 @@ def test_the_private_rule_flags_foreign_owners_only() -> None:
 def test_no_module_reaches_into_another_objects_private_attributes() -> None:
     reaches = {(where, attr) for where, attr in _private_reaches_in_package()}
     offenders = {(where, attr) for where, attr in reaches if attr not in FOREIGN_PRIVATES}
-    assert sorted(offenders - _NOT_YET_SEAMED) == [], (
+    assert sorted(offenders) == [], (
         "pass explicit operands (or call a public method) instead of reading another object's "
         "private attribute; a foreign library's private needs an entry in FOREIGN_PRIVATES"
     )
-    assert sorted(_NOT_YET_SEAMED - offenders) == [], "fixed: remove them from _NOT_YET_SEAMED"
 
 
 def _own_attribute_names() -> set[str]:
@@ -249,7 +239,6 @@ def test_no_function_is_over_the_length_limit() -> None:
         for name, lines in _functions(ast.parse(path.read_text()))
         if lines > MAX_FUNCTION_LINES
     }
-    assert sorted(long - _NOT_YET_SPLIT) == [], (
+    assert sorted(long) == [], (
         f"functions over {MAX_FUNCTION_LINES} lines: split them into named steps"
     )
-    assert sorted(_NOT_YET_SPLIT - long) == [], "split: remove them from _NOT_YET_SPLIT"

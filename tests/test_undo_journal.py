@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import signal
 import stat
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -388,7 +391,7 @@ def test_a_killed_load_leaves_no_journal(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import os, signal, torch
-        from wrapped_optim.checkpoint import journal, load_optimizer
+        from wrapped_optim.checkpoint import _journal as journal, load_optimizer
         from wrapped_optim.optimizers import PrecisionAwareAdamW
         original = journal._pwrite_all
         calls = [0]
@@ -456,3 +459,112 @@ def test_the_journal_works_with_and_without_o_direct(
     for t, old in zip(tensors, before, strict=True):
         assert torch.equal(_bits(t), old)
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------
+# Records: written from the tensor's own pages, checked by a word-sum checksum
+# ------------------------------------------------------------------------------------------
+@given(data=st.binary(min_size=1, max_size=20_000), bit=st.integers(0, 2**31))
+def test_the_checksum_sees_every_single_bit_flip(data: bytes, bit: int) -> None:
+    flipped = bytearray(data)
+    flipped[(bit // 8) % len(data)] ^= 1 << (bit % 8)
+    assert journal_module._checksum(memoryview(data)) != journal_module._checksum(
+        memoryview(bytes(flipped))
+    )
+
+
+@given(
+    seeds=st.lists(st.integers(0, 2**32), min_size=2, max_size=5, unique=True),
+    swap=st.tuples(st.integers(0, 4), st.integers(0, 4)),
+    tail=st.binary(max_size=100),
+)
+def test_the_checksum_sees_a_block_out_of_place_or_missing(
+    seeds: list[int], swap: tuple[int, int], tail: bytes
+) -> None:
+    """Two different 4 KiB blocks trade places (same bytes, same word sum), or one reads as
+    zeros (a lost write): the block sums' CRC differs."""
+    blocks = [random.Random(seed).randbytes(4096) for seed in seeds]
+    i, j = swap[0] % len(blocks), swap[1] % len(blocks)
+    moved = list(blocks)
+    moved[i], moved[j] = moved[j], moved[i]
+    lost = list(blocks)
+    lost[i] = bytes(4096)
+    whole = journal_module._checksum(memoryview(b"".join(blocks) + tail))
+    if i != j:
+        assert journal_module._checksum(memoryview(b"".join(moved) + tail)) != whole
+    if blocks[i] != bytes(4096):
+        assert journal_module._checksum(memoryview(b"".join(lost) + tail)) != whole
+
+
+@given(
+    start=st.integers(0, 5000),
+    size=st.integers(0, 20_000),
+    piece_bytes=st.sampled_from([1000, 4096, 12_000, 1 << 20]),
+    refused=st.booleans(),
+)
+def test_pieces_at_any_address_are_written_from_their_own_pages(
+    start: int, size: int, piece_bytes: int, refused: bool
+) -> None:
+    """A region at any byte offset in its storage (so at any place in a page) round-trips
+    bitwise, its neighbours untouched by the replay. Under O_DIRECT only the record headers and
+    the piece's partial first and last pages (under a page each) go through the journal's own
+    buffer: the pages wholly inside a piece are written from its memory; where O_DIRECT
+    refuses that memory, all of the piece goes through the buffer."""
+    g = torch.Generator().manual_seed(start + size)
+    storage = torch.randint(0, 256, (start + size + 5000,), generator=g, dtype=torch.uint8)
+    region = storage[start : start + size]
+    before = storage.clone()
+    buffered: list[int] = []  # bytes of data (not headers) written through the buffer
+    with pytest.MonkeyPatch.context() as patch:
+        original_put = UndoJournal._put
+
+        def spying(self: UndoJournal, data: memoryview, offset: int, skew: int = 0) -> None:
+            if bytes(data[:8]) != journal_module._MAGIC:
+                buffered.append(len(data))
+            original_put(self, data, offset, skew)
+
+        patch.setattr(UndoJournal, "_put", spying)
+        if refused:
+
+            def refusing(address: int, nbytes: int) -> memoryview:
+                raise OSError(errno.EINVAL, "not for O_DIRECT")
+
+            patch.setattr(journal_module, "_span", refusing)
+        with UndoJournal(piece_bytes=piece_bytes) as journal:
+            journal.keep_now(region)
+            region.fill_(7)
+            storage[: start + 1].fill_(9)  # the neighbours change too: the replay keeps them
+            expected = storage.clone()
+            expected[start : start + size] = before[start : start + size]
+            journal.rollback()
+            direct = journal.direct
+    assert torch.equal(storage, expected)
+    if direct:
+        assert sum(buffered) == size if refused else all(n < 4096 for n in buffered)
+        pieces = -(-size // piece_bytes)
+        if not refused and size > 3 * 4096 * pieces:
+            assert sum(buffered) <= 2 * 4096 * pieces < size  # most bytes went straight
+
+
+def test_the_file_is_closed_in_the_background_and_room_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() hands the file's close (freeing its blocks) to a thread of its own; a journal
+    that finds too little room waits for such closes before it refuses."""
+    with UndoJournal(tmp_path) as journal:
+        journal.keep_now(torch.arange(10.0))
+        fd = journal.fileno()
+    for closing in list(journal_module._CLOSING):
+        closing.join()
+    with pytest.raises(OSError) as closed:
+        os.fstat(fd)
+    assert closed.value.errno == errno.EBADF
+    freed = threading.Event()
+    slow = threading.Thread(target=lambda: (time.sleep(0.2), freed.set()))
+    slow.start()
+    monkeypatch.setattr(journal_module, "_CLOSING", [slow])
+    monkeypatch.setattr(journal_module, "_free_bytes", lambda fd: 10**9 if freed.is_set() else 100)
+    with UndoJournal(tmp_path) as journal:
+        journal.plan("a", torch.zeros(1000))
+        journal.reserve(journal.planned_bytes())  # waits for the earlier close, then has room
+    assert freed.is_set()

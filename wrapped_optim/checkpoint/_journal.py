@@ -12,18 +12,22 @@ file, at most ``piece_bytes`` at a time, and copied back if the load fails:
 * a worker thread journals the regions in the order they will be read, ahead of the reader;
   the reader waits only for the region it is about to write (:meth:`UndoJournal.keep`), so
   journaling overlaps reading;
-* each record carries a header (magic, sequence number, length) and the CRC-32 of its bytes,
-  checked when it is replayed: a journal that cannot be replayed exactly raises
-  :class:`~wrapped_optim._formats.errors.RollbackError` rather than restoring wrong values silently;
-* where the filesystem takes ``O_DIRECT`` (local disks), the file bypasses the page cache:
-  each thread moves its pieces through one page-aligned 8 MiB buffer of its own, so the kernel
-  neither copies the journal nor reclaims page-cache pages for it; elsewhere (tmpfs) CPU
-  tensors are written from, and replayed into, their own memory. Device tensors go through
+* each record carries a header (magic, sequence number, length, where its bytes start) and a
+  checksum of its bytes (:func:`_checksum`), checked when it is replayed: a journal that cannot
+  be replayed exactly raises :class:`~wrapped_optim._formats.errors.RollbackError` rather than
+  restoring wrong values silently;
+* where the filesystem takes ``O_DIRECT`` (local disks), the file bypasses the page cache and
+  each piece is written from the tensor's own pages (its bytes sit in the record at their
+  offset within their first page; only its partial first and last pages are copied), so
+  neither the kernel nor this module copies it; replays read through one page-aligned 8 MiB
+  buffer per thread. Elsewhere (tmpfs)
+  CPU tensors are written from, and replayed into, their own memory. Device tensors go through
   one host piece at a time.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -35,15 +39,20 @@ from collections.abc import Hashable, Iterable
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from wrapped_optim._formats.errors import RollbackError, UndoJournalError
 
 __all__ = ["UndoJournal"]
 
-_HEADER = struct.Struct("<8sQQI")  # magic, sequence number, byte count, CRC-32
-_MAGIC = b"WOUNDO01"
+# magic, sequence number, byte count, skew (where the bytes start in the record's first
+# block), the checksum (_checksum: sum of the words, CRC-32 of the block sums)
+_HEADER = struct.Struct("<8sQQQQI")
+_MAGIC = b"WOUNDO02"
+_BLOCK_WORDS = 512  # the checksum's blocks: 4 KiB of 8-byte words
 _PENDING, _BUSY, _DONE, _FAILED = range(4)
+_CLOSING: list[threading.Thread] = []  # closes of earlier journals (see UndoJournal.close)
 _ALIGN = 4096  # O_DIRECT transfers: offsets, lengths and buffers in whole blocks
 _BOUNCE = 8 << 20  # bytes of one O_DIRECT transfer (one aligned buffer per thread)
 
@@ -64,8 +73,12 @@ class _Record:
     target: torch.Tensor  # the piece of the region (a view), replayed in place
     offset: int  # of the header in the file
     nbytes: int
-    crc: int
+    skew: int  # the bytes start this far into the record's first data block
+    checksum: tuple[int, int]
     seq: int
+
+    def header(self) -> bytes:
+        return _HEADER.pack(_MAGIC, self.seq, self.nbytes, self.skew, *self.checksum)
 
 
 def _host_bytes(tensor: torch.Tensor) -> memoryview:
@@ -150,8 +163,12 @@ class UndoJournal:
     def reserve(self, nbytes: int) -> None:
         """Raises :class:`UndoJournalError` (ENOSPC) unless the journal's filesystem has room
         for ``nbytes`` (plus headers) now, before anything is written."""
-        free = _free_bytes(self._fd)
         needed = nbytes + _HEADER.size * (len(self._regions) + nbytes // self.piece_bytes + 1)
+        free = _free_bytes(self._fd)
+        if needed > free and _CLOSING:  # earlier journals may still be freeing their blocks
+            while _CLOSING:
+                _CLOSING.pop().join()
+            free = _free_bytes(self._fd)
         if needed > free:
             raise UndoJournalError(
                 errno.ENOSPC,
@@ -241,16 +258,43 @@ class UndoJournal:
             host = host.to("cpu")  # one piece of host memory
         host = host.contiguous()
         data = _host_bytes(host)
+        address = host.data_ptr()
+        skew = address % self._align if len(data) else 0
         head = self._aligned(_HEADER.size)
         with self._cond:
             offset, seq = self._end, self._seq
-            self._end += head + self._aligned(len(data))
+            self._end += head + self._aligned(skew + len(data))
             self._seq += 1
             self.written += len(data)
-        crc = self._put(data, offset + head)
-        header = _HEADER.pack(_MAGIC, seq, len(data), crc)
-        self._put(memoryview(header), offset)
-        return _Record(piece, offset, len(data), crc, seq)
+        record = _Record(piece, offset, len(data), skew, _checksum(data), seq)
+        if self._align > 1:
+            self._put_direct(data, address, offset + head, skew)
+        elif len(data):
+            self._put(data, offset + head)
+        self._put(memoryview(record.header()), offset)
+        return record
+
+    def _put_direct(self, data: memoryview, address: int, offset: int, skew: int) -> None:
+        """Writes ``data`` (at ``address`` in memory) at ``offset + skew`` under O_DIRECT: the
+        pages wholly inside it straight from its memory (no copy); its partial first and last
+        pages, whose other bytes the reader may be writing meanwhile, through the bounce
+        buffer (under a page each), as is all of it where O_DIRECT refuses the memory."""
+        end = skew + len(data)
+        lo, hi = self._aligned(skew), end // self._align * self._align
+        if hi < lo:  # inside one page
+            self._put(data, offset, skew)
+            return
+        if lo > skew:
+            self._put(data[: lo - skew], offset, skew)
+        if hi > lo:
+            try:
+                _pwrite_all(self._fd, _span(address - skew + lo, hi - lo), offset + lo)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EFAULT):
+                    raise
+                self._put(data[lo - skew : hi - skew], offset + lo)  # memory O_DIRECT refuses
+        if end > hi:
+            self._put(data[hi - skew :], offset + hi)
 
     def _aligned(self, n: int) -> int:
         return -(-n // self._align) * self._align
@@ -264,38 +308,40 @@ class UndoJournal:
             )
         return found
 
-    def _put(self, data: memoryview, offset: int) -> int:
-        """Writes ``data`` at ``offset`` (through the bounce buffer, padded, under O_DIRECT);
-        returns its CRC-32."""
+    def _put(self, data: memoryview, offset: int, skew: int = 0) -> None:
+        """Writes ``data`` at ``offset + skew`` (under O_DIRECT: through the bounce buffer, in
+        whole blocks from ``offset``, zeros around it)."""
         if self._align == 1:
-            _pwrite_all(self._fd, data, offset)
-            return zlib.crc32(data)
-        buffer, crc = self._buffer(), 0
-        view = memoryview(buffer)
-        for start in range(0, max(1, len(data)), len(buffer)):
-            part = data[start : start + len(buffer)]
-            view[: len(part)] = part
-            crc = zlib.crc32(view[: len(part)], crc)
-            view[len(part) : self._aligned(len(part))] = bytes(self._aligned(len(part)) - len(part))
-            _pwrite_all(self._fd, view[: self._aligned(len(part))], offset + start)
-        return crc
+            _pwrite_all(self._fd, data, offset + skew)
+            return
+        view = memoryview(self._buffer())
+        end = skew + len(data)
+        for start in range(0, max(1, end), len(view)):
+            stop = min(start + len(view), end)
+            first = max(start, skew)  # the window's first byte of data
+            block = self._aligned(stop - start)
+            view[: first - start] = bytes(first - start)
+            view[first - start : stop - start] = data[first - skew : stop - skew]
+            view[stop - start : block] = bytes(block - (stop - start))
+            _pwrite_all(self._fd, view[:block], offset + start)
 
-    def _get(self, data: memoryview, offset: int) -> tuple[int, int]:
-        """Reads ``len(data)`` bytes at ``offset`` into ``data``: (bytes read, their CRC-32)."""
+    def _get(self, data: memoryview, offset: int, skew: int = 0) -> int:
+        """Reads ``len(data)`` bytes at ``offset + skew`` into ``data``; returns how many
+        there were (under O_DIRECT: through the bounce buffer, in whole blocks)."""
         if self._align == 1:
-            got = os.preadv(self._fd, [data], offset) if len(data) else 0
-            return got, zlib.crc32(data)
-        buffer, crc, got = self._buffer(), 0, 0
-        view = memoryview(buffer)
-        for start in range(0, len(data), len(buffer)):
-            want = min(len(buffer), len(data) - start)
-            n = min(os.preadv(self._fd, [view[: self._aligned(want)]], offset + start), want)
-            data[start : start + n] = view[:n]
-            crc = zlib.crc32(view[:n], crc)
+            return os.preadv(self._fd, [data], offset + skew) if len(data) else 0
+        view, got = memoryview(self._buffer()), 0
+        end = skew + len(data)
+        for start in range(0, end, len(view)):
+            stop = min(start + len(view), end)
+            first = max(start, skew)
+            n = os.preadv(self._fd, [view[: self._aligned(stop - start)]], offset + start)
+            n = max(0, min(n, stop - start) - (first - start))
+            data[first - skew : first - skew + n] = view[first - start : first - start + n]
             got += n
-            if n < want:
+            if first + n < stop:
                 break
-        return got, crc
+        return got
 
     # -- ending --------------------------------------------------------------------------
     def _halt(self) -> None:
@@ -324,20 +370,19 @@ class UndoJournal:
             )
 
     def _replay(self, record: _Record) -> None:
-        header = bytearray(_HEADER.size)
-        if self._get(memoryview(header), record.offset)[0] != _HEADER.size:
+        header = bytearray(self._aligned(_HEADER.size))
+        if self._get(memoryview(header), record.offset) < _HEADER.size:
             raise ValueError("missing (the journal is shorter than written)")
-        magic, seq, nbytes, crc = _HEADER.unpack(header)
-        if magic != _MAGIC or seq != record.seq or nbytes != record.nbytes or crc != record.crc:
+        if bytes(header[: _HEADER.size]) != record.header():
             raise ValueError("damaged header")
         target = record.target
         direct = target.device.type == "cpu" and target.is_contiguous()
         host = target if direct else torch.empty(target.shape, dtype=target.dtype)
         data = _host_bytes(host)
-        got, found = self._get(data, record.offset + self._aligned(_HEADER.size))
-        if got != nbytes:
+        start = record.offset + self._aligned(_HEADER.size)
+        if self._get(data, start, record.skew) != record.nbytes:
             raise ValueError("missing bytes (the journal is shorter than written)")
-        if found != crc:
+        if _checksum(data) != record.checksum:
             raise ValueError("checksum mismatch")
         if not direct:
             target.copy_(host)
@@ -352,11 +397,19 @@ class UndoJournal:
         return self._fd
 
     def close(self) -> None:
-        """Stops the worker and closes the file, which frees its blocks (it has no name)."""
+        """Stops the worker and closes the file, which frees its blocks (it has no name).
+
+        The close runs on a thread of its own: freeing a file's blocks takes the filesystem
+        about 0.3 s per GiB, which the load need not wait for. A later :meth:`reserve` that
+        finds too little room waits for such closes before it refuses."""
         self._halt()
         self._bounce = threading.local()  # this thread's buffer goes (the worker's went)
         if self._fd >= 0:
-            os.close(self._fd)
+            closing = threading.Thread(
+                target=os.close, args=(self._fd,), name="wrapped_optim-undo-close", daemon=True
+            )
+            closing.start()
+            _CLOSING[:] = [*(t for t in _CLOSING if t.is_alive()), closing]
             self._fd = -1
 
     def __enter__(self) -> UndoJournal:
@@ -388,6 +441,39 @@ def _open_nameless(directory: str) -> tuple[int, int]:
             if not extra or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EISDIR):
                 raise
     raise OSError(errno.EINVAL, "cannot open a nameless file")  # unreachable
+
+
+def _checksum(data: memoryview) -> tuple[int, int]:
+    """The checksum of a record's bytes: the 64-bit wrapping sum of their little-endian 8-byte
+    words (the last one zero-padded), and the CRC-32 of the sums of each 4 KiB block in order.
+
+    The sum changes with any change confined to one word (every single-bit flip); the CRC of
+    the block sums with a block that is missing, stale or out of place. Both come from one
+    pass at memory speed (about 3x faster than a CRC-32 of the bytes, which was most of the
+    journal's CPU time).
+
+    Example:
+        >>> data = memoryview(bytes(range(256)) * 40)
+        >>> _checksum(data) == _checksum(memoryview(bytes(data)))
+        True
+        >>> flipped = bytearray(data); flipped[5000] ^= 0x10
+        >>> _checksum(data) == _checksum(memoryview(flipped))
+        False
+    """
+    whole = len(data) - len(data) % 8
+    words = np.frombuffer(data, dtype="<u8", count=whole // 8) if whole else np.zeros(0, "<u8")
+    full = len(words) - len(words) % _BLOCK_WORDS
+    sums = words[:full].reshape(-1, _BLOCK_WORDS).sum(axis=1, dtype=np.uint64)
+    if full < len(words) or whole < len(data):
+        tail = int.from_bytes(bytes(data[whole:]), "little")  # the zero-padded last word
+        last = (int(words[full:].sum(dtype=np.uint64)) + tail) % 2**64
+        sums = np.append(sums, np.uint64(last))
+    return int(sums.sum(dtype=np.uint64)), zlib.crc32(sums.astype("<u8").tobytes())
+
+
+def _span(address: int, nbytes: int) -> memoryview:
+    """``nbytes`` of this process's memory from ``address``, as a writable byte view."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 def _free_bytes(fd: int) -> int:

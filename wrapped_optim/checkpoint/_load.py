@@ -187,110 +187,36 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(items)
 
     def _build_targets(self, metadata: Metadata) -> None:
+        """Checks the checkpoint against the optimizer, then decides where each of its
+        tensors goes (``targets``) and what the loaded state and groups will be."""
         leaf: Any = self.leaf
-        # The checks of every loader (wrapped_optim._formats.state_format), on what DCP shows before
-        # reading: objects, and each tensor's shape and dtype. DCP drops empty dicts, so a
-        # checkpoint of an optimizer without state has no "state" entry.
-        _, saved_groups = state_format.check_structure({"state": {}, **self.objects})
-        id_map = state_format.check_groups(saved_groups, leaf.param_groups)
         holder = is_precision_aware_holder(leaf)
-        if holder:
-            saved_groups = [
-                {**g, "step": state_format.check_step(f"param group {i}", g["step"])}
-                if "step" in g
-                else g
-                for i, g in enumerate(saved_groups)
-            ]
-        saved: dict[Any, dict[str, Any]] = {}  # index -> name -> object or TensorMeta
-        for key, entry in (self.objects.get("state") or {}).items():
-            index = _int_key(key)
-            state_format.check_index(index, id_map)
-            saved[index] = dict(state_format.check_entry(index, entry))
-        state: dict[Any, dict[str, Any]] = {index: dict(entry) for index, entry in saved.items()}
-        tensors: dict[str, tuple[Any, str, TensorStorageMetadata]] = {}
-        group_tensors: list[dict[str, Any]] = [{} for _ in saved_groups]
-        group_fqns: dict[str, tuple[int, str, TensorStorageMetadata]] = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if not isinstance(md, TensorStorageMetadata):
-                continue
-            path = _path_of(metadata, fqn)
-            meta = state_format.TensorMeta(tuple(md.size), md.properties.dtype)
-            if (
-                path[0] == "param_groups"
-                and len(path) == 3
-                and path[1] in range(len(group_tensors))
-            ):
-                group_tensors[path[1]][str(path[2])] = meta  # a tensor hyper-parameter
-                group_fqns[fqn] = (path[1], str(path[2]), md)
-            if path[0] != "state":
-                continue  # not optimizer state (e.g. a model saved alongside): not ours
-            if len(path) != 3:
-                raise OptimizerCheckpointError(
-                    f"checkpoint tensor {fqn!r} is not laid out as state.<param>.<name>"
-                )
-            index, name = _int_key(path[1]), str(path[2])
-            state_format.check_index(index, id_map)
-            saved.setdefault(index, {})[name] = meta
-            tensors[fqn] = (index, name, md)
-        for index, entry in saved.items():
-            param = id_map[index][0]
-            if holder:
-                rule = holder_format.holder_rule(leaf, param)
-                holder_format.check_holder_entry(index, entry, rule, tuple(param.shape))
-            elif "step" in entry:
-                state_format.check_step(f"param {index!r}", entry["step"])
-        for i, (group, mine) in enumerate(zip(saved_groups, leaf.param_groups, strict=True)):
-            state_format.check_hyper_parameters(i, {**group_tensors[i], **group}, mine)
-
+        saved = _check_checkpoint(self.objects, metadata, leaf, holder)
         targets: dict[str, _Target] = {}
         # A tensor hyper-parameter (torch's tensor ``lr``) is read into a new tensor that the
         # group adopts at the end, as torch's own loader adopts the saved one.
-        self.param_groups = [dict(g) for g in saved_groups]
-        for fqn, (i, key, md) in group_fqns.items():
-            mine = leaf.param_groups[i].get(key)
-            device = mine.device if isinstance(mine, torch.Tensor) else torch.device("cpu")
-            hyper = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+        self.param_groups = [dict(g) for g in saved.groups]
+        for fqn, (i, key, md) in saved.group_fqns.items():
+            hyper = _hyper_parameter_tensor(leaf.param_groups[i].get(key), md)
             targets[fqn] = _Target(md.size, tensor=hyper, live=hyper)
             self.param_groups[i][key] = hyper
             self.group_tensors[fqn] = (i, key)
-        self.saved_as = {fqn: (index, name) for fqn, (index, name, _) in tensors.items()}
-        for fqn, (index, name, md) in tensors.items():
-            param = id_map[index][0]
+        self.saved_as = {fqn: (index, name) for fqn, (index, name, _) in saved.tensors.items()}
+        state = {index: dict(entry) for index, entry in saved.objects.items()}
+        for fqn, (index, name, md) in saved.tensors.items():
+            param = saved.id_map[index][0]
             live = {} if self.fresh else leaf.state.get(param, {})
             if holder:
                 target = _holder_target(leaf, param, name, md, live)
-                targets[fqn] = target
                 value = target.live if target.live is not None else _COMMITTED
-                state.setdefault(index, {})[name] = value
-                continue
-            current = live.get(name)
-            meta = saved[index][name]
-            if isinstance(current, torch.Tensor):
-                state_format.check_shape(index, name, meta, current.shape, "the optimizer keeps")
-                if current.is_floating_point() != md.properties.dtype.is_floating_point:
-                    raise OptimizerCheckpointError(
-                        f"param {index!r}: state {name!r} is {md.properties.dtype}, the "
-                        f"optimizer keeps {current.dtype}"
-                    )
-                tensor = current
             else:
-                if isinstance(param, DTensor):
-                    raise OptimizerCheckpointError(
-                        f"param {index!r}: state {name!r}: the optimizer has no state for this "
-                        "sharded (DTensor) parameter yet; initialise it first "
-                        "(wrapped_optim.init_optimizer_state)"
-                    )
-                if not _fits_param(md.size, param.shape):
-                    state_format.check_shape(index, name, meta, param.shape)
-                tensor = _new_state_tensor(leaf, param, index, name, md)
-                self.created = True
-            targets[fqn] = _Target(md.size, tensor=tensor, live=tensor)
-            state.setdefault(index, {})[name] = tensor
-        for fqn, target in targets.items():
-            if fqn in self.saved_as:
-                index, name = self.saved_as[fqn]
-                _plan_range_check(target, leaf if holder else None, id_map[index][0], name,
-                                  tensors[fqn][2].properties.dtype)  # fmt: skip
+                meta = saved.entries[index][name]
+                tensor, created = _state_tensor(leaf, param, index, name, md, meta, live.get(name))
+                self.created |= created
+                target, value = _Target(md.size, tensor=tensor, live=tensor), tensor
+            targets[fqn] = target
+            state.setdefault(index, {})[name] = value
+            _plan_range_check(target, leaf if holder else None, param, name, md.properties.dtype)
         self.targets = targets
         self.state = state
 
@@ -420,6 +346,126 @@ class _Committed:
 
 
 _COMMITTED = _Committed()
+
+
+@attrs.frozen
+class _Saved:
+    """What a checkpoint holds, as DCP shows it before reading, checked against the
+    optimizer (see :func:`_check_checkpoint`)."""
+
+    groups: list[dict[str, Any]]  # the saved param groups (a holder's steps as ints)
+    id_map: dict[Any, tuple[torch.Tensor, int]]  # saved param index -> (param, group)
+    objects: dict[Any, dict[str, Any]]  # index -> the non-tensor entries of its state
+    entries: dict[Any, dict[str, Any]]  # index -> name -> object or TensorMeta
+    tensors: dict[str, tuple[Any, str, TensorStorageMetadata]]  # fqn -> (index, name, md)
+    group_fqns: dict[str, tuple[int, str, TensorStorageMetadata]]  # fqn -> (group, key, md)
+
+
+def _check_checkpoint(
+    objects: Mapping[str, Any], metadata: Metadata, leaf: Any, holder: bool
+) -> _Saved:
+    """The checks of every loader (wrapped_optim._formats.state_format), on what DCP shows
+    before reading: objects, and each tensor's shape and dtype. DCP drops empty dicts, so a
+    checkpoint of an optimizer without state has no "state" entry."""
+    _, groups = state_format.check_structure({"state": {}, **objects})
+    id_map = state_format.check_groups(groups, leaf.param_groups)
+    if holder:
+        groups = [
+            {**g, "step": state_format.check_step(f"param group {i}", g["step"])}
+            if "step" in g
+            else g
+            for i, g in enumerate(groups)
+        ]
+    saved: dict[Any, dict[str, Any]] = {}
+    for key, entry in (objects.get("state") or {}).items():
+        index = _int_key(key)
+        state_format.check_index(index, id_map)
+        saved[index] = dict(state_format.check_entry(index, entry))
+    entries = {index: dict(entry) for index, entry in saved.items()}
+    tensors, group_metas, group_fqns = _saved_tensors(metadata, id_map, len(groups))
+    for index, name, md in tensors.values():
+        entries.setdefault(index, {})[name] = _meta(md)
+    for index, entry in entries.items():
+        param = id_map[index][0]
+        if holder:
+            rule = holder_format.holder_rule(leaf, param)
+            holder_format.check_holder_entry(index, entry, rule, tuple(param.shape))
+        elif "step" in entry:
+            state_format.check_step(f"param {index!r}", entry["step"])
+    for i, (group, mine) in enumerate(zip(groups, leaf.param_groups, strict=True)):
+        state_format.check_hyper_parameters(i, {**group_metas[i], **group}, mine)
+    return _Saved(list(groups), id_map, saved, entries, tensors, group_fqns)
+
+
+def _meta(md: TensorStorageMetadata) -> state_format.TensorMeta:
+    return state_format.TensorMeta(tuple(md.size), md.properties.dtype)
+
+
+def _saved_tensors(
+    metadata: Metadata, id_map: Mapping[Any, Any], n_groups: int
+) -> tuple[
+    dict[str, tuple[Any, str, TensorStorageMetadata]],
+    list[dict[str, Any]],
+    dict[str, tuple[int, str, TensorStorageMetadata]],
+]:
+    """The checkpoint's state tensors (fqn -> (param index, name, md)), in metadata order,
+    and its tensor hyper-parameters (per group: key -> TensorMeta; fqn -> (group, key, md))."""
+    tensors: dict[str, tuple[Any, str, TensorStorageMetadata]] = {}
+    group_metas: list[dict[str, Any]] = [{} for _ in range(n_groups)]
+    group_fqns: dict[str, tuple[int, str, TensorStorageMetadata]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        path = _path_of(metadata, fqn)
+        if path[0] == "param_groups" and len(path) == 3 and path[1] in range(n_groups):
+            group_metas[path[1]][str(path[2])] = _meta(md)  # a tensor hyper-parameter
+            group_fqns[fqn] = (path[1], str(path[2]), md)
+        if path[0] != "state":
+            continue  # not optimizer state (e.g. a model saved alongside): not ours
+        if len(path) != 3:
+            raise OptimizerCheckpointError(
+                f"checkpoint tensor {fqn!r} is not laid out as state.<param>.<name>"
+            )
+        index = _int_key(path[1])
+        state_format.check_index(index, id_map)
+        tensors[fqn] = (index, str(path[2]), md)
+    return tensors, group_metas, group_fqns
+
+
+def _hyper_parameter_tensor(mine: Any, md: TensorStorageMetadata) -> torch.Tensor:
+    """A new tensor for a saved tensor hyper-parameter, on the device of the group's value."""
+    device = mine.device if isinstance(mine, torch.Tensor) else torch.device("cpu")
+    return torch.empty(md.size, dtype=md.properties.dtype, device=device)
+
+
+def _state_tensor(
+    leaf: torch.optim.Optimizer,
+    param: torch.Tensor,
+    index: Any,
+    name: str,
+    md: TensorStorageMetadata,
+    meta: state_format.TensorMeta,
+    current: Any,
+) -> tuple[torch.Tensor, bool]:
+    """The tensor a saved state is read into: the live one (checked against it), or a new
+    one where the optimizer has none yet; and whether it is new."""
+    if isinstance(current, torch.Tensor):
+        state_format.check_shape(index, name, meta, current.shape, "the optimizer keeps")
+        if current.is_floating_point() != md.properties.dtype.is_floating_point:
+            raise OptimizerCheckpointError(
+                f"param {index!r}: state {name!r} is {md.properties.dtype}, the "
+                f"optimizer keeps {current.dtype}"
+            )
+        return current, False
+    if isinstance(param, DTensor):
+        raise OptimizerCheckpointError(
+            f"param {index!r}: state {name!r}: the optimizer has no state for this "
+            "sharded (DTensor) parameter yet; initialise it first "
+            "(wrapped_optim.init_optimizer_state)"
+        )
+    if not _fits_param(md.size, param.shape):
+        state_format.check_shape(index, name, meta, param.shape)
+    return _new_state_tensor(leaf, param, index, name, md), True
 
 
 def _holder_target(
