@@ -39,7 +39,6 @@ from collections.abc import Hashable, Iterable
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
 from wrapped_optim._formats.errors import RollbackError, UndoJournalError
@@ -460,6 +459,8 @@ def _checksum(data: memoryview) -> tuple[int, int]:
         >>> _checksum(data) == _checksum(memoryview(flipped))
         False
     """
+    import numpy as np  # here, not at import: the package (and its CLI) imports without it
+
     whole = len(data) - len(data) % 8
     words = np.frombuffer(data, dtype="<u8", count=whole // 8) if whole else np.zeros(0, "<u8")
     full = len(words) - len(words) % _BLOCK_WORDS
