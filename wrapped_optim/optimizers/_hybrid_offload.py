@@ -14,7 +14,7 @@ import torch
 import wrapped_optim.optimizers.cpu_kernel as cpu_kernel
 from wrapped_optim._adapters.hybrid import MasterCopies
 from wrapped_optim._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
-from wrapped_optim.optimizers._fused_host_step import FusedEntry, plan
+from wrapped_optim.optimizers._fused_host_step import FusedEntry, grad_of, plan
 from wrapped_optim.optimizers._offload_grads import give_grads
 from wrapped_optim.optimizers._offload_layout import (
     OffloadLayout,
@@ -38,6 +38,7 @@ from wrapped_optim.optimizers._offload_step import (
     sync_groups,
     sync_steps_from_holders,
 )
+from wrapped_optim.optimizers._step_checks import check_operands, describe_param
 
 __all__ = ["HybridOffloadOptimizer", "fused_plan"]
 
@@ -265,6 +266,7 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         layout = self._layout
+        self._check_operands()
         sync_groups(layout, self.param_groups)
         fused = fused_plan(self)
         give_grads(layout, {entry.inner for entry in fused}, pin_cpu_grads=self.pin_cpu_grads)
@@ -283,6 +285,29 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         except Exception:
             self._copy_back()  # a transient fault: once more, then the next call retries
         return loss
+
+    def _check_operands(self) -> None:
+        """Every param about to step against its grad and the copy stepped for it (see
+        ``_step_checks``): a param resized behind the optimizer's back is refused before
+        any grad is copied or any sub-optimizer steps."""
+        inner_of = self._layout.param_to_inner_param
+        for group_index, group in enumerate(self.param_groups):
+            for index, param in enumerate(group["params"]):
+                grad = grad_of(param)
+                if grad is None:
+                    continue
+                inner = inner_of.get(param, param)
+                kept = {
+                    f"state {name!r}": value
+                    for name, value in self.state.get(param, {}).items()
+                    if isinstance(value, torch.Tensor) and value.dim() > 0
+                }
+                if inner is not param:
+                    kept["its stepped copy"] = inner
+                check_operands(
+                    describe_param(group_index, index, param), param, grad, kept,
+                    same_device=False, contiguous=False,
+                )  # fmt: skip
 
     def _copy_back(self) -> None:
         """Copies each stepped copy into its param (the fused host step wrote its own)."""

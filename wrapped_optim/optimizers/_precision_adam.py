@@ -24,7 +24,8 @@ from wrapped_optim.optimizers import _precision_paths as _paths
 from wrapped_optim.optimizers import _precision_state as _state
 from wrapped_optim.optimizers import _torch_adam_format as _torch_format
 from wrapped_optim.optimizers import cpu_kernel as _cpu_kernel
-from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+from wrapped_optim.optimizers._precision_layout import STATE_NAMES, PrecisionLayout
+from wrapped_optim.optimizers._step_checks import StepOperandError, check_operands, describe_param
 from wrapped_optim.optimizers._torch_step import StepLock, StepScratch
 
 __all__ = ["PrecisionAwareAdamW"]
@@ -402,30 +403,49 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
     def _step_groups(self) -> None:
         layout = self.layout
-        for index, group in enumerate(self.param_groups):
+        # Every operand is checked before anything is written (state created, counters
+        # advanced, parameters updated): a mismatch leaves the optimizer as it was.
+        pending = [(group, self._pairs_of(index, group)) for index, group in
+                   enumerate(self.param_groups)]  # fmt: skip
+        for index, (group, pairs) in enumerate(pending):
             if not group["params"]:
                 continue
+            for p, _ in pairs:
+                if not self.state[p]:
+                    self.initialize_state(p)
             group["step"] = group.get("step", 0) + 1
             _paths.step_group(
-                layout, group, self._init_group(group), states=self.state, scales=self._scales,
+                layout, group, pairs, states=self.state, scales=self._scales,
                 scratch=self._scratch, owner=self, group_index=index,
             )  # fmt: skip
 
-    def _init_group(self, group: dict[str, Any]) -> list[tuple[Tensor, Tensor]]:
-        """The group's (param, grad) pairs to step, their missing state created."""
+    def _pairs_of(self, group_index: int, group: dict[str, Any]) -> list[tuple[Tensor, Tensor]]:
+        """The group's (param, grad) pairs to step, each checked against its state."""
         pairs = []
-        for p in group["params"]:
+        layout = self.layout
+        for index, p in enumerate(group["params"]):
             grad = self._grad_of(p)
             if grad is None:
                 continue  # frozen or unused this step: no state, as torch's optimizers do
-            if not self.state[p]:
-                self.initialize_state(p)
             if grad.is_sparse:
                 raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients.")
             if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise RuntimeError(
                     f"PrecisionAwareAdamW supports fp32, fp16 and bf16 parameters, got {p.dtype}"
                 )
+            state = {k: v for k, v in self.state.get(p, {}).items() if k in STATE_NAMES}
+            check_operands(
+                describe_param(group_index, index, p), p, grad,
+                {f"state {name!r}": value for name, value in state.items()},
+                {f"state {name!r}": layout.storage_dtype(p, name) for name in state},
+            )  # fmt: skip
+            for name in state:
+                if layout.is_scaled(p, name) and name not in self._scales.get(p, {}):
+                    raise StepOperandError(
+                        f"{describe_param(group_index, index, p)}: state {name!r} is scaled "
+                        "but has no scale; load the state through load_state_dict or "
+                        "set_scaled_state"
+                    )
             pairs.append((p, grad))
         return pairs
 
