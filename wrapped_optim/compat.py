@@ -5,6 +5,8 @@ differs, is in the docs' Configuration page ("compat").
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -210,7 +212,47 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
             entry.push_master()
         else:
             entry.refresh_from_weight()
+    _watch_steps(optimizer)
     return True
+
+
+# Each hybrid optimizer synced through the function above -> the watch its step hooks use.
+_WATCHES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _watch_steps(optimizer: Any) -> None:
+    """From now on every step of each hybrid optimizer in ``optimizer`` first checks the
+    weights written since its last step (version counters) against their masters and raises
+    ``StaleMasterError`` on a disagreement; its own step's writes are recorded after it."""
+    from wrapped_optim._adapters.hybrid import WeightWatch, leaf_master_copies
+
+    for hybrid, entries in leaf_master_copies(optimizer):
+        watch = _WATCHES.get(hybrid)
+        if watch is None:
+            watch = _WATCHES[hybrid] = WeightWatch()
+            hybrid.register_step_pre_hook(functools.partial(_check_watch, watch))
+            hybrid.register_step_post_hook(functools.partial(_refresh_watch, watch))
+        watch.record(entries)
+
+
+def _check_watch(watch: Any, *_: Any) -> None:
+    from wrapped_optim.hybrid import _stale_master_error
+
+    moved = watch.moved()
+    if not moved:
+        return
+    stale = [entry for entry in moved if entry.stale_levels()]
+    if stale:
+        raise _stale_master_error(
+            stale,
+            "Call sync_hybrid_device_optimizer_fp32_master_copies(optimizer) after changing "
+            "the weights (it refreshes every master level from them)",
+        )
+    watch.refresh()
+
+
+def _refresh_watch(watch: Any, *_: Any) -> None:
+    watch.refresh()
 
 
 def fully_shard_optimizer(optimizer: Any, *, precision_aware: bool = False) -> Any:

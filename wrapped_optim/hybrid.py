@@ -11,6 +11,7 @@ import torch
 
 from wrapped_optim._adapters.hybrid import (
     MasterCopies,
+    WeightWatch,
     find_hybrid_offload,
     hybrid_master_copies,
     keeps_per_param_step,
@@ -33,8 +34,11 @@ _ON_STALE = ("refresh", "raise", "ignore")
 class StaleMasterError(RuntimeError):
     """The optimizer's master copies disagree with the model weights it is about to update.
 
-    Raised by ``HybridSyncOptimizer``'s first step after construction or a load when it was
-    built with ``on_stale="raise"``.
+    Raised by ``HybridSyncOptimizer`` (built with ``on_stale="raise"``) before a step whose
+    masters disagree with the weights: the first step after construction or a load, and any
+    later step after a weight was written behind the optimizer's back (an RL refit, a weight
+    swap); and, on the compat route, by a step after
+    ``sync_hybrid_device_optimizer_fp32_master_copies`` when a weight changed since.
 
     Examples:
         >>> import torch
@@ -50,6 +54,24 @@ class StaleMasterError(RuntimeError):
         ...     print("stale masters refused")
         stale masters refused
     """
+
+
+def _stale_master_error(stale: list[MasterCopies], remedy: str) -> StaleMasterError:
+    """The error for ``stale`` entries (the first five named), ending with ``remedy``.
+
+    Examples:
+        >>> import torch
+        >>> entry = MasterCopies("w", torch.ones(1), torch.zeros(1))
+        >>> str(_stale_master_error([entry], "Refresh them."))  # doctest: +ELLIPSIS
+        '1 master copies disagree with the model weights they update (w); ... Refresh them.'
+    """
+    names = ", ".join(entry.name for entry in stale[:5])
+    more = f" and {len(stale) - 5} more" if len(stale) > 5 else ""
+    return StaleMasterError(
+        f"{len(stale)} master copies disagree with the model weights they update "
+        f"({names}{more}); the model weights were changed without the optimizer "
+        f"(a model-only load, an RL refit, a weight swap?). {remedy}"
+    )
 
 
 def _check_something_to_sync(inner: Any) -> None:
@@ -75,7 +97,9 @@ class HybridSyncOptimizer(OptimizerWrapper):
     ``load_state_dict`` restores what Megatron-style payloads omit and pushes the restored
     masters to every copy level and to the model; ``reload_model_params`` refreshes every
     level from the weights after a model-only load; the first step after construction or a
-    load checks every level against the model weights. It works on the portable
+    load checks every level against the model weights, and every later step checks the
+    weights written since the optimizer's own last write (their version counters moved).
+    It works on the portable
     ``HybridOffloadOptimizer`` and on Megatron's ``HybridDeviceOptimizer`` anywhere in the
     stack. Inside a Megatron container a stack without one passes through unchanged
     (Megatron-Bridge wraps every optimizer the same way); around plain optimizers it is
@@ -83,8 +107,9 @@ class HybridSyncOptimizer(OptimizerWrapper):
 
     Args:
         inner: The optimizer to decorate (a stack containing a hybrid offload optimizer).
-        on_stale: What the first step after construction or a load does when a master copy
-            disagrees with the model weights: ``"refresh"`` it from the model (default),
+        on_stale: What a step does when a master copy disagrees with the model weights
+            (checked at the first step after construction or a load, and at every step for
+            the weights written since the last one): ``"refresh"`` it from the model (default),
             ``"raise"`` ``StaleMasterError``, or ``"ignore"`` it.
 
     Raises:
@@ -117,6 +142,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
         self.on_stale: OnStale = on_stale
         self._guard_armed = True
         self._push_pending = False
+        self._watch = WeightWatch()  # the weights as the optimizer's own last write left them
 
     @property
     def hybrid_optimizers(self) -> list[Any]:
@@ -158,18 +184,29 @@ class HybridSyncOptimizer(OptimizerWrapper):
     def _step(self, closure: Callable[[], Any] | None) -> Any:
         if self._allowed_for_load:
             self._end_load()  # a load that was begun and abandoned
-        if self._push_pending or self._guard_armed:
-            self._before_step()
-        return self._inner_step(closure)
+        self._before_step()
+        result = self._inner_step(closure)
+        self._after_step()
+        return result
 
     @torch.compiler.disable
     def _before_step(self) -> None:
         """The masters push and the stale-master guard: eager even inside ``torch.compile``
-        (they walk Python objects and compare every master once; dynamo cannot trace them)."""
+        (they walk Python objects and compare masters; dynamo cannot trace them)."""
         if self._push_pending:
             self._push_masters()
         if self._guard_armed:
             self.check_masters()
+        elif self.on_stale != "ignore":
+            moved = self._watch.moved()
+            if moved:  # written since the last step: compare those values
+                self._handle_stale([entry for entry in moved if entry.stale_levels()])
+                self._watch.refresh()
+
+    @torch.compiler.disable
+    def _after_step(self) -> None:
+        if self.on_stale != "ignore":
+            self._watch.refresh()  # the step's own writes of the weights
 
     def stale_masters(self) -> list[MasterCopies]:
         """Entries with a level that, rounded to the model dtype, differs from the weight.
@@ -203,21 +240,23 @@ class HybridSyncOptimizer(OptimizerWrapper):
             >>> opt.check_masters()
             []
         """
-        stale = self.stale_masters()
+        entries = hybrid_master_copies(self.inner)
+        stale = [entry for entry in entries if entry.stale_levels()]
+        self._handle_stale(stale)
+        self._guard_armed = False
+        self._watch.record(entries)
+        return stale
+
+    def _handle_stale(self, stale: list[MasterCopies]) -> None:
         if stale and self.on_stale == "raise":
-            names = ", ".join(entry.name for entry in stale[:5])
-            more = f" and {len(stale) - 5} more" if len(stale) > 5 else ""
-            raise StaleMasterError(
-                f"{len(stale)} master copies disagree with the model weights they update "
-                f"({names}{more}); the model weights were changed without the optimizer "
-                "(a model-only load?). Call reload_model_params() to refresh them from the "
-                "model, load the optimizer state, or use on_stale='refresh'"
+            raise _stale_master_error(
+                stale,
+                "Call reload_model_params() to refresh them from the model, load the "
+                "optimizer state, or use on_stale='refresh'",
             )
         if stale and self.on_stale == "refresh":
             for entry in stale:
                 entry.refresh_from_weight()
-        self._guard_armed = False
-        return stale
 
     # ----------------------------------------------------------------------------------
     # Model-only and full-state sync
@@ -254,9 +293,11 @@ class HybridSyncOptimizer(OptimizerWrapper):
                 "through a Megatron optimizer; this stack has none — load the weights into the "
                 "model and call reload_model_params()"
             )
-        for entry in hybrid_master_copies(self.inner):
+        entries = hybrid_master_copies(self.inner)
+        for entry in entries:
             entry.refresh_from_weight()
         self._guard_armed = False
+        self._watch.record(entries)
 
     def sync_from_masters(self) -> None:
         """Full-state sync: the masters go to every copy, sub-optimizer and model weight.
@@ -273,8 +314,10 @@ class HybridSyncOptimizer(OptimizerWrapper):
             [3.0, 3.0]
         """
         push_state_to_sub_optimizers(self.inner)
-        for entry in hybrid_master_copies(self.inner):
+        entries = hybrid_master_copies(self.inner)
+        for entry in entries:
             entry.push_master()
+        self._watch.record(entries)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         payload = restore_omitted_state(state_dict, per_param_step=keeps_per_param_step(self.inner))

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -17,11 +17,13 @@ from wrapped_optim._adapters.walk import LeafContext, walk_leaves
 __all__ = [
     "HybridOffloadHolder",
     "MasterCopies",
+    "WeightWatch",
     "find_hybrid_offload",
     "hybrid_master_copies",
     "is_hybrid_offload",
     "is_megatron_hdo",
     "keeps_per_param_step",
+    "leaf_master_copies",
     "push_state_to_sub_optimizers",
     "restore_omitted_state",
 ]
@@ -88,6 +90,9 @@ class MasterCopies:
         """
         stale = []
         for label, level in self.levels():
+            if level.numel() != self.weight.numel():  # resized behind the optimizer's back
+                stale.append(label)
+                continue
             weight = self.weight.reshape(level.shape).to(level.device)
             rounded = level if level.dtype == weight.dtype else level.to(weight.dtype)
             if not torch.equal(rounded, weight):
@@ -105,6 +110,13 @@ class MasterCopies:
             >>> entry.master.tolist(), entry.copies[0].tolist()
             ([1.0, 1.0], [1.0, 1.0])
         """
+        for label, level in self.levels():
+            if level.numel() != self.weight.numel():
+                raise RuntimeError(
+                    f"{self.name}: the weight has {self.weight.numel()} elements, its {label} "
+                    f"{level.numel()}: it was resized after the optimizer was built; build a "
+                    "new optimizer for the new shapes"
+                )
         for _, level in self.levels():
             level.copy_(self.weight.reshape(level.shape))
 
@@ -123,6 +135,51 @@ class MasterCopies:
         for copy in self.copies:
             copy.copy_(self.master.reshape(copy.shape))
         self.weight.copy_(self.master.reshape(self.weight.shape))
+
+
+@attrs.define(eq=False)
+class WeightWatch:
+    """Which model weights were written since the optimizer's own last write, by their
+    version counters (``Tensor._version`` moves on every in-place write: a
+    ``load_state_dict``, a ``copy_``, an optimizer step) and storage (a ``.data`` swap).
+
+    Recorded after the optimizer's own writes; before the next step only the entries whose
+    weight :meth:`moved` are compared value by value with their masters, so a step where
+    nobody else wrote a weight costs one attribute read per weight.
+
+    Example:
+        >>> import torch
+        >>> w = torch.ones(2)
+        >>> watch = WeightWatch()
+        >>> watch.record([MasterCopies("w", w, torch.ones(2))])
+        >>> watch.moved()
+        []
+        >>> _ = w.add_(1)  # written behind the optimizer's back
+        >>> [entry.name for entry in watch.moved()]
+        ['w']
+    """
+
+    _entries: list[MasterCopies] = attrs.field(factory=list)
+    _weights: list[torch.Tensor] = attrs.field(factory=list)
+    _marks: list[tuple[int, int]] = attrs.field(factory=list)
+
+    def record(self, entries: Iterable[MasterCopies]) -> None:
+        """Watches ``entries`` from now on, their weights as they are now."""
+        self._entries = list(entries)
+        self._weights = [entry.weight for entry in self._entries]
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The watched weights as they are now (after the optimizer's own writes)."""
+        self._marks = [(w._version, w.data_ptr()) for w in self._weights]
+
+    def moved(self) -> list[MasterCopies]:
+        """The entries whose weight was written (or swapped) since the last record."""
+        return [
+            entry
+            for entry, w, mark in zip(self._entries, self._weights, self._marks, strict=True)
+            if (w._version, w.data_ptr()) != mark
+        ]
 
 
 @runtime_checkable
@@ -269,7 +326,21 @@ def hybrid_master_copies(stack: Any) -> list[MasterCopies]:
         ...     HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1))]
         [torch.float32]
     """
-    entries: list[MasterCopies] = []
+    return [entry for _, entries in leaf_master_copies(stack) for entry in entries]
+
+
+def leaf_master_copies(stack: Any) -> list[tuple[Any, list[MasterCopies]]]:
+    """Each hybrid offload optimizer in ``stack`` with its master copies, at every level.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+        >>> p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1)
+        >>> [(hybrid is opt, len(entries)) for hybrid, entries in leaf_master_copies(opt)]
+        [(True, 1)]
+    """
+    result: list[tuple[Any, list[MasterCopies]]] = []
     for leaf in _hybrid_leaves(stack):
         optimizer = leaf.optimizer
         if isinstance(optimizer, HybridOffloadHolder) and callable(
@@ -278,9 +349,16 @@ def hybrid_master_copies(stack: Any) -> list[MasterCopies]:
             own = list(optimizer.master_copies())
         else:
             own = _megatron_hdo_master_copies(optimizer)
-        for entry in _with_distributed_level(leaf, own):
-            entries.append(attrs.evolve(entry, name=f"optimizer {leaf.index}: {entry.name}"))
-    return entries
+        result.append(
+            (
+                optimizer,
+                [
+                    attrs.evolve(entry, name=f"optimizer {leaf.index}: {entry.name}")
+                    for entry in _with_distributed_level(leaf, own)
+                ],
+            )
+        )
+    return result
 
 
 def push_state_to_sub_optimizers(stack: Any) -> None:
