@@ -182,13 +182,24 @@ def test_from_toml_reports_toml_errors_and_field_errors(tmp_path: Path) -> None:
     bad.write_text("[staged\n")
     import tomllib
 
-    with pytest.raises(tomllib.TOMLDecodeError):
+    with pytest.raises(ConfigError) as syntax:  # issue #36 item 7: one error type, the file named
         StackConfig.from_toml(bad)
+    assert syntax.value.field == str(bad) and "not valid TOML" in str(syntax.value)
+    assert isinstance(syntax.value.__cause__, tomllib.TOMLDecodeError)
     wrong = tmp_path / "wrong.toml"
     wrong.write_text("[hybrid]\non_stale = 'later'\n")
     with pytest.raises(ConfigError) as info:
         StackConfig.from_toml(wrong)
     assert info.value.field == "hybrid.on_stale"
+
+
+def test_build_optimizer_names_a_toml_file_with_a_syntax_error(tmp_path: Path) -> None:
+    from wrapped_optim import build_optimizer
+
+    bad = tmp_path / "train.toml"
+    bad.write_text("[optimizer]\nname = 'adamw'\nlr = = 0.1\n")
+    with pytest.raises(ConfigError, match=r"train\.toml: is not valid TOML \(.*line 3"):
+        build_optimizer([torch.nn.Parameter(torch.ones(2))], bad)
 
 
 # ----------------------------------------------------------------------------------------

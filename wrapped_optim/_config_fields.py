@@ -6,6 +6,7 @@ A leaf module (attrs and the standard library only), so every config validates t
 from __future__ import annotations
 
 import math
+import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -278,6 +279,10 @@ def from_mapping(cls: Callable[..., S], data: Mapping[str, Any], where: str) -> 
 def read_toml(path: str | Path, table: str | None) -> dict[str, Any]:
     """A TOML document, or its nested ``table`` (dotted path), as a dict.
 
+    Raises:
+        ConfigError: the file is not valid TOML (its field is the file's path), or ``table``
+            is missing or not a table.
+
     Examples:
         >>> import pathlib, tempfile
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "x.toml"
@@ -286,7 +291,12 @@ def read_toml(path: str | Path, table: str | None) -> dict[str, Any]:
         {'lr': 0.1}
     """
     with open(path, "rb") as handle:
-        document = tomllib.load(handle)
+        try:
+            document = tomllib.load(handle)
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(
+                os.fspath(path), f"is not valid TOML ({error}); fix the syntax at that place"
+            ) from error
     if table is None:
         return document
     node: Any = document
