@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from wrapped_optim._adapters.dtensor import like_param
 from wrapped_optim._adapters.precision import is_precision_aware_holder, supports_chunked_state
 from wrapped_optim._formats import holder_format, state_format
+from wrapped_optim._formats.errors import UndoJournalError
 from wrapped_optim.checkpoint._common import (
     DEFAULT_CHUNK_BYTES,
     OptimizerCheckpointError,
@@ -38,6 +39,7 @@ from wrapped_optim.checkpoint._common import (
     _path_of,
     _quiet_no_dist,
     _raise_ours,
+    unreadable_checkpoint,
 )
 from wrapped_optim.checkpoint._deferred import _uses_remainder
 from wrapped_optim.checkpoint._snapshot import snapshot_reader
@@ -634,7 +636,9 @@ def load_optimizer(
             a local disk with room for the stored state (a tmpfs would hold it in memory).
 
     Raises:
-        OptimizerCheckpointError: the checkpoint does not fit the optimizer (nothing changed).
+        OptimizerCheckpointError: the checkpoint does not fit the optimizer, or cannot be read
+            (a missing, truncated or damaged file: the file and the cause are named, DCP's
+            exception is chained); nothing changed.
         UndoJournalError: ``journal_dir`` has too little room (raised before the first read).
         TypeError: the stack holds Megatron containers (checkpoint those through
             ``sharded_state_dict``).
@@ -655,9 +659,18 @@ def load_optimizer(
     if checkpoint_id is None and storage_reader is None:
         raise ValueError("load_optimizer needs a checkpoint_id or a storage_reader")
     leaf = _leaf_of(optimizer)
-    # One metadata snapshot for both reads, over a pinned directory (checkpoint/snapshot.py).
-    with snapshot_reader(checkpoint_id, storage_reader) as reader:
-        _load(optimizer, leaf, reader, process_group, chunk_bytes, atomic, journal_dir)
+    where = os.fspath(checkpoint_id) if checkpoint_id is not None else repr(storage_reader)
+    try:
+        # One metadata snapshot for both reads, over a pinned directory (checkpoint/snapshot.py).
+        with snapshot_reader(checkpoint_id, storage_reader) as reader:
+            _load(optimizer, leaf, reader, process_group, chunk_bytes, atomic, journal_dir)
+    except CheckpointException as exc:
+        _raise_ours(exc)
+        raise unreadable_checkpoint(where, exc) from exc
+    except OSError as exc:
+        if isinstance(exc, UndoJournalError):
+            raise
+        raise unreadable_checkpoint(where, exc) from exc
 
 
 def _load(

