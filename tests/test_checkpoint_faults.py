@@ -105,3 +105,15 @@ def test_an_unreadable_checkpoint_is_one_catchable_error(kind: str, tmp_path: Pa
     else:
         pytest.fail("a damaged checkpoint loaded")
     assert_state_dict_equal(other.state_dict(), before)
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, -1])
+def test_load_refuses_a_non_positive_chunk_bytes_as_save_does(
+    chunk_bytes: int, tmp_path: Path
+) -> None:
+    opt = _stepped()
+    with pytest.raises(ValueError, match="chunk_bytes must be positive"):
+        save_optimizer(opt, tmp_path / "never", chunk_bytes=chunk_bytes)
+    save_optimizer(opt, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive number of bytes"):
+        load_optimizer(opt, tmp_path / "ckpt", chunk_bytes=chunk_bytes)

@@ -642,7 +642,8 @@ def load_optimizer(
         UndoJournalError: ``journal_dir`` has too little room (raised before the first read).
         TypeError: the stack holds Megatron containers (checkpoint those through
             ``sharded_state_dict``).
-        ValueError: neither ``checkpoint_id`` nor ``storage_reader`` is given.
+        ValueError: neither ``checkpoint_id`` nor ``storage_reader`` is given, or
+            ``chunk_bytes`` is not a positive integer (as ``save_optimizer`` refuses it).
 
     Examples:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
@@ -658,6 +659,8 @@ def load_optimizer(
     """
     if checkpoint_id is None and storage_reader is None:
         raise ValueError("load_optimizer needs a checkpoint_id or a storage_reader")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}")
     leaf = _leaf_of(optimizer)
     where = os.fspath(checkpoint_id) if checkpoint_id is not None else repr(storage_reader)
     try:
