@@ -117,3 +117,32 @@ def test_load_refuses_a_non_positive_chunk_bytes_as_save_does(
     save_optimizer(opt, tmp_path / "ckpt")
     with pytest.raises(ValueError, match="chunk_bytes must be a positive number of bytes"):
         load_optimizer(opt, tmp_path / "ckpt", chunk_bytes=chunk_bytes)
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "stepped"])
+def test_zero_element_params_keep_their_empty_precision_aware_state(
+    fresh: bool, tmp_path: Path
+) -> None:
+    """Issue #36 item 6: a (0, 4) parameter's empty FP8 moments and fp16 master survive the
+    streaming round trip, as they survive ``load_state_dict``."""
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    def make() -> tuple[PrecisionAwareAdamW, torch.nn.Parameter]:
+        empty = torch.nn.Parameter(torch.zeros(0, 4, dtype=torch.bfloat16))
+        full = torch.nn.Parameter(torch.ones(3, 4, dtype=torch.bfloat16))
+        opt = PrecisionAwareAdamW(
+            [empty, full], lr=0.1, master_weights=True, master_weight_dtype=torch.float16,
+            exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
+        )  # fmt: skip
+        empty.grad, full.grad = torch.zeros_like(empty), torch.ones_like(full)
+        opt.step()
+        return opt, empty
+
+    opt, _ = make()
+    save_optimizer(opt, tmp_path / "ckpt")
+    other, empty = make()
+    if fresh:
+        other.state.clear()
+    load_optimizer(other, tmp_path / "ckpt")
+    assert sorted(other.state[empty]) == ["exp_avg", "exp_avg_sq", "master_param"]
+    assert_state_dict_equal(other.state_dict(), opt.state_dict())

@@ -577,6 +577,7 @@ def _new_state_tensor(
 def _apply(optimizer: Any, leaf: torch.optim.Optimizer, planner: StreamingLoadPlanner) -> None:
     """Installs the loaded state and hyper-parameters."""
     state_dict = {"state": planner.state, "param_groups": planner.param_groups}
+    _write_empty_holder_states(planner)
     torch_loader = type(leaf).load_state_dict is torch.optim.Optimizer.load_state_dict
     if is_precision_aware_holder(leaf) or (not torch_loader and not planner.created):
         # The tensors are in place already: only hyper-parameters and plain values remain.
@@ -589,6 +590,18 @@ def _apply(optimizer: Any, leaf: torch.optim.Optimizer, planner: StreamingLoadPl
         leaf.load_state_dict(state_dict)
     if isinstance(optimizer, OptimizerWrapper):
         optimizer.sync_after_load()  # e.g. hybrid masters -> copies, sub-optimizers, weights
+
+
+def _write_empty_holder_states(planner: StreamingLoadPlanner) -> None:
+    """A zero-element state of a precision-aware holder gets no read (DCP has no chunk of
+    it), so it never reaches ``commit_tensor``: it is written here, empty, as the holder's
+    own ``load_state_dict`` would write it."""
+    for target in planner.targets.values():
+        if target.holder is None or target.param is None or math.prod(target.shape) != 0:
+            continue
+        local = target.param.to_local() if isinstance(target.param, DTensor) else target.param
+        empty = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+        target.holder.set_scaled_state(target.param, target.name, empty)
 
 
 def _apply_in_place(leaf: torch.optim.Optimizer, planner: StreamingLoadPlanner) -> None:
