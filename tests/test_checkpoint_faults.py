@@ -12,13 +12,16 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+
 from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer, save_optimizer
+from wrapped_optim.checkpoint._commit import CheckpointCommit, SaveInProgressError
 from wrapped_optim.testing import assert_state_dict_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -117,6 +120,72 @@ def test_load_refuses_a_non_positive_chunk_bytes_as_save_does(
     save_optimizer(opt, tmp_path / "ckpt")
     with pytest.raises(ValueError, match="chunk_bytes must be a positive number of bytes"):
         load_optimizer(opt, tmp_path / "ckpt", chunk_bytes=chunk_bytes)
+
+
+def test_saving_into_the_working_directory_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = tmp_path / "run"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    opt = _stepped()
+    save_optimizer(opt, ".")
+    assert Path(os.getcwd()) == work  # raised FileNotFoundError before the fix
+    assert Path("notes.txt").read_text() == "mine"
+    save_optimizer(opt, ".")  # and again, from the new directory
+    other = _stepped()
+    load_optimizer(other, ".")
+    assert_state_dict_equal(other.state_dict(), opt.state_dict())
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_a_second_saver_is_told_another_save_is_in_progress(tmp_path: Path) -> None:
+    """The first save is held inside its DCP write (its lock taken, its staging filled);
+    a second save into the same directory fails at once and touches nothing of it."""
+    target = tmp_path / "ckpt"
+    opt = _stepped()
+    save_optimizer(opt, target)
+    first = CheckpointCommit(target, process_group=None)
+    first.prepare()  # what a running save holds: the lock and its staging directory
+    (first.staging / "partial").write_text("being written")
+    with pytest.raises(SaveInProgressError, match="another save into this checkpoint is in"):
+        save_optimizer(opt, target)
+    assert (first.staging / "partial").read_text() == "being written"
+    first.abort()
+    save_optimizer(opt, target)  # the lock was released
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_concurrent_savers_in_threads_either_save_or_hear_why(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    errors: list[BaseException] = []
+    saved = []
+
+    def save(seed: int) -> None:
+        p = torch.nn.Parameter(torch.full((64,), float(seed)))
+        opt = torch.optim.AdamW([p], lr=0.1)
+        p.grad = torch.ones(64)
+        opt.step()
+        try:
+            save_optimizer(opt, target)
+            saved.append(seed)
+        except BaseException as error:  # any other kind is the bug this test is about
+            errors.append(error)
+
+    threads = [threading.Thread(target=save, args=(seed,)) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert saved, errors
+    assert all(isinstance(error, SaveInProgressError) for error in errors), errors
+    p = torch.nn.Parameter(torch.zeros(64))
+    other = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.ones(64)
+    other.step()
+    load_optimizer(other, target)  # the last committed checkpoint is whole
+    assert other.state[p]["exp_avg"].shape == (64,)
 
 
 @pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "stepped"])

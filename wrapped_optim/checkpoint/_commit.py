@@ -5,6 +5,8 @@ states are in docs/checkpoint.md ("Commit protocol").
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -12,10 +14,81 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CheckpointCommit", "committed_directory", "resolve_checkpoint_path"]
+__all__ = [
+    "CheckpointCommit",
+    "SaveInProgressError",
+    "committed_directory",
+    "resolve_checkpoint_path",
+]
 
 _STAGING = ".{}.saving"
 _OLD = ".{}.old"
+_LOCK = ".{}.lock"
+
+
+class SaveInProgressError(RuntimeError):
+    """Another save into the same checkpoint directory is running (another process or thread
+    holds its lock); nothing of this save was written.
+
+    Example:
+        >>> str(SaveInProgressError("ckpt: another save is in progress")).split(":")[0]
+        'ckpt'
+    """
+
+
+def _cwd() -> Path | None:
+    try:
+        return Path(os.getcwd())
+    except OSError:  # already removed by someone else
+        return None
+
+
+def _within(path: Path | None, directory: Path) -> bool:
+    return path is not None and (path == directory or directory in path.parents)
+
+
+class _SaveLock:
+    """An exclusive ``flock`` on ``.<name>.lock`` beside the target, held from the start of
+    a save's staging to its commit or abort; a second saver fails at once instead of
+    clearing the first one's staging directory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self, target: Path) -> None:
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except OSError as error:
+            raise FileExistsError(
+                f"{self.path}: cannot open the save lock ({error.strerror}); it is a name "
+                "save_optimizer reserves: remove what is there"
+            ) from error
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # The lock file may have been removed and made anew by a save that just ended:
+            # the lock counts only on the file the name holds now.
+            if os.fstat(fd).st_ino != os.stat(self.path, follow_symlinks=False).st_ino:
+                raise BlockingIOError
+        except OSError as error:
+            os.close(fd)
+            raise SaveInProgressError(
+                f"{target}: another save into this checkpoint is in progress (it holds "
+                f"{self.path.name}); wait for it to finish, or save to another directory"
+            ) from error
+        self.fd = fd
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            os.close(fd)
 
 
 def resolve_checkpoint_path(path: str | os.PathLike[str]) -> Path:
@@ -146,10 +219,14 @@ class CheckpointCommit:
         self.staging = self.target.parent / _STAGING.format(self.target.name)
         self.old = self.target.parent / _OLD.format(self.target.name)
         self.process_group = process_group
+        self._lock = _SaveLock(self.target.parent / _LOCK.format(self.target.name))
 
     def prepare(self) -> None:
-        """Recovers an interrupted commit, clears stale staging files; all ranks wait for it."""
+        """Takes the save lock (``SaveInProgressError`` if another save holds it), recovers
+        an interrupted commit, clears stale staging files; all ranks wait for it."""
         if _is_coordinator(self.process_group):
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            self._lock.acquire(self.target)
             _refuse_planted(self.old)
             _refuse_planted(self.staging)
             if self.old.is_dir():
@@ -163,7 +240,20 @@ class CheckpointCommit:
         _barrier(self.process_group)
 
     def commit(self) -> None:
-        """Puts the staged checkpoint in place of the target (coordinator), then all ranks wait."""
+        """Puts the staged checkpoint in place of the target (coordinator), then all ranks wait.
+
+        A process whose working directory is the target (``save_optimizer(opt, ".")``) or
+        inside it is moved to the same path in the new checkpoint: the replaced directory is
+        removed, and a working directory must not vanish under the caller."""
+        cwd = _cwd()
+        try:
+            self._commit()
+        finally:
+            self._lock.release()
+        if _within(cwd, self.target) and cwd is not None and cwd.is_dir():
+            os.chdir(cwd)
+
+    def _commit(self) -> None:
         if _is_coordinator(self.process_group):
             if os.path.lexists(self.target):
                 if self.target.is_symlink() or not self.target.is_dir():
@@ -183,5 +273,6 @@ class CheckpointCommit:
 
     def abort(self) -> None:
         """Removes the staging directory (after a failed save); the target is untouched."""
-        if _is_coordinator(self.process_group):
-            _remove(self.staging)
+        if _is_coordinator(self.process_group) and self._lock.held:
+            _remove(self.staging)  # never another saver's: only under this save's lock
+            self._lock.release()
