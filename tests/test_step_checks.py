@@ -77,9 +77,7 @@ def test_a_resized_param_in_a_later_group_stops_the_earlier_groups_too() -> None
 
 def test_a_gradient_of_another_size_is_refused_before_any_write() -> None:
     p = torch.nn.Parameter(torch.ones(8))
-    opt = PrecisionAwareAdamW(
-        [p], lr=0.1, exp_avg_dtype=torch.bfloat16, use_decoupled_grad=True
-    )
+    opt = PrecisionAwareAdamW([p], lr=0.1, exp_avg_dtype=torch.bfloat16, use_decoupled_grad=True)
     p.decoupled_grad = torch.ones(4)  # autograd checks .grad's size; this one is ours
     with pytest.raises(StepOperandError, match="gradient has 4 elements"):
         opt.step()
@@ -92,7 +90,7 @@ def test_a_state_of_the_wrong_dtype_is_refused() -> None:
     _grads(p)
     opt.step()
     opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].float()  # written behind its back
-    with pytest.raises(StepOperandError, match="state 'exp_avg' is torch.float32"):
+    with pytest.raises(StepOperandError, match=r"state 'exp_avg' is torch\.float32"):
         opt.step()
 
 
