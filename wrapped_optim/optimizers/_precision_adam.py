@@ -9,6 +9,7 @@ take that layout with explicit tensors.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -149,6 +150,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self._scratch = StepScratch()  # per-thread step workspace, never saved
         self._step_lock = StepLock()  # one step at a time, never saved
         self._pack_small = True  # small parameters share fused calls (tests turn it off)
+        self._warned_skipped = False  # the per-group step count warning, once
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's Optimizer pickles only defaults/state/param_groups; our configuration and
@@ -410,6 +412,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         for index, (group, pairs) in enumerate(pending):
             if not group["params"]:
                 continue
+            if len(pairs) < len(group["params"]):
+                self._warn_skipped_once(index, len(group["params"]) - len(pairs), group)
             for p, _ in pairs:
                 if not self.state[p]:
                     self.initialize_state(p)
@@ -418,6 +422,25 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 layout, group, pairs, states=self.state, scales=self._scales,
                 scratch=self._scratch, owner=self, group_index=index,
             )  # fmt: skip
+
+    def _warn_skipped_once(self, index: int, skipped: int, group: dict[str, Any]) -> None:
+        """The first time a group steps with params skipped (FP32 state, whose step is
+        documented as torch's): their bias correction will differ from torch's."""
+        layout = self.layout
+        fp32 = layout.exp_avg_dtype == layout.exp_avg_sq_dtype == torch.float32
+        if self._warned_skipped or not fp32 or layout.master_weights:
+            return
+        self._warned_skipped = True
+        warnings.warn(
+            f"PrecisionAwareAdamW: param group {index} steps with {skipped} of its "
+            f"{len(group['params'])} params without a gradient. Steps are counted per group "
+            "(FusedAdam's layout), not per parameter as torch.optim.AdamW does: once those "
+            "params get a gradient again, their bias correction uses the group's count and "
+            "their values differ from torch's (docs/precision_adam.md). Shown once per "
+            "optimizer.",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def _pairs_of(self, group_index: int, group: dict[str, Any]) -> list[tuple[Tensor, Tensor]]:
         """The group's (param, grad) pairs to step, each checked against its state."""
