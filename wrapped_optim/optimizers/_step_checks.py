@@ -28,9 +28,9 @@ class StepOperandError(RuntimeError):
 
     Example:
         >>> import torch
-        >>> check_operands("param 0", torch.zeros(4), torch.zeros(3), {})
+        >>> check_operands("param 0", torch.zeros(4), torch.zeros(3), {})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        wrapped_optim.optimizers._step_checks.StepOperandError: param 0 ...
+        wrapped_optim.optimizers._step_checks.StepOperandError: param 0: its gradient has 3 ...
     """
 
 
@@ -67,7 +67,7 @@ def check_operands(
         >>> check_operands("p", p, torch.ones(4), {"exp_avg": torch.zeros(4)})
         >>> check_operands("p", p, None, {"exp_avg": torch.zeros(2)})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        wrapped_optim.optimizers._step_checks.StepOperandError: p: state 'exp_avg' has 2 ...
+        wrapped_optim.optimizers._step_checks.StepOperandError: p: exp_avg has 2 elements ...
     """
     local = local_tensor(param)
     numel = local.numel()
