@@ -215,3 +215,32 @@ def test_zero_element_params_keep_their_empty_precision_aware_state(
     load_optimizer(other, tmp_path / "ckpt")
     assert sorted(other.state[empty]) == ["exp_avg", "exp_avg_sq", "master_param"]
     assert_state_dict_equal(other.state_dict(), opt.state_dict())
+
+
+def _with_inf() -> tuple[torch.optim.Optimizer, torch.nn.Parameter]:
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.tensor([1.0, float("inf"), 1.0, 1.0])  # one overflowed gradient element
+    opt.step()
+    assert not bool(torch.isfinite(opt.state[p]["exp_avg"]).all())
+    return opt, p
+
+
+def test_what_the_library_saves_it_loads_with_non_finite_state(tmp_path: Path) -> None:
+    """Issue #36 item 4: one rule on both sides. By default the save refuses inf/NaN state
+    (the load would refuse it) before writing anything; ``allow_non_finite=True`` on both
+    sides keeps it, as torch's ``load_state_dict`` does."""
+    opt, _ = _with_inf()
+    with pytest.raises(ValueError, match=r"param 0: state 'exp_avg(_sq)?' holds non-finite"):
+        save_optimizer(opt, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    assert sorted(os.listdir(tmp_path)) == []
+    save_optimizer(opt, tmp_path / "ckpt", allow_non_finite=True)
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.ones(4))], lr=0.1)
+    with pytest.raises(OptimizerCheckpointError, match="non-finite"):
+        load_optimizer(fresh, tmp_path / "ckpt")  # the default rule, on the load side too
+    assert not fresh.state
+    load_optimizer(fresh, tmp_path / "ckpt", allow_non_finite=True)
+    reference = torch.optim.AdamW([torch.nn.Parameter(torch.ones(4))], lr=0.1)
+    reference.load_state_dict(opt.state_dict())  # torch's own loader accepts it
+    assert_state_dict_equal(fresh.state_dict(), reference.state_dict())

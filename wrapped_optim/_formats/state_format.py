@@ -429,8 +429,10 @@ def check_values(
     stored: torch.dtype | None = None,
     *,
     scaled: bool = False,
+    allow_non_finite: bool = False,
 ) -> None:
-    """Finite values; no negative value in a second moment (:data:`SECOND_MOMENTS`); with
+    """Finite values (unless ``allow_non_finite``: inf and NaN pass, as torch's loader lets
+    them); no negative value in a second moment (:data:`SECOND_MOMENTS`); with
     ``stored`` (a holder's storage with ``scaled``), none too large for the format they are
     loaded into (:func:`wrapped_optim._formats.load_limits.loads_as_inf`).
 
@@ -450,15 +452,16 @@ def check_values(
         if local.numel() == 0:
             return
         lo, hi = torch.stack(torch.aminmax(local)).tolist()
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            raise _state_fault(index, name, "has non-finite values")
+        finite = math.isfinite(lo) and math.isfinite(hi)
+        if not finite and not allow_non_finite:
+            raise _state_fault(index, name, _NON_FINITE)
         negative = lo < 0
-        problem = overflow_problem(max(-lo, hi), stored, scaled=scaled)
+        problem = overflow_problem(max(-lo, hi), stored, scaled=scaled) if finite else None
         if problem is not None:
             raise _state_fault(index, name, problem)
     else:
-        if not bool(torch.isfinite(local).all()):
-            raise _state_fault(index, name, "has non-finite values")
+        if not allow_non_finite and not bool(torch.isfinite(local).all()):
+            raise _state_fault(index, name, _NON_FINITE)
         negative = local.is_floating_point() and bool((local < 0).any())
     if name in SECOND_MOMENTS and negative:
         raise _state_fault(
@@ -467,3 +470,4 @@ def check_values(
 
 
 _MIN_MAX_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_NON_FINITE = "has non-finite values"

@@ -289,6 +289,7 @@ def save_optimizer(
     process_group: Any = None,
     chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
     async_: bool = False,
+    allow_non_finite: bool = False,
 ) -> Any:
     """Saves ``optimizer``'s state as a DCP checkpoint, expanding one chunk at a time.
 
@@ -313,6 +314,10 @@ def save_optimizer(
             ``dist.new_group``) so that the save's collectives never interleave with training's.
         chunk_bytes: the most expanded bytes materialised per write item (None: whole tensors).
         async_: return a future at once and write in a background thread.
+        allow_non_finite: write state holding inf or NaN (torch's optimizers accept such
+            state); load it back with ``load_optimizer(..., allow_non_finite=True)``. By
+            default such a state is refused before anything is written, since
+            ``load_optimizer`` refuses it by default: what is saved loads.
 
     Returns:
         The DCP metadata of the checkpoint; with ``async_``, a future of it.
@@ -320,7 +325,8 @@ def save_optimizer(
     Raises:
         TypeError: the stack holds Megatron containers (checkpoint those through
             ``sharded_state_dict``).
-        ValueError: neither ``checkpoint_id`` nor ``storage_writer`` is given.
+        ValueError: neither ``checkpoint_id`` nor ``storage_writer`` is given, or a state
+            holds inf or NaN without ``allow_non_finite`` (the parameter and state named).
 
     Examples:
         >>> import tempfile, torch
@@ -340,6 +346,8 @@ def save_optimizer(
     if checkpoint_id is None and storage_writer is None:
         raise ValueError("save_optimizer needs a checkpoint_id or a storage_writer")
     leaf = _leaf_of(optimizer)
+    if not allow_non_finite:
+        _refuse_non_finite(leaf)
     # The directory is resolved here, in the calling thread: a later os.chdir or a changed
     # symlink does not move an asynchronous save.
     writer = storage_writer if storage_writer is not None else FileSystemWriter(checkpoint_id)  # type: ignore[arg-type]
@@ -358,6 +366,24 @@ def save_optimizer(
         )
     finally:
         executor.shutdown(wait=False)
+
+
+def _refuse_non_finite(leaf: torch.optim.Optimizer) -> None:
+    """``ValueError`` naming the first state (in ``state_dict`` order) holding inf or NaN;
+    FP8 storage (uint8 codes) has no such values to look for."""
+    params = [p for group in leaf.param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        for name, value in leaf.state.get(param, {}).items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            local = value.to_local() if hasattr(value, "to_local") else value
+            if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                raise ValueError(
+                    f"param {index}: state {name!r} holds non-finite values (inf or NaN), "
+                    "which load_optimizer refuses by default; nothing was written. Fix the "
+                    "run (a gradient overflowed?), or pass allow_non_finite=True here and to "
+                    "load_optimizer to keep them as torch's optimizers do"
+                )
 
 
 def _save(
