@@ -403,9 +403,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     def _step_groups(self) -> None:
         layout = self.layout
         for index, group in enumerate(self.param_groups):
+            # Every group counts, an empty one too (TE #3318): a group can be empty on some
+            # data-parallel ranks only, and the ranks sharing a state shard must agree.
+            group["step"] = group.get("step", 0) + 1
             if not group["params"]:
                 continue
-            group["step"] = group.get("step", 0) + 1
             _paths.step_group(
                 layout, group, self._init_group(group), states=self.state, scales=self._scales,
                 scratch=self._scratch, owner=self, group_index=index,
