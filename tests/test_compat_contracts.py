@@ -8,6 +8,7 @@ components, so CI checks them on every run.
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -154,6 +155,20 @@ def test_fully_shard_optimizer_adapts_the_instance_in_place() -> None:
     optimizer.step()  # through the scheduler's own step wrapper
     scheduler.step()
     assert param.grad is grad and not torch.equal(param, before)
+    assert optimizer.param_groups[0]["lr"] == 0.05
+
+
+def test_fully_shard_optimizer_keeps_a_schedulers_step_counter() -> None:
+    param = bf16_grad_param()
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    compat.fully_shard_optimizer(optimizer)  # after the scheduler wrapped the instance's step
+    (param * 2).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()"
+        optimizer.step()
+        scheduler.step()
+    assert param.grad.dtype == torch.bfloat16 and torch.all(param < 1.0)
     assert optimizer.param_groups[0]["lr"] == 0.05
 
 

@@ -2,7 +2,7 @@
 
 Megatron-FSDP's callers ignore the function's return value, so the instance they pass must
 step FSDP-aware afterwards. Its ``step`` attribute becomes a method that runs an
-``FSDPAwareOptimizer`` around the class's own ``step``: the grads are put back when the step
+``FSDPAwareOptimizer`` around the ``step`` it had: the grads are put back when the step
 raises, and a subclass calling ``super().step()`` is cast once, which step hooks do not give.
 """
 
@@ -19,16 +19,21 @@ from wrapped_optim.wrapper import find_layer
 __all__ = ["adapt_in_place", "in_place_adapter"]
 
 
-class _ClassStepAdapter(FSDPAwareOptimizer):
-    """FSDPAwareOptimizer whose inner step is the class's: the instance's leads back here."""
+class _StepBelowAdapter(FSDPAwareOptimizer):
+    """FSDPAwareOptimizer around the ``step`` the instance had before it was adapted."""
+
+    def __init__(self, inner: Any, below: Callable[..., Any], *, precision_aware: bool) -> None:
+        super().__init__(inner, precision_aware=precision_aware)
+        # The class's step, or whatever already wraps it on the instance (an LR scheduler's
+        # step counter): the instance's own step now leads back here.
+        self.step_below = below
 
     def _inner_step(self, closure: Callable[[], Any] | None) -> Any:
-        step = type(self.inner).step
-        return step(self.inner) if closure is None else step(self.inner, closure)
+        return self.step_below() if closure is None else self.step_below(closure)
 
 
 # Adapted instance -> its adapter (weakly both ways: the instance's step keeps it alive).
-_ADAPTERS: weakref.WeakKeyDictionary[Any, weakref.ref[_ClassStepAdapter]] = (
+_ADAPTERS: weakref.WeakKeyDictionary[Any, weakref.ref[_StepBelowAdapter]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -70,12 +75,16 @@ def adapt_in_place(optimizer: Any, *, precision_aware: bool) -> None:
     if existing is not None:
         existing.precision_aware = precision_aware
         return
-    adapter = _ClassStepAdapter(optimizer, precision_aware=precision_aware)
+    adapter = _StepBelowAdapter(optimizer, optimizer.step, precision_aware=precision_aware)
 
     # A function bound to the instance (not to the adapter), so a scheduler that rebinds the
     # step's __func__ to the optimizer, as torch's LRScheduler does, still reaches the adapter.
     def step(bound: Any, closure: Callable[[], Any] | None = None) -> Any:
         return adapter.step(closure)
 
+    # torch's LRScheduler marks the step it wrapped to count calls; the wrapped one is still
+    # called (below), so the mark carries over and the scheduler does not warn of a new step.
+    if getattr(adapter.step_below, "_wrapped_by_lr_sched", False):
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     _ADAPTERS[optimizer] = weakref.ref(adapter)
     optimizer.step = MethodType(step, optimizer)
