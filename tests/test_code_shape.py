@@ -29,7 +29,6 @@ FOREIGN_PRIVATES = {
     "_optimizer_state_dict_post_hooks": "torch.optim.Optimizer's hook registry, likewise",
     "_optimizer_load_state_dict_pre_hooks": "torch.optim.Optimizer's hook registry, likewise",
     "_optimizer_load_state_dict_post_hooks": "torch.optim.Optimizer's hook registry, likewise",
-    "_wrapped_by_lr_sched": "torch LRScheduler's mark on the step it counts (compat keeps it)",
     "_version": "Tensor._version: torch's in-place write counter (tells a written tensor)",
     "_base": "Tensor._base: the tensor a view was taken of (None for a base)",
     "_exit": "os._exit: ends a deliberately crashed save's process without clean-up",

@@ -1,45 +1,70 @@
-"""``compat.fully_shard_optimizer``'s in-place adaptation of an optimizer instance.
+"""``compat.fully_shard_optimizer``'s in-place adaptation: step hooks on the given instance.
 
 Megatron-FSDP's callers ignore the function's return value, so the instance they pass must
-step FSDP-aware afterwards. Its ``step`` attribute becomes a method that runs an
-``FSDPAwareOptimizer`` around the ``step`` it had: the grads are put back when the step
-raises, and a subclass calling ``super().step()`` is cast once, which step hooks do not give.
+step FSDP-aware afterwards. As upstream does, this registers a step pre-hook (cast grads of
+another dtype into the parameter's) and a step post-hook (put the original grads back,
+refresh the compute weights) through torch's own hook API: nothing on the instance is
+replaced. The casting and refreshing are ``FSDPAwareOptimizer``'s, held by a hidden
+instance of it that never steps.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from types import MethodType
+from contextlib import ExitStack
 from typing import Any
 
-from wrapped_optim.fsdp import FSDPAwareOptimizer
+from wrapped_optim._adapters.megatron_fsdp import iter_params
+from wrapped_optim.fsdp import FSDPAwareOptimizer, _CastBuffers, _grads_in_data_dtype
 from wrapped_optim.wrapper import find_layer
 
 __all__ = ["adapt_in_place", "in_place_adapter"]
 
 
-class _StepBelowAdapter(FSDPAwareOptimizer):
-    """FSDPAwareOptimizer around the ``step`` the instance had before it was adapted."""
+class _StepHooks:
+    """The pre- and post-step hooks of one adapted instance, and what they share."""
 
-    def __init__(self, inner: Any, below: Callable[..., Any], *, precision_aware: bool) -> None:
-        super().__init__(inner, precision_aware=precision_aware)
-        # The class's step, or whatever already wraps it on the instance (an LR scheduler's
-        # step counter): the instance's own step now leads back here.
-        self.step_below = below
+    def __init__(self, optimizer: Any, *, precision_aware: bool) -> None:
+        # Used for its flag and its refresh only; it is never stepped.
+        self.adapter = FSDPAwareOptimizer(optimizer, precision_aware=precision_aware)
+        self._buffers = _CastBuffers()
+        self._casting: ExitStack | None = None
 
-    def _inner_step(self, closure: Callable[[], Any] | None) -> Any:
-        return self.step_below() if closure is None else self.step_below(closure)
+    def _put_grads_back(self) -> None:
+        casting, self._casting = self._casting, None
+        if casting is not None:
+            casting.close()
+
+    def before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # A step that raised skipped the post-hook: its cast grads are put back first.
+        self._put_grads_back()
+        if args and args[0] is optimizer:  # torch's hooks see step's self among the args
+            args = args[1:]
+        closure = kwargs.get("closure", args[0] if args else None)
+        if closure is not None and not self.adapter.precision_aware:
+            raise NotImplementedError(
+                "fully_shard_optimizer does not support optimizer.step closures (the closure "
+                "makes grads inside the step, where a step hook cannot cast them); wrap the "
+                "optimizer in wrapped_optim.FSDPAwareOptimizer instead, which casts them"
+            )
+        if self.adapter.precision_aware:
+            return
+        casting = ExitStack()
+        casting.enter_context(_grads_in_data_dtype(list(iter_params(optimizer)), self._buffers))
+        self._casting = casting
+
+    def after_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._put_grads_back()
+        self.adapter.refresh_compute_weights()
 
 
-# Adapted instance -> its adapter (weakly both ways: the instance's step keeps it alive).
-_ADAPTERS: weakref.WeakKeyDictionary[Any, weakref.ref[_StepBelowAdapter]] = (
-    weakref.WeakKeyDictionary()
-)
+# Adapted instance -> its hooks, weakly both ways: the instance's own hook registries keep the
+# hooks alive, and the hooks reach the instance.
+_ADAPTED: weakref.WeakKeyDictionary[Any, weakref.ref[_StepHooks]] = weakref.WeakKeyDictionary()
 
 
 def in_place_adapter(optimizer: Any) -> FSDPAwareOptimizer | None:
-    """The FSDP-aware step ``optimizer`` has: a layer of its stack, or an in-place adapter.
+    """The FSDP-aware stepping ``optimizer`` has: a layer of its stack, or its step hooks'.
 
     Example:
         >>> import torch
@@ -51,10 +76,11 @@ def in_place_adapter(optimizer: Any) -> FSDPAwareOptimizer | None:
     if layer is not None:
         return layer
     try:
-        ref = _ADAPTERS.get(optimizer)
+        ref = _ADAPTED.get(optimizer)
     except TypeError:  # not weak-referenceable: never adapted here
         return None
-    return None if ref is None else ref()
+    hooks = None if ref is None else ref()
+    return None if hooks is None else hooks.adapter
 
 
 def adapt_in_place(optimizer: Any, *, precision_aware: bool) -> None:
@@ -75,16 +101,7 @@ def adapt_in_place(optimizer: Any, *, precision_aware: bool) -> None:
     if existing is not None:
         existing.precision_aware = precision_aware
         return
-    adapter = _StepBelowAdapter(optimizer, optimizer.step, precision_aware=precision_aware)
-
-    # A function bound to the instance (not to the adapter), so a scheduler that rebinds the
-    # step's __func__ to the optimizer, as torch's LRScheduler does, still reaches the adapter.
-    def step(bound: Any, closure: Callable[[], Any] | None = None) -> Any:
-        return adapter.step(closure)
-
-    # torch's LRScheduler marks the step it wrapped to count calls; the wrapped one is still
-    # called (below), so the mark carries over and the scheduler does not warn of a new step.
-    if getattr(adapter.step_below, "_wrapped_by_lr_sched", False):
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    _ADAPTERS[optimizer] = weakref.ref(adapter)
-    optimizer.step = MethodType(step, optimizer)
+    hooks = _StepHooks(optimizer, precision_aware=precision_aware)
+    _ADAPTED[optimizer] = weakref.ref(hooks)
+    optimizer.register_step_pre_hook(hooks.before_step)
+    optimizer.register_step_post_hook(hooks.after_step)

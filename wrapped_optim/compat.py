@@ -256,12 +256,15 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
 def fully_shard_optimizer(optimizer: Any, *, precision_aware: bool = False) -> Any:
     """Megatron-FSDP 0.6.1's optimizer adapter: adapts the instance it is given, in place.
 
-    Afterwards ``optimizer.step()`` casts grads whose dtype differs from their parameter's
-    (unless ``precision_aware``), puts the original grads back (also when the step raises)
-    and refreshes the compute weights, as ``FSDPAwareOptimizer`` does around a stack. Called
-    again, it only sets ``precision_aware``; a stack that has the ``FSDPAwareOptimizer``
-    layer already gets that layer's flag set. Use ``FSDPAwareOptimizer`` itself for a
-    decorating wrapper.
+    As upstream does, it registers step hooks on the instance (torch's
+    ``register_step_pre_hook``/``register_step_post_hook``): before each step, grads whose dtype
+    differs from their parameter's are cast (unless ``precision_aware``); after it, the
+    original grads are put back and the compute weights refreshed. A step that raises skips
+    the post-hook; the next ``step()`` puts the original grads back first. Closures are
+    refused, as upstream refuses them (their grads are made inside the step, out of a hook's
+    reach). Called again, it only sets ``precision_aware``; a stack that has the
+    ``FSDPAwareOptimizer`` layer already gets that layer's flag set. Use
+    ``FSDPAwareOptimizer`` itself for a decorating wrapper (closures included).
 
     Args:
         optimizer: The optimizer or stack to adapt.
