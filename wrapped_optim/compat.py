@@ -13,6 +13,7 @@ from typing import Any
 
 from wrapped_optim._adapters.walk import walk_leaves
 from wrapped_optim.patching import patch_attribute
+from wrapped_optim.wrapper import unwrap
 
 __all__ = [
     "fully_shard_optimizer",
@@ -22,6 +23,34 @@ __all__ = [
     "memory_efficient_precision_aware_optimizer_state_checkpointing",
     "sync_hybrid_device_optimizer_fp32_master_copies",
 ]
+
+
+class _Chain:
+    """The children of a chain that the walk understands, as a chain of their own."""
+
+    def __init__(self, children: list[Any]) -> None:
+        self.chained_optimizers = children
+
+
+def _understood(optimizer: Any) -> Any:
+    """``optimizer`` as far as these helpers handle it; ``None`` when not at all.
+
+    Upstream's helpers leave alone what they do not recognise (Bridge specifies its sync as
+    doing nothing and answering False there), so an unknown object, or an unknown child of a
+    ChainedOptimizer, is left out instead of raising.
+    """
+    if optimizer is None:
+        return None
+    try:
+        for _ in walk_leaves(optimizer):
+            pass
+    except TypeError:
+        children = getattr(unwrap(optimizer), "chained_optimizers", None)
+        if not isinstance(children, (list, tuple)):
+            return None
+        kept = [child for child in map(_understood, children) if child is not None]
+        return _Chain(kept) if kept else None
+    return optimizer
 
 
 @contextmanager
@@ -35,7 +64,8 @@ def memory_efficient_precision_aware_optimizer_state_checkpointing(
     holder is restored on exit, also when the block raises.
 
     Args:
-        optimizer: The optimizer or stack (``None`` does nothing).
+        optimizer: The optimizer or stack (``None``, or what it does not recognise, does
+            nothing).
         enabled: Whether to stage at all (Bridge's config switch).
         chunk_bytes: Device bytes one chunk of FP32 expansion may take.
 
@@ -46,6 +76,9 @@ def memory_efficient_precision_aware_optimizer_state_checkpointing(
         TypeError: a holder's ``get_unscaled_state`` returns a non-tensor.
         RuntimeError: a holder has no callable state accessor.
 
+    The wrapper around ``get_unscaled_state`` passes any call signature through (TE's has
+    changed across releases); only a plain ``(param, state_name)`` call reads by chunk.
+
     Examples:
         >>> import torch
         >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -54,7 +87,8 @@ def memory_efficient_precision_aware_optimizer_state_checkpointing(
         ...     staged
         0
     """
-    if not enabled or optimizer is None:
+    optimizer = _understood(optimizer) if enabled else None
+    if optimizer is None:
         yield 0
         return
     from wrapped_optim._staging.engine import staged_save
@@ -74,7 +108,8 @@ def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[in
     exact resume. Everything is restored on exit, also on error.
 
     Args:
-        optimizer: The optimizer or stack (``None`` does nothing).
+        optimizer: The optimizer or stack (``None``, or what it does not recognise, does
+            nothing).
 
     Yields:
         The number of eligible optimizers.
@@ -86,6 +121,7 @@ def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[in
         ...     patched
         0
     """
+    optimizer = _understood(optimizer)
     if optimizer is None:
         yield 0
         return
@@ -108,7 +144,8 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
     the model weights.
 
     Args:
-        optimizer: The optimizer or stack (``None`` does nothing).
+        optimizer: The optimizer or stack (``None``, or what it does not recognise, does
+            nothing).
 
     Yields:
         The number of optimizers prepared.
@@ -120,6 +157,7 @@ def hybrid_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
         ...     prepared
         0
     """
+    optimizer = _understood(optimizer)
     if optimizer is None:
         yield 0
         return
@@ -176,7 +214,8 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
     Megatron-Bridge 0.6.2's helper of the same name refreshes from the weights always.
 
     Args:
-        optimizer: The optimizer or stack (``None`` does nothing).
+        optimizer: The optimizer or stack (``None``, or what it does not recognise, does
+            nothing).
 
     Returns:
         ``True`` when the stack has a hybrid offload optimizer (synced), else ``False``.
@@ -193,6 +232,7 @@ def sync_hybrid_device_optimizer_fp32_master_copies(optimizer: Any) -> bool:
         >>> opt.gpu_params_map_cpu_copy[p].tolist()
         [2.0, 2.0]
     """
+    optimizer = _understood(optimizer)
     if optimizer is None:
         return False
     from wrapped_optim._adapters.hybrid import (
@@ -256,48 +296,40 @@ def _refresh_watch(watch: Any, *_: Any) -> None:
 
 
 def fully_shard_optimizer(optimizer: Any, *, precision_aware: bool = False) -> Any:
-    """Megatron-FSDP 0.6.1's optimizer adapter, as a decorating wrapper: use the returned one.
+    """Megatron-FSDP 0.6.1's optimizer adapter: adapts the instance it is given, in place.
 
-    Adds ``FSDPAwareOptimizer`` on top of the stack (never a doubled layer).
+    As upstream does, it registers step hooks on the instance (torch's
+    ``register_step_pre_hook``/``register_step_post_hook``): before each step, grads whose dtype
+    differs from their parameter's are cast (unless ``precision_aware``); after it, the
+    original grads are put back and the compute weights refreshed. A step that raises skips
+    the post-hook; the next ``step()`` puts the original grads back first. Closures are
+    refused, as upstream refuses them (their grads are made inside the step, out of a hook's
+    reach). Called again, it only sets ``precision_aware``; a stack that has the
+    ``FSDPAwareOptimizer`` layer already gets that layer's flag set. Use
+    ``FSDPAwareOptimizer`` itself for a decorating wrapper (closures included).
 
     Args:
-        optimizer: The optimizer or stack.
+        optimizer: The optimizer or stack to adapt.
         precision_aware: The optimizer reads grads in another dtype than the weights itself.
 
     Returns:
-        The decorated optimizer; ``optimizer`` itself when it already has the layer with
-        this ``precision_aware``, or with its top layer rebuilt when that differs.
-
-    Raises:
-        ValueError: the layer with another ``precision_aware`` sits below another wrapper.
+        ``optimizer`` itself (Megatron-FSDP's returns nothing; its callers ignore the value).
 
     Examples:
         >>> import torch
         >>> p = torch.nn.Parameter(torch.ones(2))
         >>> p.grad_dtype = torch.bfloat16
-        >>> opt = fully_shard_optimizer(torch.optim.SGD([p], lr=0.5))
+        >>> opt = torch.optim.SGD([p], lr=0.5)
+        >>> _ = fully_shard_optimizer(opt)
         >>> (p * 2).sum().backward()
         >>> opt.step()
         >>> p.tolist()
         [0.0, 0.0]
     """
-    from wrapped_optim.fsdp import FSDPAwareOptimizer
-    from wrapped_optim.stack import find_layer
+    from wrapped_optim._fsdp_in_place import adapt_in_place
 
-    precision_aware = bool(precision_aware)
-    existing = find_layer(optimizer, FSDPAwareOptimizer)
-    if existing is None:
-        return FSDPAwareOptimizer(optimizer, precision_aware=precision_aware)
-    if existing.precision_aware == precision_aware:
-        return optimizer
-    if existing is optimizer:
-        return FSDPAwareOptimizer(
-            optimizer.inner, precision_aware=precision_aware, refresh=optimizer.refresh
-        )
-    raise ValueError(
-        "the optimizer already has an FSDPAwareOptimizer layer with precision_aware="
-        f"{existing.precision_aware} below another wrapper; rebuild the stack instead"
-    )
+    adapt_in_place(optimizer, precision_aware=bool(precision_aware))
+    return optimizer
 
 
 def init_optimizer_state(optimizer: Any) -> bool:
@@ -310,7 +342,8 @@ def init_optimizer_state(optimizer: Any) -> bool:
         optimizer: Any optimizer or wrapper stack.
 
     Returns:
-        ``True`` when it created state; ``False`` when every leaf already had state.
+        ``True`` when it created state; ``False`` when every leaf already had state, or
+        for ``None`` or anything it does not recognise.
 
     Examples:
         >>> import torch
@@ -320,4 +353,5 @@ def init_optimizer_state(optimizer: Any) -> bool:
     """
     from wrapped_optim.fsdp import init_optimizer_state as initialise
 
-    return initialise(optimizer)
+    optimizer = _understood(optimizer)
+    return False if optimizer is None else initialise(optimizer)

@@ -241,34 +241,45 @@ def _live_to_host(value: torch.Tensor) -> torch.Tensor:
     return value if value.device.type == "cpu" else value.to("cpu")
 
 
-def _check_tensor(holder: Any, accessor: str, name: str, value: Any) -> torch.Tensor:
+def _check_tensor(holder: Any, accessor: str, name: Any, value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(
-            f"{type(holder).__name__}.{accessor}(param, {name!r}) returned a "
-            f"{type(value).__name__}; staging needs a tensor"
+            f"{type(holder).__name__}.{accessor}() must return a torch.Tensor for checkpoint "
+            f"staging, but returned a {type(value).__name__} for state {name!r}; the holder's "
+            "state accessor does not follow TE FusedAdam's contract"
         )
     return value
 
 
+def _accessor_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The (param, state_name) of an accessor call, wherever the caller put them."""
+    param = args[0] if args else kwargs.get("param")
+    state_name = args[1] if len(args) > 1 else kwargs.get("state_name")
+    return param, state_name
+
+
 def _staged_reader(
     holder: Any,
-    original: Callable[[torch.Tensor, str], Any],
+    original: Callable[..., Any],
     chunked: bool,
     scratch: DeviceScratch,
     stats: StagingStats,
-) -> Callable[[torch.Tensor, str], torch.Tensor]:
+) -> Callable[..., torch.Tensor]:
     busy = False  # a holder's chunk reader may itself call get_unscaled_state
 
-    def get_unscaled_state(param: torch.Tensor, state_name: str) -> torch.Tensor:
+    # Any call signature passes through: TE's accessor has gained arguments across releases.
+    def get_unscaled_state(*args: Any, **kwargs: Any) -> torch.Tensor:
         nonlocal busy
-        mapping = _dtype_map(holder) or {}
-        compressed = mapping.get(state_name, _FP32) != _FP32
         if busy:
-            return original(param, state_name)
+            return original(*args, **kwargs)
+        param, state_name = _accessor_target(args, kwargs)
         if is_dtensor(param):
             stats.passthrough_reads += 1
-            return original(param, state_name)
-        if compressed and chunked:
+            return original(*args, **kwargs)
+        mapping = _dtype_map(holder) or {}
+        compressed = mapping.get(state_name, _FP32) != _FP32
+        # Only the plain (param, state_name) call has a chunked equivalent.
+        if compressed and chunked and len(args) + len(kwargs) == 2:
             stored = _stored_state(holder, param, state_name)
             if stored is not None:
                 stats.chunked_reads += 1
@@ -277,7 +288,7 @@ def _staged_reader(
                     return _read_chunked(holder, param, state_name, stored, scratch)
                 finally:
                     busy = False
-        value = _check_tensor(holder, "get_unscaled_state", state_name, original(param, state_name))
+        value = _check_tensor(holder, "get_unscaled_state", state_name, original(*args, **kwargs))
         if not compressed:
             # FP32 state (or an int16 remainder): the live tensor, copied straight to the host.
             stats.direct_reads += 1
@@ -297,9 +308,11 @@ def _staged_reader(
 def _accessor(holder: Any, name: str) -> Callable[..., Any]:
     accessor = getattr(holder, name, None)
     if not callable(accessor):
+        kind = type(holder).__name__
         raise RuntimeError(
-            f"{type(holder).__name__} declares precision-aware state (name_to_dtype_map) but "
-            f"has no callable {name}(); cannot stage its checkpoint state"
+            f"checkpoint staging requires {kind}.{name}() to be callable: {kind} declares "
+            f"precision-aware state (name_to_dtype_map) but its {name} is a "
+            f"{type(accessor).__name__}; give it TE FusedAdam's state accessors"
         )
     return accessor
 

@@ -410,6 +410,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         pending = [(group, self._pairs_of(index, group)) for index, group in
                    enumerate(self.param_groups)]  # fmt: skip
         for index, (group, pairs) in enumerate(pending):
+            # Every group counts, an empty one too (TE #3318): a group can be empty on some
+            # data-parallel ranks only, and the ranks sharing a state shard must agree.
+            group["step"] = group.get("step", 0) + 1
             if not group["params"]:
                 continue
             if len(pairs) < len(group["params"]):
@@ -417,7 +420,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             for p, _ in pairs:
                 if not self.state[p]:
                     self.initialize_state(p)
-            group["step"] = group.get("step", 0) + 1
             _paths.step_group(
                 layout, group, pairs, states=self.state, scales=self._scales,
                 scratch=self._scratch, owner=self, group_index=index,
