@@ -32,7 +32,9 @@ from wrapped_optim._adapters.megatron_checkpoint import (
     _scaffold_requests_master_alias,
 )
 
-pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("megatron_real")]
+pytestmark = pytest.mark.xdist_group("megatron_real")
+# The two-rank phase is slow, as the suite's other two-rank Megatron tests; the abandoned
+# load is also checked on one rank by default (test_load_repairs.py).
 
 ROUTES = ("wrap", "stack", "setup", "compat")
 FMT = "fully_reshardable"
@@ -116,6 +118,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_no_route_leaves_optimizer_classes_allowed(
     observed: list[dict[str, Any]], route: str
 ) -> None:
@@ -127,6 +131,8 @@ def test_no_route_leaves_optimizer_classes_allowed(
 
 
 @pytest.mark.parametrize("route", [r for r in ROUTES if r != "compat"])
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_an_abandoned_load_allows_nothing(observed: list[dict[str, Any]], route: str) -> None:
     core_refuses = _common_loader() is not None
     for seen in observed:

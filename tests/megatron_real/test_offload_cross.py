@@ -22,11 +22,13 @@ import pytest
 
 pytest.importorskip("megatron.core.dist_checkpointing")
 
-from tests.distributed.conftest import Launcher, mismatches
+from tests.distributed.conftest import Launcher, mismatches, run_in_this_process
 from tests.megatron_real.dist_ckpt import load, model_space_state, route_optimizer, save
 from tests.megatron_real.harness import build, megatron_session, train, weights
 
-pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("megatron_real")]
+pytestmark = pytest.mark.xdist_group("megatron_real")
+# Two gloo ranks take minutes on two cores: slow, as the suite's other two-rank Megatron
+# tests; one rank of the two key cells (none -> offload, offload -> none) runs by default.
 
 SAVE_AT, MORE = 3, 2
 FORMATS = ("dp_reshardable", "fully_reshardable", "legacy")
@@ -121,11 +123,33 @@ def full_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return _launch(tmp_path_factory, "offload_cross_full", FULL)
 
 
+ONE_RANK = (
+    ("distributed_bf16", "offload_half", "dp_reshardable", "wrap"),
+    ("offload_half", "distributed_bf16", "fully_reshardable", "compat"),
+)
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("offload_cross_one_rank")
+    return [run_in_this_process(_phase, root, str(root / "ckpt"), list(ONE_RANK))]
+
+
+@pytest.mark.parametrize("cell", ONE_RANK, ids="-".join)
+def test_offload_setting_changes_on_resume_one_rank(
+    one_rank_runs: Any, cell: tuple[str, str, str, str]
+) -> None:
+    _check(one_rank_runs, cell)
+
+
 @pytest.mark.parametrize("cell", LEAN, ids="-".join)
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_offload_setting_changes_on_resume(lean_runs: Any, cell: tuple[str, str, str, str]) -> None:
     _check(lean_runs, cell)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", FULL, ids="-".join)
 def test_offload_setting_changes_on_resume_every_cell(
