@@ -19,7 +19,8 @@ from wrapped_optim._adapters.hybrid import (
     restore_omitted_state,
 )
 from wrapped_optim._adapters.megatron_checkpoint import (
-    allowed_optimizer_classes,
+    allow_optimizer_classes_in_next_common_read,
+    end_common_read,
     megatron_load_repairs,
 )
 from wrapped_optim._adapters.walk import walk_leaves
@@ -130,9 +131,8 @@ class HybridSyncOptimizer(OptimizerWrapper):
     """
 
     _push_pending: bool = False  # a committed load whose masters are not all pushed yet
-    # Optimizer classes allowed for torch's weights-only unpickler while a dist_checkpointing
-    # load that this wrapper's loading scaffold began is in progress (see sharded_state_dict).
-    _allowed_for_load: tuple[Callable[..., Any], ...] = ()
+    # A loading scaffold was built and its load has not ended (see sharded_state_dict).
+    _load_begun: bool = False
 
     def __init__(self, inner: Any, *, on_stale: OnStale = "refresh") -> None:
         super().__init__(inner)
@@ -182,7 +182,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
     # Step and guard
     # ----------------------------------------------------------------------------------
     def _step(self, closure: Callable[[], Any] | None) -> Any:
-        if self._allowed_for_load:
+        if self._load_begun:
             self._end_load()  # a load that was begun and abandoned
         self._before_step()
         result = self._inner_step(closure)
@@ -333,9 +333,11 @@ class HybridSyncOptimizer(OptimizerWrapper):
     ) -> Any:
         """Megatron's ``sharded_state_dict`` of the wrapped stack.
 
-        With ``is_loading=True`` the same repairs as in ``load_state_dict`` apply, and until
-        the load ends the hybrid sub-optimizer classes (only those) are allowed to torch's
-        weights-only unpickler, which Megatron's reshardable checkpoints need.
+        With ``is_loading=True`` the same repairs as in ``load_state_dict`` apply, and Core's
+        next common-state read (the ``dist_checkpointing.load`` of this scaffold) may unpickle
+        the optimizer classes its file names, which megatron-core 0.16.1's weights-only read
+        refuses: torch's allow-list holds them during that read only. The read, this
+        wrapper's ``load_state_dict`` or its next step ends that.
 
         Args:
             model_sharded_state_dict: The model's sharded state dict, as Megatron passes it.
@@ -358,17 +360,13 @@ class HybridSyncOptimizer(OptimizerWrapper):
             return inner_method(model_sharded_state_dict, is_loading, **kwargs)
         with megatron_load_repairs(self.inner):
             result = inner_method(model_sharded_state_dict, is_loading, **kwargs)
-        classes = tuple(allowed_optimizer_classes(self.inner))
-        if classes:
-            torch.serialization.add_safe_globals(list[Any](classes))
-            self._allowed_for_load = classes
+        allow_optimizer_classes_in_next_common_read(self)
+        self._load_begun = True
         return result
 
     def _end_load(self) -> None:
-        # The instance attribute exists only while a load is in progress (the class holds ()).
-        classes = self.__dict__.pop("_allowed_for_load", ())
-        if classes:
-            torch.serialization.safe_globals(list[Any](classes)).__exit__(None, None, None)
+        self._load_begun = False
+        end_common_read(self)
 
     def load_parameter_state(self, filename: str, **kwargs: Any) -> None:
         """Megatron's legacy parameter-state load, then the masters are pushed to every copy.

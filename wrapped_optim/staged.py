@@ -7,10 +7,14 @@ How it works (staging to the host, chunked and no-copy loads) is in the docs' pa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from wrapped_optim._adapters.megatron_checkpoint import megatron_load_repairs
+from wrapped_optim._adapters.megatron_checkpoint import (
+    allow_optimizer_classes_in_next_common_read,
+    end_common_read,
+    megatron_load_repairs,
+)
 from wrapped_optim._staging.engine import StagingStats, fp32_no_copy_load, staged_load, staged_save
 from wrapped_optim.wrapper import OptimizerWrapper
 
@@ -112,8 +116,13 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
             return super()._state_dict()
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        end_common_read(self)
         with self._loading(self._new_stats()):
             super()._load_state_dict(state_dict)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
+        end_common_read(self)  # a load whose scaffold was built and that was abandoned
+        return self._inner_step(closure)
 
     def sharded_state_dict(
         self, model_sharded_state_dict: Any = None, is_loading: bool = False, **kwargs: Any
@@ -121,7 +130,10 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
         """Megatron's ``sharded_state_dict`` of the wrapped stack, staged.
 
         With ``is_loading=True`` Megatron also loads its scaffold into the inner optimizer,
-        so the loading scopes (and the repairs of megatron-core's loaders) apply as well.
+        so the loading scopes (and the repairs of megatron-core's loaders) apply as well, and
+        Core's next common-state read may unpickle the optimizer classes its file names
+        (megatron-core 0.16.1's weights-only read refuses them): torch's allow-list holds
+        them during that read only; the read, ``load_state_dict`` or the next step ends that.
 
         Args:
             model_sharded_state_dict: The model's sharded state dict, as Megatron passes it.
@@ -143,6 +155,8 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
         scope = self._loading(stats) if is_loading else self._saving(stats)
         with scope:
             result = inner_method(model_sharded_state_dict, is_loading, **kwargs)
+        if is_loading:
+            allow_optimizer_classes_in_next_common_read(self)
         return result
 
     def load_parameter_state(self, filename: str, **kwargs: Any) -> None:
@@ -152,6 +166,7 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
             filename: The file Megatron's ``save_parameter_state`` wrote.
             **kwargs: Passed on to the inner optimizer's ``load_parameter_state``.
         """
+        end_common_read(self)
         with self._loading(self._new_stats()):
             self.inner.load_parameter_state(filename, **kwargs)
 

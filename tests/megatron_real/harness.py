@@ -22,6 +22,7 @@ CONFIGS: dict[str, tuple[bool, bool, float | None]] = {
     "fp32": (False, False, None),  # FP32Optimizer around torch AdamW
     "bf16": (True, False, None),  # Float16OptimizerWithFloat16Params
     "distributed": (False, True, None),  # DistributedOptimizer, FP32 params
+    "distributed_bf16": (True, True, None),  # DistributedOptimizer, bf16 params, no offload
     "offload_half": (True, True, 0.5),  # HybridDeviceOptimizer inside DistributedOptimizer
     "offload_full": (True, True, 1.0),
 }

@@ -24,6 +24,7 @@ from tests.megatron_real.dist_ckpt import save
 from tests.megatron_real.harness import build, leaf, megatron_session, train
 from wrapped_optim import compat
 from wrapped_optim._adapters.megatron_checkpoint import (
+    _common_loader,
     _fp32_update_requires_every_param,
     _scaffold_needs_state,
     _setter_reads_payload_step,
@@ -36,7 +37,14 @@ from wrapped_optim.staged import StagedCheckpointOptimizer
 pytestmark = pytest.mark.xdist_group("megatron_real")
 
 SETTER = "_set_main_param_and_optimizer_states"
+GETTER = "_get_main_param_and_optimizer_states"
 UPDATE = "_update_fp32_params_by_new_state"
+
+
+def _common_read_patched() -> bool:
+    """Whether Core's registered common-state loader carries the scoped allow-list patch."""
+    strategy = _common_loader()  # None where Core's own read accepts the classes (0.19.2)
+    return strategy is not None and "load_common" in vars(strategy)
 
 
 def _fixed_setter(self: Any, model_param: Any, tensors: Any) -> None:
@@ -48,6 +56,14 @@ def _fixed_setter(self: Any, model_param: Any, tensors: Any) -> None:
     for key, value in tensors.items():
         if key in destination and key != "step" and isinstance(value, torch.Tensor):
             destination[key].copy_(value)
+
+
+def _fixed_getter(self: Any, model_param: Any) -> dict[str, Any]:
+    """What a Core without the defect would hand on: no ``master_param`` alias of ``param``."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main = self.optimizer.param_groups[group_index]["params"][group_order]
+    state = self.optimizer.state[main]
+    return {"param": main, **{k: v for k, v in state.items() if k != "master_param"}}
 
 
 def _fixed_update(self: Any) -> None:
@@ -85,6 +101,8 @@ def _scoping_worker(rank: int, world: int, fixed: bool) -> dict[str, Any]:
                 "setter": SETTER in vars(distributed),
                 "update": UPDATE in vars(hybrid),
                 "scaffold": "sharded_state_dict" in vars(distributed),
+                "getter": GETTER in vars(distributed),
+                "common_read": _common_read_patched(),
                 "allowed": torch.optim.AdamW in torch.serialization.get_safe_globals(),
             }
         after = {
@@ -93,8 +111,10 @@ def _scoping_worker(rank: int, world: int, fixed: bool) -> dict[str, Any]:
                 (distributed, SETTER),
                 (hybrid, UPDATE),
                 (distributed, "sharded_state_dict"),
+                (distributed, GETTER),
             )
         }
+        after["common_read"] = _common_read_patched()
         after["allowed"] = torch.optim.AdamW in torch.serialization.get_safe_globals()
         raised = False
         try:
@@ -108,8 +128,9 @@ def _scoping_worker(rank: int, world: int, fixed: bool) -> dict[str, Any]:
                 (distributed, SETTER),
                 (hybrid, UPDATE),
                 (distributed, "sharded_state_dict"),
+                (distributed, GETTER),
             )
-        ]
+        ] + [_common_read_patched()]
         return {"inside": inside, "after": after, "raised": raised, "after_raise": after_raise}
 
 
@@ -117,21 +138,28 @@ def _scoping_worker(rank: int, world: int, fixed: bool) -> dict[str, Any]:
 def test_repairs_are_scoped_and_off_when_core_is_fixed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixed: bool
 ) -> None:
-    if fixed:  # a Core release without the two defects
+    if fixed:  # a Core release without the three defects
         monkeypatch.setattr(DistributedOptimizer, SETTER, _fixed_setter)
+        monkeypatch.setattr(DistributedOptimizer, GETTER, _fixed_getter)
         monkeypatch.setattr(HybridDeviceOptimizer, UPDATE, _fixed_update)
     result = run_in_this_process(_scoping_worker, tmp_path, fixed)
     inside = result["inside"]
     assert inside["setter"] is not fixed and inside["update"] is not fixed
-    assert inside["scaffold"] and inside["allowed"]  # state creation; the HDO's classes
-    assert inside["count"] == (2 if fixed else 4)
+    assert inside["getter"] is not fixed
+    # state creation; Core's common read (megatron-core 0.16.1 refuses the HDO's classes)
+    common_read = _common_loader() is not None
+    assert inside["scaffold"] and inside["common_read"] is common_read
+    assert inside["allowed"] is False  # torch's allow-list only during that read
+    assert inside["count"] == (1 if fixed else 4) + common_read
     assert result["after"] == {
         SETTER: False,
         UPDATE: False,
         "sharded_state_dict": False,
+        GETTER: False,
+        "common_read": False,
         "allowed": False,
     }
-    assert result["raised"] and result["after_raise"] == [False, False, False]
+    assert result["raised"] and result["after_raise"] == [False] * 5
 
 
 def _session_worker(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -145,18 +173,24 @@ def _session_worker(rank: int, world: int, root: str) -> dict[str, Any]:
         save(model, optimizer, Path(root), "fully_reshardable")
         fresh_model, fresh = build("offload_half", seed=1)
         wrapped = HybridSyncOptimizer(fresh)
-        seen["before"] = allowed()
+        seen["before"] = (allowed(), _common_read_patched())
         metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
         wrapped.sharded_state_dict(fresh_model.module.sharded_state_dict(), True, metadata=metadata)
-        seen["during"] = allowed()
+        seen["during"] = (allowed(), _common_read_patched())
         train(fresh_model, wrapped, range(2, 3))  # the load was abandoned: the next step ends it
-        seen["after_step"] = allowed()
+        seen["after_step"] = (allowed(), _common_read_patched())
     return seen
 
 
-def test_optimizer_classes_are_allowed_only_while_a_load_is_in_progress(tmp_path: Path) -> None:
+def test_core_common_read_is_armed_only_while_a_load_is_in_progress(tmp_path: Path) -> None:
+    # (allow-listed, Core's common loader armed): torch's allow-list is never widened outside
+    # Core's read itself (tests/megatron_real/test_allow_list_scope.py)
     seen = run_in_this_process(_session_worker, tmp_path, str(tmp_path / "ckpt"))
-    assert seen == {"before": False, "during": True, "after_step": False}
+    assert seen == {
+        "before": (False, False),
+        "during": (False, _common_loader() is not None),
+        "after_step": (False, False),
+    }
 
 
 def _init_worker(rank: int, world: int) -> dict[str, Any]:

@@ -6,7 +6,13 @@ are listed in docs/guides/megatron_bridge.md and at each repair below.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+import os
+import pickle
+import sys
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -19,14 +25,17 @@ from wrapped_optim._adapters.walk import LeafContext, walk_leaves
 from wrapped_optim.patching import patch_attribute
 
 __all__ = [
-    "allowed_optimizer_classes",
+    "allow_optimizer_classes_in_next_common_read",
     "create_missing_state",
+    "end_common_read",
     "megatron_load_repairs",
     "sharded_loaders",
 ]
 
 _SETTER = "_set_main_param_and_optimizer_states"
+_GETTER = "_get_main_param_and_optimizer_states"
 _FP32_UPDATE = "_update_fp32_params_by_new_state"
+_COMMON_FILE = "common.pt"  # Core's COMMON_STATE_FNAME (0.16.1, 0.19.2)
 
 
 def sharded_loaders(stack: Any) -> list[LeafContext]:
@@ -98,6 +107,46 @@ def _scaffold_needs_state(state_dict: Callable[..., Any]) -> bool:
     except Exception:  # AssertionError: the defect; anything else: not shown to be fixed
         return True
     return False
+
+
+@functools.cache
+def _scaffold_requests_master_alias(getter: Callable[..., Any] | None) -> bool:
+    """Whether Core's parameter-state getter hands a HybridDeviceOptimizer's ``master_param``
+    alias on next to ``param`` (0.16.1, 0.19.2), run on a stand-in: the dp_reshardable loading
+    scaffold then requests ``master_param``, which a checkpoint saved without offload lacks."""
+    if getter is None:
+        return False
+    param = torch.zeros(1)
+    state = {"exp_avg": torch.zeros(1), "master_param": torch.zeros(1)}
+    stand_in = SimpleNamespace(
+        model_param_group_index_map={0: (0, 0)},
+        config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
+        optimizer=SimpleNamespace(param_groups=[{"params": [param]}], state={param: state}),
+    )
+    try:
+        tensors = getter(stand_in, 0)
+    except Exception:  # not shown to be fixed
+        return True
+    return "master_param" in tensors and "param" in tensors
+
+
+class _ProbeOptimizer(torch.optim.SGD):
+    """An optimizer class no allow-list holds, for :func:`_common_read_refuses_classes`."""
+
+
+@functools.cache
+def _common_read_refuses_classes(load_common: Callable[..., Any]) -> bool:
+    """Whether Core's common-state loader refuses an optimizer class (0.16.1: it reads with
+    torch's weights-only unpickler), run on a one-entry file in a temporary directory."""
+    with tempfile.TemporaryDirectory() as directory:
+        torch.save({"class": _ProbeOptimizer}, os.path.join(directory, _COMMON_FILE))
+        try:
+            loaded = load_common(SimpleNamespace(), directory)
+        except pickle.UnpicklingError:
+            return True
+        except Exception:  # not shown to be fixed
+            return True
+    return loaded.get("class") is not _ProbeOptimizer
 
 
 def _function_of(obj: Any, name: str) -> Callable[..., Any] | None:
@@ -176,6 +225,158 @@ def _scaffold_with_state(container: Any, original: Callable[..., Any]) -> Callab
     return sharded_state_dict
 
 
+def _getter_without_alias(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Core's parameter-state getter without the ``master_param`` alias of ``param``.
+
+    Defect: under a DistributedOptimizer a HybridDeviceOptimizer's state holds
+    ``master_param``, which equals the main param (``param``); the dp_reshardable loading
+    scaffold requests it, so a checkpoint saved without offload does not load
+    (``KeyError: ...master_param from model not in state dict``). The setter repair takes it
+    from ``param`` again.
+    """
+
+    def get_main_param_and_optimizer_states(model_param: Any) -> Any:
+        tensors = original(model_param)
+        if "param" in tensors:
+            tensors.pop("master_param", None)
+        return tensors
+
+    return get_main_param_and_optimizer_states
+
+
+def _common_loader() -> Any:
+    """Core's registered common-state load strategy (one instance), when its weights-only read
+    refuses optimizer classes; else ``None``."""
+    try:
+        from megatron.core.dist_checkpointing.strategies.base import (
+            StrategyAction,
+            get_default_strategy,
+        )
+
+        strategy = get_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1)
+    except Exception:  # no megatron-core, or a Core with another registry
+        return None
+    load_common = _function_of(strategy, "load_common")
+    if load_common is None or not _common_read_refuses_classes(load_common):
+        return None
+    return strategy
+
+
+def _optimizer_classes_named_in(checkpoint_dir: Any) -> list[Any]:
+    """The optimizer classes the checkpoint's common state names that this process has
+    imported already (nothing is imported; other globals stay refused)."""
+    path = os.path.join(str(checkpoint_dir), _COMMON_FILE)
+    if not os.path.isfile(path):
+        return []
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # unreadable: Core's own read reports it
+        return []
+    classes = []
+    for name in names:
+        module, _, attribute = name.rpartition(".")
+        value = getattr(sys.modules.get(module), attribute, None)
+        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
+            classes.append(value)
+    return classes
+
+
+class _CommonReadAllowance:
+    """Core's common-state read, allowed the optimizer classes its file names, for as long as
+    someone holds it: one instance patch of the registered strategy's ``load_common``.
+
+    Defect: a HybridDeviceOptimizer keeps its sub-optimizer classes in its param groups; a
+    fully_reshardable checkpoint stores them in its common state, which Core 0.16.1 reads with
+    torch's weights-only unpickler (``UnpicklingError``). torch's allow-list holds them only
+    during that read.
+
+    Holders: a ``with held()`` block (the compat helpers around a whole load), or a wrapper
+    whose loading scaffold waits for the read (:func:`allow_optimizer_classes_in_next_common_read`):
+    the read, the wrapper's load or its next step releases it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._blocks = 0
+        self._armed: dict[int, weakref.finalize[Any, Any]] = {}
+        self._patch: ExitStack | None = None
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            self._blocks += 1
+            self._update()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._blocks -= 1
+                self._update()
+
+    def arm(self, owner: Any) -> None:
+        with self._lock:
+            if id(owner) not in self._armed:
+                self._armed[id(owner)] = weakref.finalize(owner, self.disarm, id(owner))
+            self._update()
+
+    def disarm(self, key: int) -> None:
+        with self._lock:
+            finalizer = self._armed.pop(key, None)
+            if finalizer is not None:
+                finalizer.detach()
+            self._update()
+
+    def _update(self) -> None:
+        strategy = _common_loader() if self._blocks or self._armed else None
+        if strategy is None and self._patch is not None:
+            patch, self._patch = self._patch, None
+            patch.close()
+        elif strategy is not None and self._patch is None:
+            patch = ExitStack()
+            patch.enter_context(patch_attribute(strategy, "load_common", self._allowing(strategy)))
+            self._patch = patch
+
+    def _allowing(self, strategy: Any) -> Callable[..., Any]:
+        original = strategy.load_common
+
+        def load_common(checkpoint_dir: Any) -> Any:
+            try:
+                classes = _optimizer_classes_named_in(checkpoint_dir)
+                with torch.serialization.safe_globals(list[Any](classes)):
+                    return original(checkpoint_dir)
+            finally:
+                for key in list(self._armed):  # the read the scaffolds waited for
+                    self.disarm(key)
+
+        return load_common
+
+
+_common_read_allowance = _CommonReadAllowance()
+
+
+def allow_optimizer_classes_in_next_common_read(owner: Any) -> None:
+    """Core's next common-state read (the ``dist_checkpointing.load`` that follows ``owner``'s
+    loading scaffold) may unpickle the optimizer classes its file names; only during that read.
+
+    Released by the read, by :func:`end_common_read` (``owner``'s load or next step) or when
+    ``owner`` is collected. Nothing happens when Core's read accepts the classes itself.
+
+    Example:
+        >>> import torch
+        >>> owner = torch.optim.SGD([torch.ones(1)], lr=1)
+        >>> allow_optimizer_classes_in_next_common_read(owner)
+        >>> end_common_read(owner)
+        >>> torch.optim.SGD in torch.serialization.get_safe_globals()
+        False
+    """
+    _common_read_allowance.arm(owner)
+
+
+def end_common_read(owner: Any) -> None:
+    """Releases what :func:`allow_optimizer_classes_in_next_common_read` armed for ``owner``."""
+    _common_read_allowance.disarm(id(owner))
+
+
 def create_missing_state(container: Any) -> bool:
     """Creates the state of a DistributedOptimizer's leaf that has none; ``True`` if it did.
 
@@ -198,30 +399,21 @@ def create_missing_state(container: Any) -> bool:
     return init_optimizer_state(container)
 
 
-def allowed_optimizer_classes(stack: Any) -> list[Callable[..., Any]]:
-    """Optimizer classes in the param groups of ``stack``'s hybrid optimizers that torch's
-    weights-only unpickler does not allow yet (what a fully-reshardable load needs allowed).
-
-    Defect: fully-reshardable checkpoints write those classes to the common state, and Core's
-    weights-only load of it refuses them (``UnpicklingError``).
-
-    Example:
-        >>> import torch
-        >>> allowed_optimizer_classes(torch.optim.SGD([torch.ones(1)], lr=1))
-        []
-    """
-    allowed = {id(entry) for entry in torch.serialization.get_safe_globals()}
-    found: dict[int, Callable[..., Any]] = {}
-    for leaf in walk_leaves(stack):
-        hybrid = leaf.optimizer
-        if leaf.is_stub or not is_megatron_hdo(hybrid):
-            continue
-        groups: list[Mapping[str, Any]] = [*hybrid.param_groups, hybrid.defaults]
-        for group in groups:
-            for value in group.values():
-                if isinstance(value, type) and id(value) not in allowed:
-                    found[id(value)] = value
-    return list(found.values())
+def _hybrid_repairs(container: Any, hybrid: Any, patches: ExitStack) -> int:
+    """The repairs for a HybridDeviceOptimizer under ``container``, entered into ``patches``;
+    returns how many."""
+    count = 0
+    if _scaffold_requests_master_alias(_function_of(container, _GETTER)):
+        original_getter = getattr(container, _GETTER)
+        patches.enter_context(
+            patch_attribute(container, _GETTER, _getter_without_alias(original_getter))
+        )
+        count += 1
+    update = _function_of(hybrid, _FP32_UPDATE)
+    if update is not None and _fp32_update_requires_every_param(update):
+        patches.enter_context(patch_attribute(hybrid, _FP32_UPDATE, _tolerant_fp32_update(hybrid)))
+        count += 1
+    return count
 
 
 @contextmanager
@@ -265,20 +457,10 @@ def megatron_load_repairs(stack: Any) -> Iterator[int]:
                     patch_attribute(container, _SETTER, _step_supplying_setter(container, original))
                 )
                 count += 1
-            hybrid = leaf.optimizer
-            update = _function_of(hybrid, _FP32_UPDATE)
-            if (
-                is_megatron_hdo(hybrid)
-                and update is not None
-                and _fp32_update_requires_every_param(update)
-            ):
-                patches.enter_context(
-                    patch_attribute(hybrid, _FP32_UPDATE, _tolerant_fp32_update(hybrid))
-                )
-                count += 1
-        classes = allowed_optimizer_classes(stack)
-        if classes:
-            patches.enter_context(torch.serialization.safe_globals(list[Any](classes)))
+            if is_megatron_hdo(leaf.optimizer):
+                count += _hybrid_repairs(container, leaf.optimizer, patches)
+        if seen and _common_loader() is not None:
+            patches.enter_context(_common_read_allowance.held())
             count += 1
         yield count
     if seen:
