@@ -3,9 +3,10 @@
 Run by tests/frameworks/test_accelerate.py with every recipe of ``stacks.py``.
 """
 
-# --8<-- [start:imports]
 from __future__ import annotations
 
+# --8<-- [start:imports]
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,9 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from docs.guides.examples.toy import build_model, make_loader
-
 # --8<-- [end:imports]
+from docs.guides.examples.stacks import precision_adamw
+from docs.guides.examples.toy import build_model, make_loader
 
 __all__ = ["train"]
 
@@ -58,3 +59,16 @@ def train(
             accelerator.save_state(checkpoint_dir)  # optimizer.bin: the bare optimizer's format
     return accelerator.unwrap_model(model)
     # --8<-- [end:loop]
+
+
+if __name__ == "__main__":
+    # --8<-- [start:main]
+    with tempfile.TemporaryDirectory() as folder:
+        # Two epochs with save_state after the first, then a fresh Accelerator, model and
+        # stack that load_state and train the second: both end on the same weights.
+        uninterrupted = train(precision_adamw, epochs=2, checkpoint_dir=Path(folder))
+        resumed = train(precision_adamw, epochs=2, checkpoint_dir=Path(folder), resume=True)
+    for before, after in zip(uninterrupted.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(before, after)
+    print("Accelerate: the resumed run ends on the uninterrupted run's weights")
+    # --8<-- [end:main]

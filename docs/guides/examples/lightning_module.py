@@ -3,9 +3,10 @@
 Run by tests/frameworks/test_lightning.py with every recipe of ``stacks.py``.
 """
 
-# --8<-- [start:imports]
 from __future__ import annotations
 
+# --8<-- [start:imports]
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,9 @@ from typing import Any
 import lightning as L
 import torch
 
-from docs.guides.examples.toy import build_model, make_loader
-
 # --8<-- [end:imports]
+from docs.guides.examples.stacks import precision_adamw
+from docs.guides.examples.toy import build_model, make_loader
 
 __all__ = ["ManualRegressor", "Regressor", "train"]
 
@@ -103,3 +104,16 @@ def train(
     trainer.fit(module, train_dataloaders=make_loader(), ckpt_path=checkpoint if resume else None)
     return module.net
     # --8<-- [end:fit]
+
+
+if __name__ == "__main__":
+    # --8<-- [start:main]
+    with tempfile.TemporaryDirectory() as folder:
+        # Two epochs with a checkpoint after the first, then a fresh module and trainer that
+        # resume from that checkpoint: both runs end on the same weights, bit for bit.
+        uninterrupted = train(precision_adamw, epochs=2, checkpoint_dir=Path(folder))
+        resumed = train(precision_adamw, epochs=2, checkpoint_dir=Path(folder), resume=True)
+    for before, after in zip(uninterrupted.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(before, after)
+    print("Lightning: the resumed run ends on the uninterrupted run's weights")
+    # --8<-- [end:main]

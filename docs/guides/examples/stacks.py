@@ -5,17 +5,19 @@ Each recipe builds a wrapped_optim stack (``wrapped=True``) or the bare optimize
 drive both alike (tests/frameworks/).
 """
 
-# --8<-- [start:imports]
 from __future__ import annotations
 
+# --8<-- [start:imports]
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+# --8<-- [start:wrapped-imports]
 import wrapped_optim
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 
+# --8<-- [end:wrapped-imports]
 # --8<-- [end:imports]
 
 __all__ = ["RECIPES", "fsdp_aware", "hybrid_offload", "precision_adamw"]
