@@ -104,3 +104,13 @@ def test_no_page_names_the_projects_issues() -> None:
         if references := issue_references(text):
             named[relative] = references
     assert not named, f"pages that name the project's issues: {named}"
+
+
+def test_benchmark_pages_for_users_show_results_not_verdicts() -> None:
+    """Targets met or missed are the contributors' page's; the users' pages show results."""
+    pages = [ROOT / "docs" / "benchmarks.md", *sorted((ROOT / "docs" / "bench").glob("*.md"))]
+    verdicts = re.compile(r"\b(missed|NOT met|targets?)\b", re.IGNORECASE)
+    found = {p.name: sorted(set(verdicts.findall(p.read_text()))) for p in pages}
+    assert not {name: words for name, words in found.items() if words}
+    contributors = (ROOT / "docs" / "contributing" / "bench_targets.md").read_text()
+    assert "## PrecisionAwareAdamW" in contributors and "| verdict |" in contributors
