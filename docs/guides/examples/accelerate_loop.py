@@ -6,7 +6,6 @@ Run by tests/frameworks/test_accelerate.py with every recipe of ``stacks.py``.
 from __future__ import annotations
 
 # --8<-- [start:imports]
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import torch
 from accelerate import Accelerator
 
 # --8<-- [end:imports]
-from docs.guides.examples.stacks import precision_adamw
+from docs.guides.examples.stacks import check_resume
 from docs.guides.examples.toy import build_model, make_loader
 
 __all__ = ["train"]
@@ -63,12 +62,5 @@ def train(
 
 if __name__ == "__main__":
     # --8<-- [start:main]
-    with tempfile.TemporaryDirectory() as folder:
-        # Two epochs with save_state after the first, then a fresh Accelerator, model and
-        # stack that load_state and train the second: both end on the same weights.
-        uninterrupted = train(precision_adamw, epochs=2, checkpoint_dir=Path(folder))
-        resumed = train(precision_adamw, epochs=2, checkpoint_dir=Path(folder), resume=True)
-    for before, after in zip(uninterrupted.parameters(), resumed.parameters(), strict=True):
-        assert torch.equal(before, after)
-    print("Accelerate: the resumed run ends on the uninterrupted run's weights")
+    check_resume(train, "Accelerate")
     # --8<-- [end:main]

@@ -6,7 +6,6 @@ Run by tests/frameworks/test_lightning.py with every recipe of ``stacks.py``.
 from __future__ import annotations
 
 # --8<-- [start:imports]
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import lightning as L
 import torch
 
 # --8<-- [end:imports]
-from docs.guides.examples.stacks import precision_adamw
+from docs.guides.examples.stacks import check_resume
 from docs.guides.examples.toy import build_model, make_loader
 
 __all__ = ["ManualRegressor", "Regressor", "train"]
@@ -108,12 +107,5 @@ def train(
 
 if __name__ == "__main__":
     # --8<-- [start:main]
-    with tempfile.TemporaryDirectory() as folder:
-        # Two epochs with a checkpoint after the first, then a fresh module and trainer that
-        # resume from that checkpoint: both runs end on the same weights, bit for bit.
-        uninterrupted = train(precision_adamw, epochs=2, checkpoint_dir=Path(folder))
-        resumed = train(precision_adamw, epochs=2, checkpoint_dir=Path(folder), resume=True)
-    for before, after in zip(uninterrupted.parameters(), resumed.parameters(), strict=True):
-        assert torch.equal(before, after)
-    print("Lightning: the resumed run ends on the uninterrupted run's weights")
+    check_resume(train, "Lightning")
     # --8<-- [end:main]

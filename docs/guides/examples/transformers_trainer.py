@@ -7,7 +7,6 @@ built from a config (random weights, nothing downloaded).
 from __future__ import annotations
 
 # --8<-- [start:imports]
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 # --8<-- [end:imports]
-from docs.guides.examples.stacks import precision_adamw
+from docs.guides.examples.stacks import check_resume
 
 __all__ = ["TokenData", "build_causal_lm", "train"]
 
@@ -93,12 +92,5 @@ def train(
 
 if __name__ == "__main__":
     # --8<-- [start:main]
-    with tempfile.TemporaryDirectory() as folder:
-        # Two epochs with a checkpoint after the first, then a fresh model, stack, scheduler
-        # and Trainer that resume from it: both end on the same weights, bit for bit.
-        uninterrupted = train(precision_adamw, epochs=2, checkpoint_dir=Path(folder))
-        resumed = train(precision_adamw, epochs=2, checkpoint_dir=Path(folder), resume=True)
-    for before, after in zip(uninterrupted.parameters(), resumed.parameters(), strict=True):
-        assert torch.equal(before, after)
-    print("transformers: the resumed run ends on the uninterrupted run's weights")
+    check_resume(train, "transformers")
     # --8<-- [end:main]
