@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from wrapped_optim._cli import main
 from wrapped_optim.bench import fsdp, hybrid, precision_adam, report, scaling, staged, streaming
@@ -200,6 +202,13 @@ def test_quick_runs_write_page_figure_and_rows_and_replot_remakes_them(
         assert f"](img/{figure})" in page
         assert _png_size(tmp_path / "img" / figure)[0] > 100
 
+    # Targets, met or missed, are the contributors' business: their page, not the users'.
+    targets = (tmp_path / report.TARGETS_PAGE).read_text()
+    assert "## Hybrid offload" in targets and "| verdict |" in targets
+    for topic in ("fsdp", "hybrid"):
+        user_page = (tmp_path / "bench" / f"{topic}.md").read_text()
+        assert not re.search(r"\b(target|missed|NOT met)\b", user_page, re.IGNORECASE)
+
     # --replot measures nothing: it remakes pages, headlines and figures from the JSON.
     rows_before = {t: report.rows_path(tmp_path, t).read_text() for t in ("fsdp", "hybrid")}
     for topic in ("fsdp", "hybrid"):
@@ -280,6 +289,11 @@ def test_precision_adam_and_scaling_replot_from_their_quick_rows(
     assert f"**{headline}**" in pages["precision_adam"]
     assert "- x skipped: test" in pages["precision_adam"]
     assert "From 1M to 2M parameters" in pages["scaling"]
+    # The page leads with the comparison against the peers; the verdicts are elsewhere.
+    opening = pages["precision_adam"].split("### ")[1]
+    assert opening.startswith("Against the peers: step time x torch's fused AdamW")
+    assert not re.search(r"\b(targets?|missed|NOT met)\b", pages["precision_adam"])
+    assert "## PrecisionAwareAdamW" in (out / report.TARGETS_PAGE).read_text()
     figures = sorted(p.name for p in (out / "img").iterdir())
     assert figures == ["precision_adam_step.png", "scaling_per_param.png"]
 
@@ -313,3 +327,30 @@ def test_kept_topics_of_a_full_run_come_from_their_rows(
     assert "stale page" not in page
     assert f"{fsdp.headline(record['data'])} (quick run)" in page  # kept, and says so
     assert streaming.headline(_streaming_data()) in page
+
+
+# --------------------------------------------------------------------------- what a user compares
+
+
+def test_the_precision_adam_figure_shows_what_a_user_compares() -> None:
+    """FP32-parameter rows a user picks between, and the peers; not the loop-family or
+    no-kernel variants (those stay in the tables)."""
+    record = report.read_rows(Path(__file__).resolve().parents[1] / "docs", "precision_adam")
+    assert record is not None
+    specs = [precision_adam._Spec(**c) for c in record["data"]["configs"]]
+    shown = [spec.label for spec in specs if precision_adam._compared(spec)]
+    assert 5 <= len(shown) <= 10 < len(specs)
+    assert "ours bf16 moments" in shown and "DeepSpeedCPUAdam (FP32)" in shown
+    assert not [label for label in shown if "AVX2" in label or "bf16 params" in label]
+
+
+def test_state_bytes_count_a_subclass_state_by_its_inner_tensors() -> None:
+    """torchao keeps 8-bit state in wrapper subclasses whose outer dtype is not what they
+    store; the measure reads what is inside."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    param = torch.nn.Parameter(torch.zeros(8))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    inner = torch.zeros(8, dtype=torch.uint8)
+    optimizer.state[param]["exp_avg"] = two_tensor.TwoTensor(inner, inner.clone())
+    optimizer.state[param]["exp_avg_sq"] = torch.zeros(8)
+    assert precision_adam.state_bytes_per_param(optimizer) == 2.0 + 4.0

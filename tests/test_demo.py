@@ -15,6 +15,9 @@ def test_demo_passes_and_prints_the_summary(capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     assert "all verifications passed" in out
     assert "HybridSyncOptimizer" in out and "StagedCheckpointOptimizer" in out
+    # The README's words: PrecisionAwareAdamW (bf16 moments) under hybrid CPU offload.
+    assert "host: PrecisionAwareAdamW(exp_avg=bfloat16, exp_avg_sq=bfloat16)" in out
+    assert "device: PrecisionAwareAdamW(exp_avg=bfloat16, exp_avg_sq=bfloat16)" in out
     assert "FAIL" not in out
 
 

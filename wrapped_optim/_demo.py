@@ -356,9 +356,30 @@ def _chunk_bytes(config: Mapping[str, Any]) -> int | None:
     return StagedConfig(**staged).chunk_bytes
 
 
+def _sub_optimizer_lines(optimizer: Any) -> list[str]:
+    """The leaf's sub-optimizers (a hybrid offload optimizer's host and device halves) with
+    their state dtypes, drawn under the leaf as ``repr`` draws the layers."""
+    leaf = unwrap(optimizer)
+    subs = list(getattr(leaf, "sub_optimizers", []))
+    labels = ["host", "device"] if len(subs) == 2 else ["sub-optimizer"] * len(subs)
+    indent = " " * (3 * (len(repr(optimizer).splitlines()) - 1))
+    lines = []
+    for index, (label, sub) in enumerate(zip(labels, subs, strict=True)):
+        dtypes = getattr(sub, "name_to_dtype_map", {})
+        states = ", ".join(
+            f"{name}={str(dtypes[name]).removeprefix('torch.')}"
+            for name in ("exp_avg", "exp_avg_sq")
+            if name in dtypes
+        )
+        branch = "└─" if index == len(subs) - 1 else "├─"
+        lines.append(f"{indent}{branch} {label}: {type(sub).__name__}({states})")
+    return lines
+
+
 def _print_table(out: TextIO, rows: tuple[tuple[str, str, str], ...], optimizer: Any) -> None:
     out.write("\nThe stack:\n")
-    out.write("".join(f"  {line}\n" for line in repr(optimizer).splitlines()))
+    lines = [*repr(optimizer).splitlines(), *_sub_optimizer_lines(optimizer)]
+    out.write("".join(f"  {line}\n" for line in lines))
     name_width = max(len(r[0]) for r in rows)
     value_width = max(len(r[1]) for r in rows)
     out.write(f"\n{'check':<{name_width}}  {'value':<{value_width}}  verdict\n")

@@ -67,7 +67,7 @@ _PHASE_BYTES = {
     "fp32 fused": {"copy_in": 0, "host": 4 + 8 + 16 + 4, "copy_out": 0},
 }
 _PHASES = ("copy_in", "host", "copy_out", "device")
-#: The issue's target: an offload_fraction=1.0 step within this factor of a bare fused step.
+#: The project's target: an offload_fraction=1.0 step within this factor of a bare fused step.
 TARGET_RATIO = 1.3
 
 
@@ -162,8 +162,8 @@ def breakdown(
 
 
 def _breakdown_lines(data: dict[str, Any]) -> list[str]:
-    """The Markdown table of the breakdown rows with the ratio to the bare step and the
-    target, and the bytes each phase moves."""
+    """The Markdown table of the breakdown rows with the ratio to the bare step, and the
+    bytes each phase moves."""
     rounds = data["rounds"]
     lines = [
         "## Hybrid offload step breakdown",
@@ -176,13 +176,12 @@ def _breakdown_lines(data: dict[str, Any]) -> list[str]:
         "params itself (copy-in and copy-out are then part of it); the '1.0 unfused' rows "
         "(`fused_host_step=False`) are the separate passes it replaces. Times are the "
         f"best of {rounds} interleaved rounds, in milliseconds; the phases are timed one by "
-        "one (the same calls `step` makes), the step column is a whole `step()`. Target: the "
-        f"offload_fraction=1.0 step within {TARGET_RATIO}x of the bare step. On a CPU the "
+        "one (the same calls `step` makes), the step column is a whole `step()`. On a CPU the "
         "'device' is the host too, so the device step runs on the same cores.",
         "",
         "| params | param dtype | offload | copy-in | host step | copy-out | device step "
-        "| step | bare | step / bare | target |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| step | bare | step / bare |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     traffic: list[str] = []
     for case in data["breakdown"]:
@@ -191,13 +190,12 @@ def _breakdown_lines(data: dict[str, Any]) -> list[str]:
         for key in VARIANTS:
             m = result[key]
             ratio = m["step"] / bare
-            verdict = ("met" if ratio <= TARGET_RATIO else "missed") if key == "1.0" else "-"
             cells = [f"{m[p] * 1e3:.1f}" for p in _PHASES]
             if m["fused"]:
                 cells[1] += " (fused)"
             lines.append(
                 f"| {total / 1e6:g}M | {name} | {key} | {' | '.join(cells)} "
-                f"| {m['step'] * 1e3:.1f} | {bare * 1e3:.1f} | {ratio:.2f}x | {verdict} |"
+                f"| {m['step'] * 1e3:.1f} | {bare * 1e3:.1f} | {ratio:.2f}x |"
             )
         for key in ("1.0", "1.0 unfused"):
             m = result[key]
@@ -411,6 +409,32 @@ def render(data: dict[str, Any]) -> str:
         "`python -m wrapped_optim.bench.hybrid` (`--quick`: 10M only).",
         "",
     ]
+    return "\n".join(lines)
+
+
+def targets(data: dict[str, Any]) -> str:
+    """The fully offloaded step's time target per case, met or missed (the contributors'
+    page).
+
+    Example:
+        >>> case = {"params": 10**7, "dtype": "bf16",
+        ...         "result": {"1.0": {"step": 0.012}, "bare": {"step": 0.010}}}
+        >>> print(targets({"breakdown": [case]}).splitlines()[-1])
+        | 10M | bf16 | 1.20x | met |
+    """
+    lines = [
+        "## Hybrid offload",
+        "",
+        f"An offload_fraction=1.0 step within {TARGET_RATIO}x of a bare `AdamW(fused=True)` "
+        "step over FP32 params of the same numel.",
+        "",
+        "| params | param dtype | step / bare | verdict |",
+        "|---:|---|---:|---|",
+    ]
+    for case in data["breakdown"]:
+        ratio = case["result"]["1.0"]["step"] / case["result"]["bare"]["step"]
+        verdict = "met" if ratio <= TARGET_RATIO else "missed"
+        lines.append(f"| {case['params'] / 1e6:g}M | {case['dtype']} | {ratio:.2f}x | {verdict} |")
     return "\n".join(lines)
 
 

@@ -68,6 +68,8 @@ PAGE = "benchmarks.md"
 DEFAULT_OUT = "wrapped-optim-bench"
 IMAGE_DIR = "img"
 TOPIC_DIR = "bench"
+#: The contributors' page of targets met and missed (the users' pages show results only).
+TARGETS_PAGE = "contributing/bench_targets.md"
 
 
 class UnknownTopicError(LookupError):
@@ -341,6 +343,32 @@ def _write_topic(out: Path, result: TopicResult) -> None:
     if result.plots:
         page = _with_figures(page, result, folder)
     (folder / f"{result.topic}.md").write_text(page + "\n")
+
+
+def _write_targets(
+    out: Path, results: Sequence[TopicResult], package: str, known: Sequence[str]
+) -> None:
+    """``<out>/contributing/bench_targets.md``: each topic's ``targets(data)`` section, from
+    the rows its page was drawn from; nothing when no topic here has targets."""
+    sections = []
+    for result in results:
+        if result.ok and result.data is not None:
+            module = _load_topic(package, result.topic, known)
+            if hasattr(module, "targets"):
+                sections.append(module.targets(result.data).strip("\n"))
+    if not sections:
+        return
+    page = out / TARGETS_PAGE
+    page.parent.mkdir(parents=True, exist_ok=True)
+    head = [
+        "# Benchmark targets (contributors)",
+        "",
+        "The performance targets the project holds its code to, met or missed, computed from "
+        "the rows the benchmark pages are drawn from (`bench/<topic>.json`). "
+        "`wrapped-optim bench --replot --out docs` rewrites this page with them; the users' "
+        "pages show the results only ([Benchmarks](../benchmarks.md)).",
+    ]
+    page.write_text("\n\n".join(["\n".join(head), *sections]) + "\n")
 
 
 def _write_rows(out: Path, result: TopicResult) -> None:
@@ -655,6 +683,7 @@ def run_benchmarks(
         order = {topic: i for i, topic in enumerate(known)}  # the page's usual order
         results.sort(key=lambda r: order.get(r.topic, len(order)))
 
+    _write_targets(out, results, package, known)
     if draw:
         note = None
     elif plots:

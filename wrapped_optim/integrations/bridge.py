@@ -4,13 +4,15 @@ wrapped_optim's stack on top. Needs megatron-core at call time only.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import attrs
+import torch
 
 from wrapped_optim._adapters.megatron import megatron_optimizer_module
 from wrapped_optim._builder import MEGATRON_LR_STYLES
@@ -390,6 +392,8 @@ def setup_optimizer(
 
     Raises:
         ConfigError: ``optimizer_config.optimizer`` is not a string, or a config is invalid.
+        RuntimeError: megatron-core's builders need a CUDA device and this torch has none
+            (the config has no ``provide`` hook); the message says what runs on a CPU.
 
     Examples:
         >>> import torch
@@ -480,15 +484,41 @@ def _megatron_optimizer(
     ``options`` are ``config_overrides``, ``use_gloo_process_groups``, ``pg_collection``."""
     if hasattr(optimizer_config, "provide"):
         return optimizer_config.provide(model_chunks=model, **options)
-    if "muon" not in name and "soap" not in name:
-        return core.get_megatron_optimizer(config=optimizer_config, model_chunks=model, **options)
-    muon = importlib.import_module("megatron.core.optimizer.muon")
-    return muon.get_megatron_muon_optimizer(
-        config=optimizer_config,
-        model_chunks=model,
-        layer_wise_distributed_optimizer="dist" in name,
-        **options,
-    )
+    with _needs_cuda():
+        if "muon" not in name and "soap" not in name:
+            return core.get_megatron_optimizer(
+                config=optimizer_config, model_chunks=model, **options
+            )
+        muon = importlib.import_module("megatron.core.optimizer.muon")
+        return muon.get_megatron_muon_optimizer(
+            config=optimizer_config,
+            model_chunks=model,
+            layer_wise_distributed_optimizer="dist" in name,
+            **options,
+        )
+
+
+#: What torch raises when CUDA is asked for and there is none (a CPU build; no driver/device).
+_NO_CUDA = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver", "no CUDA GPUs")
+
+
+@contextlib.contextmanager
+def _needs_cuda() -> Iterator[None]:
+    """Megatron's optimizer builders put their buffers on the current CUDA device; on a
+    machine without one, say that, and what runs instead, rather than torch's bare error."""
+    try:
+        yield
+    except (AssertionError, RuntimeError) as error:
+        if torch.cuda.is_available() or not any(text in str(error) for text in _NO_CUDA):
+            raise
+        raise RuntimeError(
+            "setup_optimizer: megatron-core builds its optimizers on a CUDA device, and this "
+            f"torch has none ({error}). On a CPU, give the optimizer config Bridge's "
+            "`provide(model_chunks, **options)` hook returning a portable optimizer "
+            "(wrapped_optim.optimizers.PrecisionAwareAdamW or HybridOffloadOptimizer): "
+            "setup_optimizer then skips Megatron's builders (see the Megatron-Bridge guide, "
+            "'On a CPU'); or build the stack with wrapped_optim.build_optimizer."
+        ) from error
 
 
 def _megatron_scheduler(optimizer_config: Any, scheduler_config: Any, optimizer: Any) -> Any:

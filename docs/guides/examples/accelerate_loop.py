@@ -3,9 +3,9 @@
 Run by tests/frameworks/test_accelerate.py with every recipe of ``stacks.py``.
 """
 
-# --8<-- [start:imports]
 from __future__ import annotations
 
+# --8<-- [start:imports]
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from docs.guides.examples.toy import build_model, make_loader
-
 # --8<-- [end:imports]
+from docs.guides.examples.stacks import check_resume
+from docs.guides.examples.toy import build_model, make_loader
 
 __all__ = ["train"]
 
@@ -58,3 +58,9 @@ def train(
             accelerator.save_state(checkpoint_dir)  # optimizer.bin: the bare optimizer's format
     return accelerator.unwrap_model(model)
     # --8<-- [end:loop]
+
+
+if __name__ == "__main__":
+    # --8<-- [start:main]
+    check_resume(train, "Accelerate")
+    # --8<-- [end:main]

@@ -3,9 +3,9 @@
 Run by tests/frameworks/test_lightning.py with every recipe of ``stacks.py``.
 """
 
-# --8<-- [start:imports]
 from __future__ import annotations
 
+# --8<-- [start:imports]
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,9 +13,9 @@ from typing import Any
 import lightning as L
 import torch
 
-from docs.guides.examples.toy import build_model, make_loader
-
 # --8<-- [end:imports]
+from docs.guides.examples.stacks import check_resume
+from docs.guides.examples.toy import build_model, make_loader
 
 __all__ = ["ManualRegressor", "Regressor", "train"]
 
@@ -103,3 +103,9 @@ def train(
     trainer.fit(module, train_dataloaders=make_loader(), ckpt_path=checkpoint if resume else None)
     return module.net
     # --8<-- [end:fit]
+
+
+if __name__ == "__main__":
+    # --8<-- [start:main]
+    check_resume(train, "Lightning")
+    # --8<-- [end:main]

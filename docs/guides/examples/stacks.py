@@ -5,20 +5,29 @@ Each recipe builds a wrapped_optim stack (``wrapped=True``) or the bare optimize
 drive both alike (tests/frameworks/).
 """
 
-# --8<-- [start:imports]
 from __future__ import annotations
 
+# --8<-- [start:resume-imports]
+import tempfile
+
+# --8<-- [end:resume-imports]
+from pathlib import Path
+
+# isort: split
+# --8<-- [start:imports]
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+# --8<-- [start:wrapped-imports]
 import wrapped_optim
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 
+# --8<-- [end:wrapped-imports]
 # --8<-- [end:imports]
 
-__all__ = ["RECIPES", "fsdp_aware", "hybrid_offload", "precision_adamw"]
+__all__ = ["RECIPES", "check_resume", "fsdp_aware", "hybrid_offload", "precision_adamw"]
 
 
 # --8<-- [start:precision]
@@ -74,6 +83,19 @@ def fsdp_aware(model: torch.nn.Module, *, wrapped: bool = True) -> Any:
     # wrap() sees grads in another dtype than their weights: FSDPAwareOptimizer on top.
     return wrapped_optim.wrap(optimizer) if wrapped else optimizer
     # --8<-- [end:fsdp]
+
+
+# --8<-- [start:resume]
+def check_resume(train: Callable[..., torch.nn.Module], framework: str) -> None:
+    """Trains two epochs with a checkpoint after the first, then resumes a fresh run (model,
+    stack, framework objects) from that checkpoint: both end on the same weights, bit for bit."""
+    with tempfile.TemporaryDirectory() as folder:
+        uninterrupted = train(precision_adamw, epochs=2, checkpoint_dir=Path(folder))
+        resumed = train(precision_adamw, epochs=2, checkpoint_dir=Path(folder), resume=True)
+    for before, after in zip(uninterrupted.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(before, after)
+    print(f"{framework}: the resumed run ends on the uninterrupted run's weights")
+    # --8<-- [end:resume]
 
 
 # name -> (recipe, model dtype)

@@ -1,4 +1,7 @@
-"""The small model and data set the Accelerate and Lightning examples train (no downloads)."""
+"""The small model and data set the Accelerate and Lightning examples train (no downloads).
+
+The guide shows these functions inside each framework's program (the ``toy`` section).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 __all__ = ["build_model", "make_loader"]
 
 
+# --8<-- [start:toy]
 def build_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A small regression MLP, the same weights every time."""
     torch.manual_seed(0)
@@ -23,3 +27,4 @@ def make_loader(batches: int = 8, batch_size: int = 8) -> torch.utils.data.DataL
     targets = torch.randn(batches * batch_size, 4, generator=generator)
     dataset = torch.utils.data.TensorDataset(inputs, targets)
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size)
+    # --8<-- [end:toy]

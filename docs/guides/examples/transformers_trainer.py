@@ -4,9 +4,9 @@ Run by tests/frameworks/test_transformers.py with every recipe of ``stacks.py``.
 built from a config (random weights, nothing downloaded).
 """
 
-# --8<-- [start:imports]
 from __future__ import annotations
 
+# --8<-- [start:imports]
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 # --8<-- [end:imports]
+from docs.guides.examples.stacks import check_resume
 
 __all__ = ["TokenData", "build_causal_lm", "train"]
 
@@ -87,3 +88,9 @@ def train(
     trainer.train(resume_from_checkpoint=str(first) if resume else None)
     return model
     # --8<-- [end:trainer]
+
+
+if __name__ == "__main__":
+    # --8<-- [start:main]
+    check_resume(train, "transformers")
+    # --8<-- [end:main]
