@@ -61,6 +61,7 @@ MEGATRON_FACING = (
     "tests/test_schedulers.py",
     "tests/test_stack.py",
     "tests/test_staged.py",
+    "tests/test_stale_copies.py",
     "wrapped_optim/compat.py",
     "wrapped_optim/integrations/bridge.py",
 )
