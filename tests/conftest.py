@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import shutil
 import tempfile
+from typing import Any
 
 import pytest
 import torch
@@ -13,12 +15,12 @@ from hypothesis import HealthCheck, settings
 
 # "ci" keeps the suite inside its time budget; "thorough" is for local, on-demand runs:
 #   HYPOTHESIS_PROFILE=thorough pytest
+# Both draw from a random seed each run (pytest_configure below), printed in the header.
 settings.register_profile(
     "ci",
     max_examples=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    derandomize=True,
 )
 settings.register_profile(
     "thorough",
@@ -65,6 +67,38 @@ MEGATRON_FACING = (
     "wrapped_optim/compat.py",
     "wrapped_optim/integrations/bridge.py",
 )
+
+
+_SEED_ENV = "WRAPPED_OPTIM_TEST_HYPOTHESIS_SEED"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Draws a hypothesis seed for this run unless ``--hypothesis-seed`` gives one.
+
+    It is set as that option before hypothesis' own plugin reads it, so every test explores
+    from it, and the header and the summary print it: ``pytest --hypothesis-seed=N`` replays
+    the run's examples. xdist workers (started after this, from the controller's environment)
+    take the controller's seed from ``_SEED_ENV``.
+    """
+    seed = config.getoption("hypothesis_seed", None)
+    if seed is None:
+        seed = os.environ.get(_SEED_ENV) or str(random.SystemRandom().getrandbits(32))
+        config.option.hypothesis_seed = seed
+    os.environ[_SEED_ENV] = str(seed)
+
+
+def _seed_line(config: pytest.Config) -> str:
+    seed = config.getoption("hypothesis_seed", None)
+    return f"hypothesis seed {seed} (replay: pytest --hypothesis-seed={seed})"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return _seed_line(config)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    terminalreporter.write_line(_seed_line(config))  # also under -q, beside the failures
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
