@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import random
+import re
 import shutil
 import tempfile
 from typing import Any
@@ -108,3 +109,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = item.path.relative_to(root).as_posix()
         if path.startswith(MEGATRON_FACING):
             item.add_marker(pytest.mark.megatron)
+
+
+# Where the Megatron packages are meant to be installed (.ci/run and .ci/megatron_env set
+# this), a Megatron import that fails is a failure, not a skip: the suite's
+# ``pytest.importorskip("megatron...")`` calls would otherwise turn a Core release that
+# moved or broke a module into silently skipped tests.
+REQUIRE_MEGATRON = "WRAPPED_OPTIM_REQUIRE_MEGATRON"
+_MEGATRON_IMPORT_SKIP = re.compile(r"could not import '(megatron[._][\w.]*)'")
+
+
+def megatron_import_skip(report: pytest.CollectReport | pytest.TestReport) -> str | None:
+    """The skip reason if ``report`` is a skip by a failed Megatron import, else ``None``."""
+    if not report.skipped:
+        return None
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason if _MEGATRON_IMPORT_SKIP.search(reason) else None
+
+
+def fail_megatron_import_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    """Turns a Megatron import skip into a failure when ``REQUIRE_MEGATRON`` is ``1``."""
+    if os.environ.get(REQUIRE_MEGATRON) != "1":
+        return
+    reason = megatron_import_skip(report)
+    if reason is not None:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{REQUIRE_MEGATRON}=1 (the Megatron packages are meant to be installed here), "
+            f"but a Megatron import failed: {reason}"
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    fail_megatron_import_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Any:
+    outcome = yield
+    fail_megatron_import_skip(outcome.get_result())
