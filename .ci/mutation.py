@@ -55,7 +55,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "_rollback": (
         ["wrapped_optim/_rollback.py"],
-        ["tests/test_rollback.py", "tests/test_load_rollback_options.py"],
+        [
+            "tests/test_rollback.py",
+            "tests/test_rollback_mutants.py",
+            "tests/test_transfers.py",
+            "tests/test_load_rollback_options.py",
+        ],
     ),
 }
 
