@@ -226,6 +226,16 @@ def test_fp8_saturates_under_a_precomputed_scale() -> None:
     assert back.tolist() == [448.0, -448.0, 1.0]
 
 
+def test_torch_cpu_fp8_cast_saturates_like_te() -> None:
+    """What the codec's clamp relies on nowhere but states: on torch 2.13's CPU, the E4M3 cast
+    itself saturates finite out-of-range values and +-inf to +-448 and keeps NaN (no NaN for
+    out-of-range values, as the codec's comment once said)."""
+    x = torch.tensor([449.0, 1e4, float("inf"), -1e4, float("-inf"), float("nan"), 448.0])
+    back = x.to(torch.float8_e4m3fn).float()
+    assert back[:5].tolist() == [448.0, 448.0, 448.0, -448.0, -448.0]
+    assert back[5].isnan() and back[6] == 448.0
+
+
 @given(
     st.lists(
         st.floats(-9.999999933815813e36, 9.999999933815813e36, width=32)

@@ -185,18 +185,32 @@ def test_custom_provider_then_mup_overrides_on_top(
     builder = Recorder(chunks)
     monkeypatch.setattr(core, "get_megatron_optimizer", builder)
     mup_calls: list[dict[str, Any]] = []
+    mup_results: list[dict[Any, Any]] = []
+    # Megatron's keys and values: ParamKey -> ParamGroupOverride. Core releases that have
+    # get_mup_config_overrides (0.19+) run the real one; older ones get a stand-in shaped
+    # like it, whose hidden key collides with the provider's so the precedence shows.
+    real_mup = getattr(core, "get_mup_config_overrides", None)
+    ParamKey = core.ParamKey
+    hidden, bias, embedding = (ParamKey(name=n) for n in ("*.weight", "*.bias", "*embedding*"))
 
-    def get_mup_config_overrides(**kwargs: Any) -> dict[str, Any]:
+    def get_mup_config_overrides(**kwargs: Any) -> dict[Any, Any]:
         mup_calls.append(kwargs)
-        return {"shared": {"max_lr": 0.25}, "hidden": {"max_lr": 0.5}}
+        result = (
+            real_mup(**kwargs)
+            if real_mup is not None
+            else {hidden: {"max_lr": 0.25}, embedding: {"max_lr": 0.5}}
+        )
+        mup_results.append(result)
+        return result
 
     monkeypatch.setattr(core, "get_mup_config_overrides", get_mup_config_overrides, raising=False)
     contexts: list[Any] = []
+    provided = {hidden: {"wd_mult": 0.0}, bias: {"wd_mult": 0.0}}
 
     class Provider:
         def build_config_overrides(self, context: Any) -> dict[str, Any]:
             contexts.append(context)
-            return {"shared": {"wd_mult": 0.0}, "bias": {"wd_mult": 0.0}}
+            return dict(provided)
 
     optimizer_config = megatron_config()
     sched = scheduler_config()
@@ -207,12 +221,12 @@ def test_custom_provider_then_mup_overrides_on_top(
     assert mup_calls == [
         {"config": optimizer_config, "mup_width_mult": 4.0, "optimizer_type": "adam"}
     ]
+    (mup,) = mup_results
+    assert mup and all(isinstance(key, ParamKey) for key in mup)
     (call,) = builder.calls
-    assert call["config_overrides"] == {
-        "shared": {"max_lr": 0.25},
-        "bias": {"wd_mult": 0.0},
-        "hidden": {"max_lr": 0.5},
-    }
+    assert call["config_overrides"] == {**provided, **mup}  # muP's on top of the provider's
+    if real_mup is None:
+        assert call["config_overrides"][hidden] == {"max_lr": 0.25}
     assert call["use_gloo_process_groups"] is False
 
 

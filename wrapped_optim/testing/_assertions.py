@@ -456,7 +456,10 @@ def assert_resume_equivalent(
       ``torch.save``/``torch.load(weights_only=True)``), then continues: taking a checkpoint
       must not change training;
     * the *resumed* run loads that checkpoint into a fresh ``make()`` and takes the remaining
-      ``steps_after`` steps.
+      ``steps_after`` steps. Before the load, every non-zero float hyper-parameter of its
+      param groups (``lr``, ``betas``, ``weight_decay``, ``eps``, ...; ``step`` aside) is
+      halved, as if it had been built with other options: a load that forgets to restore
+      one is a difference, not an invisible no-op.
 
     Each step uses ``synthetic_gradients`` (seeded, in each param's grad dtype) or, with
     ``loss_fn(model, step) -> loss``, autograd. Model parameters and optimizer state dicts of
@@ -504,6 +507,7 @@ def assert_resume_equivalent(
     _train(saver_model, saver, range(steps_before, total), loss_fn, seed)
 
     resumed_model, resumed = make()
+    _perturb_hyper_parameters(resumed.param_groups)
     resumed_model.load_state_dict(checkpoint["model"])
     resumed.load_state_dict(checkpoint["optimizer"])
     _train(resumed_model, resumed, range(steps_before, total), loss_fn, seed)
@@ -522,6 +526,27 @@ def assert_resume_equivalent(
         raise StateMismatchError(
             f"the resumed run differs from the uninterrupted one {where}", differences
         )
+
+
+def _perturbed(value: Any) -> Any:
+    """``value`` halved if it is a non-zero float (a float tensor: in place), else itself."""
+    if isinstance(value, float) and value != 0.0:
+        return value * 0.5
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() == 1:
+        with torch.no_grad():
+            value.mul_(0.5)
+        return value
+    if isinstance(value, tuple):
+        return tuple(_perturbed(item) for item in value)
+    return value
+
+
+def _perturb_hyper_parameters(groups: list[dict[str, Any]]) -> None:
+    """Halves each group's float options, so a resume must restore them to match."""
+    for group in groups:
+        for key, value in list(group.items()):
+            if key not in ("params", "param_names", "step"):
+                group[key] = _perturbed(value)
 
 
 def assert_transparent(stack: Any, *, ignore_device: bool = True) -> None:

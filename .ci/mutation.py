@@ -1,0 +1,142 @@
+"""Mutation testing of one core module against the tests that cover it (mutmut).
+
+    python .ci/mutation.py MODULE [--max-children N]
+    python .ci/mutation.py --list
+
+MODULE is a key of ``MODULES`` (``_rollback``, ``checkpoint``, ...). The tracked files are
+copied into ``.mutation/MODULE`` (git-ignored), a ``[tool.mutmut]`` section naming the module
+and its tests is appended to that copy's pyproject.toml, and ``mutmut run`` mutates only
+that module and runs only those tests. Results stay in ``.mutation/MODULE/mutants``: inspect
+survivors there with ``mutmut results`` and ``mutmut show NAME``. Needs the ``mutation``
+extra (``pip install -e '.[mutation]' torch==2.13.0``). See docs/contributing/mutation.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# module -> (the files mutmut mutates, the tests that cover them)
+MODULES: dict[str, tuple[list[str], list[str]]] = {
+    "wrapper": (["wrapped_optim/wrapper.py"], ["tests/test_wrapper.py", "tests/test_stack.py"]),
+    "staged": (["wrapped_optim/staged.py"], ["tests/test_staged.py"]),
+    "hybrid": (
+        ["wrapped_optim/hybrid.py"],
+        ["tests/test_hybrid_sync.py", "tests/test_stale_copies.py"],
+    ),
+    "fsdp": (["wrapped_optim/fsdp.py"], ["tests/test_fsdp.py"]),
+    "stack": (["wrapped_optim/stack.py"], ["tests/test_stack.py", "tests/test_wrapper.py"]),
+    "checkpoint": (
+        ["wrapped_optim/checkpoint/*.py"],
+        [
+            "tests/test_checkpoint.py",
+            "tests/test_checkpoint_atomic.py",
+            "tests/test_undo_journal.py",
+            "tests/test_load_rollback_options.py",
+            "tests/test_resume_hyperparameters.py",
+            "tests/test_load_limits.py",
+            "tests/test_load_regressions.py",
+        ],
+    ),
+    "_staging": (
+        ["wrapped_optim/_staging/*.py"],
+        ["tests/test_staged.py", "tests/test_staged_host_chunks.py", "tests/test_transfers.py"],
+    ),
+    "_adapters.hybrid": (
+        ["wrapped_optim/_adapters/hybrid.py"],
+        ["tests/test_hybrid_sync.py", "tests/test_stale_copies.py"],
+    ),
+    "_rollback": (
+        ["wrapped_optim/_rollback.py"],
+        [
+            "tests/test_rollback.py",
+            "tests/test_rollback_mutants.py",
+            "tests/test_transfers.py",
+            "tests/test_load_rollback_options.py",
+        ],
+    ),
+}
+
+PYTEST_ARGS = [
+    "--hypothesis-seed=0",
+    "-p",
+    "no:cacheprovider",
+    "-q",
+    "-o",
+    "addopts=",
+    "-p",
+    "no:logging",
+    "-W",
+    "ignore",
+]
+
+
+def _workdir(module: str) -> Path:
+    work = ROOT / ".mutation" / module
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in files:
+        target = work / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target)
+    return work
+
+
+def _configure(work: Path, mutate: list[str], tests: list[str]) -> None:
+    section = {
+        "paths_to_mutate": mutate,
+        "source_paths": ["wrapped_optim"],
+        "only_mutate": mutate,
+        "pytest_add_cli_args": PYTEST_ARGS,
+        "pytest_add_cli_args_test_selection": tests,
+    }
+    lines = ["", "[tool.mutmut]"] + [
+        f"{key} = {json.dumps(value)}" for key, value in section.items()
+    ]
+    with (work / "pyproject.toml").open("a") as pyproject:
+        pyproject.write("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("module", nargs="?", choices=sorted(MODULES))
+    parser.add_argument("--list", action="store_true", help="print the module -> tests map")
+    parser.add_argument("--max-children", type=int, default=1)
+    args = parser.parse_args()
+    if args.list or args.module is None:
+        for module, (mutate, tests) in MODULES.items():
+            print(f"{module}: {' '.join(mutate)} <- {' '.join(tests)}")
+        return 0
+    mutate, tests = MODULES[args.module]
+    work = _workdir(args.module)
+    _configure(work, mutate, tests)
+    mutmut = str(Path(sys.executable).with_name("mutmut"))
+    env = dict(os.environ)
+    env.setdefault("WRAPPED_OPTIM_KERNEL_CACHE", str(ROOT / ".mutation" / "kernel"))
+    run = subprocess.run(
+        [mutmut, "run", "--max-children", str(args.max_children)], cwd=work, env=env
+    )
+    subprocess.run([mutmut, "export-cicd-stats"], cwd=work, env=env, check=False)
+    stats_file = work / "mutants" / "mutmut-cicd-stats.json"
+    if stats_file.exists():
+        stats = json.loads(stats_file.read_text())
+        killed, total = stats.get("killed", 0), stats.get("total", 0)
+        score = f"{100 * killed / total:.1f}%" if total else "n/a"
+        print(f"{args.module}: {killed}/{total} mutants killed ({score}); {json.dumps(stats)}")
+    subprocess.run([mutmut, "results"], cwd=work, env=env, check=False)
+    return run.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
