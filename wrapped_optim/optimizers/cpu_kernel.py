@@ -278,9 +278,7 @@ def _build_into_cache() -> tuple[KernelStatus, ctypes.CDLL | None]:
     compiler = _kernel_build.find_compiler()
     if compiler is None:
         raise _Unavailable("no C compiler found (install gcc or clang, or set CC to one)")
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=60, check=True
-    ).stdout.splitlines()[:1]
+    version = _compiler_version(compiler)
     directory = _cache_dir()
     failures = []
     for extra in _kernel_build.ATTEMPTS:
@@ -292,6 +290,25 @@ def _build_into_cache() -> tuple[KernelStatus, ctypes.CDLL | None]:
     raise RuntimeError("; ".join(failures))
 
 
+def _compiler_version(compiler: str) -> list[str]:
+    """The first line of ``compiler --version``; ``_Unavailable`` saying so when it does not
+    run (e.g. ``CC`` names a program that is not a compiler)."""
+    named = f"{compiler} (from CC)" if os.environ.get("CC") else compiler
+    try:
+        result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise _Unavailable(
+            f"the C compiler {named} does not run ({exc}); set CC to a working gcc or clang"
+        ) from None
+    if result.returncode != 0:
+        said = (result.stderr.strip().splitlines() or ["no message"])[0][:200]
+        raise _Unavailable(
+            f"the C compiler {named} does not work: `{compiler} --version` exited with "
+            f"status {result.returncode} ({said}); set CC to a working gcc or clang"
+        )
+    return result.stdout.splitlines()[:1]
+
+
 class _Unavailable(RuntimeError):
     """A reason the kernel cannot be had, said as it is (no exception type in front)."""
 
@@ -299,9 +316,7 @@ class _Unavailable(RuntimeError):
 def _warn_unavailable(reason: str) -> None:
     warnings.warn(
         f"wrapped_optim: the compiled CPU AdamW kernel is unavailable ({reason}). "
-        "PrecisionAwareAdamW and the fused host step run their pure-torch path instead, "
-        "several times slower than torch's fused AdamW step (about 3x with bf16 moments, "
-        "more than 10x with FP8 ones). To fix it, install a C compiler (gcc or clang; or set "
+        f"{_kernel_build.MISSING_COST}. To fix it, install a C compiler (gcc or clang; or set "
         "CC) and reinstall wrapped-optim, or install a wheel that carries the kernel; "
         "`wrapped-optim env` shows its status, WRAPPED_OPTIM_CPU_KERNEL=0 silences this.",
         RuntimeWarning,
