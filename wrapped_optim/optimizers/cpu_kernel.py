@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.autograd.graph import increment_version
 
 from wrapped_optim._formats import codecs
-from wrapped_optim.optimizers import _kernel_build
+from wrapped_optim.optimizers import _kernel_build, _kernel_threads
 
 __all__ = [
     "LOOP_FAMILIES",
@@ -589,8 +589,10 @@ def adamw_step_(
     TE's FusedAdam formula in FP32 (``adam_w_mode``: ``p -= lr * (m_hat / (sqrt(v_hat) + eps)
     + wd * p)``, otherwise ``wd * p`` is added to the gradient); ``bias_correction1/2`` are
     ``1 - beta**t`` and are applied as multiplications by their (FP32-rounded) reciprocals.
-    The elements of all tensors are shared by up to ``num_threads`` (default
-    ``torch.get_num_threads()``) OpenMP threads when the build has OpenMP
+    The elements of all tensors are shared by up to ``num_threads`` (default: torch's thread
+    count, capped by the cores this process may use and reduced by those other processes
+    keep busy, so threads never spin on oversubscribed cores; see
+    :mod:`wrapped_optim.optimizers._kernel_threads`) OpenMP threads when the build has OpenMP
     (``status().parallel``), else one thread; in a process forked after the library was
     loaded always one (GNU OpenMP's workers do not survive ``fork()``: a parallel region
     there never returns, torch's own included). Every operand is checked before anything is
@@ -622,7 +624,8 @@ def adamw_step_(
     masters, m_scales, v_scales = _per_param_lists(
         params, grads, exp_avgs, exp_avg_sqs, masters, exp_avg_scales, exp_avg_sq_scales
     )
-    threads = torch.get_num_threads() if num_threads is None else num_threads
+    own = torch.get_num_threads()
+    threads = _kernel_threads.default_threads(own, own) if num_threads is None else num_threads
     if threads < 1:
         raise ValueError(f"num_threads must be at least 1, got {threads}")
     count = len(params)
