@@ -2,7 +2,8 @@
 
 The library is plain C loaded with ctypes (no Python C API), so the wheel is tagged
 ``py3-none-<platform>``. Without a working C compiler the package still installs; the kernel
-is then built at first use, or its absence is reported (see ``wrapped-optim env``).
+is then built at first use, or its absence is reported (see ``wrapped-optim env``); the
+install says so on the terminal, where pip shows it even without ``-v``.
 ``WRAPPED_OPTIM_REQUIRE_KERNEL=1`` makes a failed build fail the install (for wheel builds).
 """
 
@@ -59,10 +60,12 @@ class BuildKernel(build_ext):
         except RuntimeError as exc:
             if os.environ.get("WRAPPED_OPTIM_REQUIRE_KERNEL") == "1":
                 raise
-            print(
-                f"WARNING: the CPU AdamW kernel was not built ({exc}); wrapped-optim installs "
-                "without it and builds it at first use if a compiler is there by then",
-                file=sys.stderr,
+            _notify(
+                f"wrapped-optim installs WITHOUT its compiled CPU AdamW kernel: {exc}.\n"
+                f"{build.MISSING_COST}.\nTo have it: install gcc or clang (or set CC) and "
+                "reinstall, or install the manylinux wheel; without reinstalling, the kernel "
+                "is built at first use once a compiler is there. `wrapped-optim env` shows "
+                "its status."
             )
             return
         assert built == output, (built, output)
@@ -71,6 +74,19 @@ class BuildKernel(build_ext):
             f"built {built.name} ({flags}) in {time.monotonic() - started:.0f} s",
             file=sys.stderr,
         )
+
+
+def _notify(message: str) -> None:
+    """``message`` on stderr and on the terminal: pip and uv show a build's output only with
+    -v, and a missing kernel must not go unseen (a build without a terminal, as in CI, has
+    its stderr and the run-time warning)."""
+    text = "\n".join(f"WARNING: {line}" for line in message.splitlines()) + "\n"
+    sys.stderr.write(text)
+    try:
+        with open("/dev/tty", "w") as terminal:
+            terminal.write(text)
+    except OSError:
+        pass  # no controlling terminal
 
 
 class PlatformWheel(bdist_wheel):

@@ -1,8 +1,10 @@
-"""The ``wrapped-optim`` command's own surface: ``env``, ``--version``, help text without
-markup, ``bench --help`` listing its topics and ``bench`` progress; NumPy's absence is silent."""
+"""The ``wrapped-optim`` command's own surface: ``env``, ``--version`` (fast: no torch),
+``python -m wrapped_optim``, help text without markup and agreeing with itself, ``bench
+--help`` listing its topics and ``bench`` progress; NumPy's absence is silent."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -14,7 +16,7 @@ import pytest
 
 import wrapped_optim
 from wrapped_optim._cli import main
-from wrapped_optim.bench import report
+from wrapped_optim.bench import _topics, report
 from wrapped_optim.optimizers import cpu_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +50,50 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == f"wrapped-optim {wrapped_optim.__version__}"
 
 
+def test_version_and_help_import_no_torch() -> None:
+    """``--version`` answered in a tenth of a second, not the seconds importing torch takes
+    (3.8 s before): ``import wrapped_optim`` and the command line import no torch."""
+    for command in (["--version"], ["--help"], ["bench", "--help"]):
+        result = subprocess.run([sys.executable, "-X", "importtime", "-m", "wrapped_optim",
+                                 *command], capture_output=True, text=True, timeout=300,
+                                cwd=ROOT)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()}
+        assert "torch" not in imported and "wrapped_optim" in imported, command
+    code = "import sys, wrapped_optim; assert 'torch' not in sys.modules; wrapped_optim.wrap"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=300).returncode == 0
+
+
+def test_python_dash_m_is_the_command(tmp_path: Path) -> None:
+    """``python -m wrapped_optim`` runs the same command line as the ``wrapped-optim`` script."""
+    run = [sys.executable, "-m", "wrapped_optim"]
+    version = subprocess.run([*run, "--version"], capture_output=True, text=True, timeout=300)
+    assert version.stdout.strip() == f"wrapped-optim {wrapped_optim.__version__}"
+    usage = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: python -m wrapped_optim")
+    missing = tmp_path / "missing.pt"
+    inspect = subprocess.run([*run, "inspect", str(missing)], capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    assert inspect.returncode == 2
+    assert inspect.stderr.startswith(f"wrapped-optim inspect: error: {missing}")
+
+
+def test_bench_help_says_where_bench_writes(capsys: pytest.CaptureFixture[str]) -> None:
+    """The top-level help and ``bench --help`` name the folder ``bench`` really writes to."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    bench = " ".join(capsys.readouterr().out.split())
+    assert "docs/benchmarks.md" not in top
+    assert f"./{_topics.DEFAULT_OUT}" in top and f"./{_topics.DEFAULT_OUT}" in bench
+    # what bench does without --out (test_cli checks that it writes there)
+    assert inspect.signature(report.run_benchmarks).parameters["out_dir"].default == (
+        _topics.DEFAULT_OUT
+    )
+
+
 @pytest.mark.parametrize("command", [[], ["demo"], ["bench"], ["inspect"], ["env"]])
 def test_help_has_no_markup(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
@@ -63,7 +109,7 @@ def test_bench_help_lists_every_topic(capsys: pytest.CaptureFixture[str]) -> Non
         main(["bench", "--help"])
     out = capsys.readouterr().out
     listed = out.split("topics:\n", 1)[1]
-    for topic, summary in report.topic_summaries():
+    for topic, summary in _topics.topic_summaries():
         assert f"  {topic} " in listed
         assert summary.split()[0] in listed
 
@@ -96,10 +142,11 @@ def test_no_numpy_warning_when_numpy_is_absent(tmp_path: Path) -> None:
         "raise ModuleNotFoundError('no numpy here', name='numpy')\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    result = subprocess.run([sys.executable, "-m", "wrapped_optim._cli", "--version"], env=env,
+    # env imports torch (every command but --version and --help does)
+    result = subprocess.run([sys.executable, "-m", "wrapped_optim", "env"], env=env,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("wrapped-optim ")
+    assert "wrapped-optim" in result.stdout and "torch" in result.stdout
     assert "NumPy" not in result.stderr, result.stderr
     # the warning is torch's, and still there for a bare `import torch`
     bare = subprocess.run([sys.executable, "-c", "import torch"], env=env,

@@ -61,3 +61,26 @@ def test_pre_commit_runs_the_checks_ci_runs() -> None:
         if line.startswith((".venv/bin/ruff", ".venv/bin/mypy"))
     }
     assert len(ci_checks) == 3 and ci_checks == entries
+
+
+def test_the_docs_state_the_requirements_pyproject_declares() -> None:
+    """docs/index.md's requirements sentence names requires-python's minimum and every
+    dependency with its minimum version (it once said Python 3.10+ and no NumPy)."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    page = " ".join((ROOT / "docs" / "index.md").read_text().split())
+    match = re.search(r"wrapped_optim needs (.*?)\(pip installs", page)
+    assert match is not None, "docs/index.md lost its 'wrapped_optim needs ...' sentence"
+    sentence = match.group(1)
+    python = project["requires-python"].removeprefix(">=")
+    assert f"Python {python}+" in sentence
+    shown = {"torch": "PyTorch"}  # how the page names a distribution, where it differs
+    for requirement in project["dependencies"]:
+        parsed = re.fullmatch(r"([\w-]+)>=([\d.]+)", requirement)
+        assert parsed is not None, f"{requirement}: not name>=version; teach this test"
+        name, minimum = parsed.groups()
+        spelled = shown.get(name, name)
+        assert re.search(rf"{re.escape(spelled)} {re.escape(minimum)}(\+| or newer)", sentence,
+                         re.IGNORECASE), (requirement, sentence)  # fmt: skip

@@ -196,3 +196,47 @@ def test_defaults_are_torch_adamws() -> None:
         param.grad = torch.full((4,), 0.5)
         opt.step()
     torch.testing.assert_close(p.detach(), q.detach())
+
+
+def test_torch_adamws_keywords_are_taken() -> None:
+    """Every keyword of torch's AdamW is one of ours: honoured, ignored or refused by value."""
+    ours = set(inspect.signature(PrecisionAwareAdamW).parameters)
+    theirs = set(inspect.signature(torch.optim.AdamW).parameters)
+    assert theirs <= ours, sorted(theirs - ours)
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16, torch.uint8])
+def test_maximize_steps_up_the_gradient(moments: torch.dtype) -> None:
+    grad = torch.linspace(-1, 1, 6)
+    up, down = torch.nn.Parameter(torch.ones(6)), torch.nn.Parameter(torch.ones(6))
+    kw: dict[str, Any] = {"lr": 0.1, "exp_avg_dtype": moments, "exp_avg_sq_dtype": moments}
+    maximizing = PrecisionAwareAdamW([up], maximize=True, **kw)
+    negated = PrecisionAwareAdamW([down], **kw)
+    for _ in range(3):
+        up.grad, down.grad = grad.clone(), -grad
+        maximizing.step()
+        negated.step()
+    assert torch.equal(up.grad, grad)  # the caller's gradient is left as it was
+    assert torch.equal(up.detach(), down.detach())
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(maximizing.state[up][name], negated.state[down][name])
+    if moments == torch.float32:  # the same update as torch's own maximize
+        q = torch.nn.Parameter(torch.ones(6))
+        torch_opt = torch.optim.AdamW([q], lr=0.1, maximize=True)
+        for _ in range(3):
+            q.grad = grad.clone()
+            torch_opt.step()
+        torch.testing.assert_close(up.detach(), q.detach())
+
+
+def test_foreach_is_taken_and_differentiable_refused_with_the_way_out() -> None:
+    results = []
+    for foreach in (None, True, False):
+        p = torch.nn.Parameter(torch.ones(4))
+        opt = PrecisionAwareAdamW([p], foreach=foreach, exp_avg_dtype=torch.bfloat16)
+        p.grad = torch.full((4,), 0.5)
+        opt.step()
+        results.append(p.detach().clone())
+    assert all(torch.equal(r, results[0]) for r in results)
+    with pytest.raises(RuntimeError, match=r"differentiable=True.*torch.optim.AdamW"):
+        PrecisionAwareAdamW([torch.nn.Parameter(torch.ones(2))], differentiable=True)

@@ -1,4 +1,6 @@
-"""The ``wrapped-optim`` command: ``demo``, ``bench``, ``inspect`` and ``env``."""
+"""The ``wrapped-optim`` command (also ``python -m wrapped_optim``): ``demo``, ``bench``,
+``inspect`` and ``env``. Building the command line imports no torch, so ``--version`` and
+``--help`` answer at once."""
 
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ def run_env() -> int:
 
 
 def _add_bench_command(commands: Any) -> None:
-    from wrapped_optim.bench.report import add_arguments, topic_summaries
+    from wrapped_optim.bench._topics import DEFAULT_OUT, add_arguments, topic_summaries
 
     topics = "\n".join(
         textwrap.fill(summary, 79, initial_indent=f"  {name:<16}", subsequent_indent=" " * 18)
@@ -96,7 +98,8 @@ def _add_bench_command(commands: Any) -> None:
     )
     bench = commands.add_parser(
         "bench",
-        help="run the benchmarks, write docs/benchmarks.md and its figures",
+        help=f"run the benchmarks; write benchmarks.md and its figures into ./{DEFAULT_OUT} "
+        "(or --out DIR)",
         description="Runs the wrapped_optim.bench topics (all, or those named) and writes "
         "<out>/benchmarks.md (plus PNG figures in <out>/img/ when matplotlib is installed).",
         epilog=f"topics:\n{topics}",
@@ -124,8 +127,8 @@ def _add_inspect_command(commands: Any) -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``wrapped-optim`` command.
+def main(argv: Sequence[str] | None = None, *, prog: str = "wrapped-optim") -> int:
+    """Entry point of the ``wrapped-optim`` command (``prog`` names it in help and errors).
 
     Example:
         >>> from wrapped_optim._cli import main
@@ -134,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from wrapped_optim import __version__
 
-    parser = argparse.ArgumentParser(prog="wrapped-optim", description=_DESCRIPTION)
+    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"wrapped-optim {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
@@ -160,7 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "optional frameworks (megatron-core, Transformer Engine, Triton, ...), and the CPU "
         "AdamW kernel's status, loop families, library and cache directory.",
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --version and --help exit here, before torch is imported
+    import wrapped_optim._quiet_torch  # noqa: F401  (every command imports torch: quietly)
+
     if args.command == "demo":
         if args.steps < 4:
             parser.error("--steps must be at least 4")

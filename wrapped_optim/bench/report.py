@@ -23,7 +23,6 @@ Run it as ``wrapped-optim bench`` or ``python -m wrapped_optim.bench.report``.
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import datetime
 import gc
@@ -31,7 +30,6 @@ import importlib
 import importlib.util
 import json
 import os
-import pkgutil
 import platform
 import re
 import sys
@@ -46,13 +44,18 @@ import attrs
 import torch
 
 from wrapped_optim.bench import _figures
+from wrapped_optim.bench._topics import (
+    DEFAULT_OUT,
+    PACKAGE,
+    add_arguments,
+    discover_topics,
+    is_topic_name,
+)
 
 __all__ = [
     "BenchReport",
     "TopicResult",
     "UnknownTopicError",
-    "add_arguments",
-    "discover_topics",
     "machine_summary",
     "main",
     "matplotlib_available",
@@ -62,10 +65,7 @@ __all__ = [
     "run_benchmarks",
 ]
 
-PACKAGE = "wrapped_optim.bench"
 PAGE = "benchmarks.md"
-#: Where ``wrapped-optim bench`` writes when ``--out`` is not given (relative to the cwd).
-DEFAULT_OUT = "wrapped-optim-bench"
 IMAGE_DIR = "img"
 TOPIC_DIR = "bench"
 #: The contributors' page of targets met and missed (the users' pages show results only).
@@ -145,51 +145,6 @@ class BenchReport:
         return all(r.ok for r in self.results)
 
 
-def discover_topics(package: str = PACKAGE) -> list[str]:
-    """The benchmark topics of ``package``: every module but ``report`` and ``gpu_*``.
-
-    Example:
-        >>> from wrapped_optim.bench.report import discover_topics
-        >>> "report" in discover_topics()
-        False
-    """
-    module = importlib.import_module(package)
-    return sorted(
-        info.name
-        for info in pkgutil.iter_modules(module.__path__)
-        if _is_topic_name(info.name) and not info.ispkg
-    )
-
-
-def topic_summaries(package: str = PACKAGE) -> list[tuple[str, str]]:
-    """``(topic, first line of its docstring)`` for every topic, read without importing it.
-
-    Example:
-        >>> from wrapped_optim.bench.report import topic_summaries
-        >>> dict(topic_summaries())["staged"].startswith("Benchmark: extra device memory")
-        True
-    """
-    summaries = []
-    for topic in discover_topics(package):
-        name = f"{package}.{topic}"
-        doc = sys.modules[name].__doc__ if name in sys.modules else _docstring_on_disk(name)
-        paragraph = " ".join((doc or "").split("\n\n")[0].split())
-        sentence = re.split(r"(?<=[.?!])\s", paragraph)[0]
-        summaries.append((topic, sentence.replace("``", "")))
-    return summaries
-
-
-def _docstring_on_disk(module: str) -> str | None:
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
-        return None
-    return ast.get_docstring(ast.parse(Path(spec.origin).read_text()))
-
-
-def _is_topic_name(name: str) -> bool:
-    return name != "report" and not name.startswith(("gpu_", "_"))
-
-
 def machine_summary() -> list[tuple[str, str]]:
     """``(label, value)`` rows describing where the numbers were measured.
 
@@ -226,7 +181,7 @@ def _cpu_model() -> str | None:
 
 def _load_topic(package: str, topic: str, known: Sequence[str]) -> ModuleType:
     available = ", ".join(known) or "none"
-    if not _is_topic_name(topic):
+    if not is_topic_name(topic):
         raise UnknownTopicError(
             f"unknown benchmark topic {topic!r}\n"
             f"'report' and gpu_* modules are not topics; available: {available}"
@@ -706,47 +661,6 @@ def run_benchmarks(
         )
     )
     return BenchReport(page, tuple(results))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the bench options (``TOPIC...``, ``--quick``, ``--only``, ``--out``,
-    ``--no-plots``, ``--replot``) to a parser.
-
-    Example:
-        >>> import argparse
-        >>> from wrapped_optim.bench.report import add_arguments
-        >>> parser = argparse.ArgumentParser()
-        >>> add_arguments(parser)
-        >>> args = parser.parse_args(["--quick", "--only", "a", "b", "--only", "c"])
-        >>> args.quick, args.only, args.out
-        (True, ['a', 'b', 'c'], 'wrapped-optim-bench')
-        >>> parser.parse_args(["precision_adam", "--out", "docs"]).topics
-        ['precision_adam']
-    """
-    parser.add_argument(
-        "topics", nargs="*", metavar="TOPIC", help="run only these topics (default: all)"
-    )
-    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        action="extend",
-        metavar="TOPIC",
-        help="run only these topics (repeatable; default: all)",
-    )
-    parser.add_argument(
-        "--out",
-        default=DEFAULT_OUT,
-        help=f"folder for benchmarks.md, bench/ and img/ (default: ./{DEFAULT_OUT}; the "
-        "project's docs: --out docs)",
-    )
-    parser.add_argument("--no-plots", action="store_true", help="do not draw figures")
-    parser.add_argument(
-        "--replot",
-        action="store_true",
-        help="measure nothing: remake the pages, headlines and figures from the rows an "
-        "earlier run kept in <out>/bench/<topic>.json",
-    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -66,10 +66,15 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         cpu_kernel: the compiled CPU kernel for CPU state that needs conversion: None when
             it builds and ``fused`` is not True, True required, False never.
         atomic_step: a step that raises leaves parameters and state as they were.
+        maximize: maximize the objective (as ``torch.optim.AdamW``): the step uses the
+            negated gradient (a temporary copy of each gradient, one group at a time).
+        foreach: accepted for ``torch.optim.AdamW``'s signature and ignored: ``fused`` and
+            ``cpu_kernel`` choose how the step runs (every path gives the same update).
+        differentiable: must be False (autograd through the step is not supported).
 
     Raises:
-        RuntimeError: ``amsgrad`` or ``capturable``; a master or moment dtype FusedAdam
-            rejects; ``cpu_kernel=True`` where the kernel cannot be built.
+        RuntimeError: ``amsgrad``, ``capturable`` or ``differentiable``; a master or moment
+            dtype FusedAdam rejects; ``cpu_kernel=True`` where the kernel cannot be built.
         ValueError: a negative or non-finite ``lr``, ``eps`` or ``weight_decay``, ``betas``
             outside ``[0, 1)``, a tensor ``lr`` of several elements, ``chunk_numel <= 0``,
             or both ``fused`` and ``cpu_kernel`` True.
@@ -110,7 +115,15 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         fused: bool | None = None,
         cpu_kernel: bool | None = None,
         atomic_step: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
     ) -> None:
+        if differentiable:
+            raise RuntimeError(
+                "PrecisionAwareAdamW does not support differentiable=True (autograd through "
+                "the step); use torch.optim.AdamW(differentiable=True) for that"
+            )
         exp_avg_dtype, exp_avg_sq_dtype = _check_options(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             capturable=capturable, master_weights=master_weights,
@@ -146,6 +159,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self.fused = fused
         self.cpu_kernel = cpu_kernel
         self.atomic_step = bool(atomic_step)
+        self.maximize = bool(maximize)
+        self.foreach = foreach  # kept for introspection; the step's path ignores it
         self._scales: dict[Tensor, dict[str, Tensor]] = {}
         self._scratch = StepScratch()  # per-thread step workspace, never saved
         self._step_lock = StepLock()  # one step at a time, never saved
@@ -471,7 +486,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                         "but has no scale; load the state through load_state_dict or "
                         "set_scaled_state"
                     )
-            pairs.append((p, grad))
+            pairs.append((p, grad.neg() if self.maximize else grad))
         return pairs
 
     # ------------------------------------------------------------------ checkpoints

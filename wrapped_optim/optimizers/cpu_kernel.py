@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.autograd.graph import increment_version
 
 from wrapped_optim._formats import codecs
-from wrapped_optim.optimizers import _kernel_build
+from wrapped_optim.optimizers import _kernel_build, _kernel_threads
 
 __all__ = [
     "LOOP_FAMILIES",
@@ -278,9 +278,7 @@ def _build_into_cache() -> tuple[KernelStatus, ctypes.CDLL | None]:
     compiler = _kernel_build.find_compiler()
     if compiler is None:
         raise _Unavailable("no C compiler found (install gcc or clang, or set CC to one)")
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=60, check=True
-    ).stdout.splitlines()[:1]
+    version = _compiler_version(compiler)
     directory = _cache_dir()
     failures = []
     for extra in _kernel_build.ATTEMPTS:
@@ -292,6 +290,25 @@ def _build_into_cache() -> tuple[KernelStatus, ctypes.CDLL | None]:
     raise RuntimeError("; ".join(failures))
 
 
+def _compiler_version(compiler: str) -> list[str]:
+    """The first line of ``compiler --version``; ``_Unavailable`` saying so when it does not
+    run (e.g. ``CC`` names a program that is not a compiler)."""
+    named = f"{compiler} (from CC)" if os.environ.get("CC") else compiler
+    try:
+        result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise _Unavailable(
+            f"the C compiler {named} does not run ({exc}); set CC to a working gcc or clang"
+        ) from None
+    if result.returncode != 0:
+        said = (result.stderr.strip().splitlines() or ["no message"])[0][:200]
+        raise _Unavailable(
+            f"the C compiler {named} does not work: `{compiler} --version` exited with "
+            f"status {result.returncode} ({said}); set CC to a working gcc or clang"
+        )
+    return result.stdout.splitlines()[:1]
+
+
 class _Unavailable(RuntimeError):
     """A reason the kernel cannot be had, said as it is (no exception type in front)."""
 
@@ -299,9 +316,7 @@ class _Unavailable(RuntimeError):
 def _warn_unavailable(reason: str) -> None:
     warnings.warn(
         f"wrapped_optim: the compiled CPU AdamW kernel is unavailable ({reason}). "
-        "PrecisionAwareAdamW and the fused host step run their pure-torch path instead, "
-        "several times slower than torch's fused AdamW step (about 3x with bf16 moments, "
-        "more than 10x with FP8 ones). To fix it, install a C compiler (gcc or clang; or set "
+        f"{_kernel_build.MISSING_COST}. To fix it, install a C compiler (gcc or clang; or set "
         "CC) and reinstall wrapped-optim, or install a wheel that carries the kernel; "
         "`wrapped-optim env` shows its status, WRAPPED_OPTIM_CPU_KERNEL=0 silences this.",
         RuntimeWarning,
@@ -574,8 +589,10 @@ def adamw_step_(
     TE's FusedAdam formula in FP32 (``adam_w_mode``: ``p -= lr * (m_hat / (sqrt(v_hat) + eps)
     + wd * p)``, otherwise ``wd * p`` is added to the gradient); ``bias_correction1/2`` are
     ``1 - beta**t`` and are applied as multiplications by their (FP32-rounded) reciprocals.
-    The elements of all tensors are shared by up to ``num_threads`` (default
-    ``torch.get_num_threads()``) OpenMP threads when the build has OpenMP
+    The elements of all tensors are shared by up to ``num_threads`` (default: torch's thread
+    count, capped by the cores this process may use and reduced by those other processes
+    keep busy, so threads never spin on oversubscribed cores; see
+    :mod:`wrapped_optim.optimizers._kernel_threads`) OpenMP threads when the build has OpenMP
     (``status().parallel``), else one thread; in a process forked after the library was
     loaded always one (GNU OpenMP's workers do not survive ``fork()``: a parallel region
     there never returns, torch's own included). Every operand is checked before anything is
@@ -607,7 +624,8 @@ def adamw_step_(
     masters, m_scales, v_scales = _per_param_lists(
         params, grads, exp_avgs, exp_avg_sqs, masters, exp_avg_scales, exp_avg_sq_scales
     )
-    threads = torch.get_num_threads() if num_threads is None else num_threads
+    own = torch.get_num_threads()
+    threads = _kernel_threads.default_threads(own, own) if num_threads is None else num_threads
     if threads < 1:
         raise ValueError(f"num_threads must be at least 1, got {threads}")
     count = len(params)
