@@ -6,6 +6,7 @@ are listed in docs/guides/megatron_bridge.md and at each repair below.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ import torch
 
 from wrapped_optim._adapters.hybrid import is_megatron_hdo
 from wrapped_optim._adapters.megatron import unshare_steps
+from wrapped_optim._adapters.megatron_precision import precision_setter_repairs
 from wrapped_optim._adapters.walk import LeafContext, walk_leaves
 from wrapped_optim.patching import patch_attribute
 
@@ -25,6 +27,7 @@ __all__ = [
     "sharded_loaders",
 ]
 
+_LOG = logging.getLogger(__name__)
 _SETTER = "_set_main_param_and_optimizer_states"
 _FP32_UPDATE = "_update_fp32_params_by_new_state"
 
@@ -265,6 +268,11 @@ def megatron_load_repairs(stack: Any) -> Iterator[int]:
                     patch_attribute(container, _SETTER, _step_supplying_setter(container, original))
                 )
                 count += 1
+            names, precision_setter = precision_setter_repairs(container)  # outermost
+            if precision_setter is not None:
+                patches.enter_context(patch_attribute(container, _SETTER, precision_setter))
+                _LOG.info("megatron load repairs: %s", "; ".join(names))
+                count += len(names)
             hybrid = leaf.optimizer
             update = _function_of(hybrid, _FP32_UPDATE)
             if (
