@@ -494,10 +494,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     def _load_either_layout(self, state_dict: dict[str, Any]) -> None:
         issued, self._issued = self._issued, []  # one load per state_dict() call
         if _loading.issued_by(state_dict, issued):
-            _loading.load_own_scaffold(
-                self, state_dict, layout=self.layout, scales=self._scales,
-                write=self.set_scaled_state,
-            )  # fmt: skip
+            holder = (self.layout, self._scales, self.set_scaled_state)
+            _loading.load_own_scaffold(self, state_dict, holder)
             return
         if _torch_format.is_torch_adam_layout(state_dict):
             state_dict = _torch_format.from_torch_adam(

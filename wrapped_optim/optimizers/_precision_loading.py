@@ -98,13 +98,11 @@ def issued_by(state_dict: Mapping[str, Any], issued: Sequence[list[int]]) -> boo
     )
 
 
+_Holder = tuple[PrecisionLayout, _Tables, Callable[[Tensor, str, Tensor], None]]
+
+
 def load_own_scaffold(
-    opt: torch.optim.Optimizer,
-    state_dict: dict[str, Any],
-    *,
-    layout: PrecisionLayout,
-    scales: _Tables,
-    write: Callable[[Tensor, str, Tensor], None],
+    opt: torch.optim.Optimizer, state_dict: dict[str, Any], holder: _Holder
 ) -> None:
     """Loads a state dict :func:`issued_by` the optimizer itself, as TE's FusedAdam loads any.
 
@@ -117,7 +115,8 @@ def load_own_scaffold(
     master) is written as TE writes it; a placeholder in the storage dtype is not read at all
     (uninitialised memory): the state gets zeroed storage of its format. Group options are
     merged as in :func:`load_portable`; only what a state write itself checks (tensor,
-    dtype, element count) is checked.
+    dtype, element count) is checked. ``holder``: the optimizer's layout, scales and
+    ``set_scaled_state``.
 
     Example:
         >>> import torch
@@ -127,11 +126,11 @@ def load_own_scaffold(
         >>> own = opt.state_dict()
         >>> own["state"] = {0: {"exp_avg": torch.empty(2, dtype=torch.bfloat16),
         ...                     "exp_avg_sq": torch.empty(2)}}
-        >>> load_own_scaffold(opt, own, layout=opt.layout, scales=opt.scales,
-        ...                   write=opt.set_scaled_state)
+        >>> load_own_scaffold(opt, own, (opt.layout, opt.scales, opt.set_scaled_state))
         >>> opt.state[p]["exp_avg"]
         tensor([0., 0.], dtype=torch.bfloat16)
     """
+    layout, scales, write = holder
     params = [p for group in opt.param_groups for p in group["params"]]
     saved_groups = state_dict["param_groups"]
     index_of = {
