@@ -354,7 +354,7 @@ def test_chunked_encode_and_write_stay_within_one_chunk(dtype: torch.dtype) -> N
     assert peak_cpu_bytes(lambda: codecs.encode_chunked(source, out, dtype, chunk)) <= bound
     p = torch.nn.Parameter(torch.zeros(n))
     opt = PrecisionAwareAdamW([p], exp_avg_dtype=dtype)
-    opt.initialize_state(p)
+    opt.initialize_state(p, opt.layout.uses_remainder(p))
     write = lambda: opt.write_scaled_state_chunked(p, "exp_avg", source, chunk)  # noqa: E731
     assert peak_cpu_bytes(write) <= bound
     assert torch.equal(opt.get_unscaled_state(p, "exp_avg"), source)  # and it is lossless

@@ -701,7 +701,7 @@ def test_optimizer_steps_are_the_kernel_formula(config: str, adam_w_mode: bool) 
     )  # fmt: skip
     ref: dict[int, list[torch.Tensor]] = {}
     for i, p in enumerate(params):
-        opt.initialize_state(p)
+        opt.initialize_state(p, opt.layout.uses_remainder(p))
         state = opt.state[p]
         if "master_param" not in state:
             p32 = p.detach().float()

@@ -146,7 +146,7 @@ def _build(
     grads = []
     for i, (p, g_dtype) in enumerate(zip(params, grad_dtypes, strict=True)):
         n = p.numel()
-        opt.initialize_state(p)
+        opt.initialize_state(p, opt.layout.uses_remainder(p))
         zero = i == 1  # all state and the grad zero: scales 0
         scale = 0.0 if zero else magnitude
         opt.set_scaled_state(p, "exp_avg", torch.randn(n, generator=gen) * 0.1 * scale)
@@ -388,10 +388,10 @@ def test_scaled_state_is_fused_and_fused_true_keeps_torch() -> None:
         ({"exp_avg_dtype": BF16}, True),
     ):
         opt = PrecisionAwareAdamW([p], **kw)  # type: ignore[arg-type]
-        opt.initialize_state(p)
+        opt.initialize_state(p, opt.layout.uses_remainder(p))
         assert _applicable(opt, p, g) is expected, kw
     opt = PrecisionAwareAdamW([p], exp_avg_dtype=FP8)
-    opt.initialize_state(p)
+    opt.initialize_state(p, opt.layout.uses_remainder(p))
     del opt._scales[p]["exp_avg"]  # a scaled state without its scale is not the kernel's
     assert not _applicable(opt, p, g)
 
@@ -399,7 +399,7 @@ def test_scaled_state_is_fused_and_fused_true_keeps_torch() -> None:
 def test_off_the_kernel_devices_nothing_applies() -> None:
     p = torch.nn.Parameter(torch.zeros(8))
     opt = PrecisionAwareAdamW([p], exp_avg_dtype=BF16)
-    opt.initialize_state(p)
+    opt.initialize_state(p, opt.layout.uses_remainder(p))
     assert not _applicable(opt, p, torch.ones(8))
     with pytest.raises(ValueError, match="does not apply"):
         pairs = [(p, torch.ones(8))]
@@ -502,7 +502,7 @@ def test_gpu_check_runs_its_rows_on_the_interpreter() -> None:
     for name in gpu_fused_step.CONFIGS:
         opt, params, grads = gpu_fused_step._make(name, (5, 3, 2), "cpu", cpu_kernel=False)
         for p in params:
-            opt.initialize_state(p)
+            opt.initialize_state(p, opt.layout.uses_remainder(p))
         pairs = gpu_fused_step._pairs(params, grads, 0)
         assert all(_applicable(opt, p, g) for p, g in pairs), name
     name = list(gpu_fused_step.CONFIGS)[-1]

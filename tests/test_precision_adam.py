@@ -154,7 +154,7 @@ def test_protocols_and_predicates() -> None:
 def test_initialize_state_layout() -> None:
     p = torch.nn.Parameter(torch.randn(5).to(BF16))
     opt = PrecisionAwareAdamW([p], **CONFIGS["remainders"])
-    opt.initialize_state(p)
+    opt.initialize_state(p, True)
     st_ = opt.state[p]
     assert [st_[k].dtype for k in st_] == [BF16, FP16, torch.int16]
     assert torch.equal(st_["master_param"], torch.zeros(5, dtype=torch.int16))
@@ -164,7 +164,7 @@ def test_initialize_state_layout() -> None:
         opt.initialize_state(p, False)
     q = torch.nn.Parameter(torch.randn(3).to(BF16))
     opt2 = PrecisionAwareAdamW([q], master_weights=True, master_weight_dtype=FP16)
-    opt2.initialize_state(q)
+    opt2.initialize_state(q, False)
     assert opt2.state[q]["master_param"].dtype == FP16
     assert torch.allclose(opt2.get_unscaled_state(q, "master_param"), q.float(), rtol=1e-3)
 
@@ -193,7 +193,7 @@ def test_chunked_read_equals_get_unscaled_state(
     params, opt = _trained(config, dtype, [(5, 7), (3,), (1,)], steps)
     for p in params:
         if not opt.state[p]:
-            opt.initialize_state(p)
+            opt.initialize_state(p, opt.layout.uses_remainder(p))
         for name in opt.state[p]:
             whole = opt.get_unscaled_state(p, name).reshape(-1)
             out = torch.full_like(whole, 77)
@@ -236,7 +236,7 @@ def test_chunked_write_equals_set_scaled_state(
 def test_chunk_api_checks_arguments() -> None:
     p = torch.nn.Parameter(torch.zeros(4))
     opt = PrecisionAwareAdamW([p], exp_avg_dtype=BF16)
-    opt.initialize_state(p)
+    opt.initialize_state(p, False)
     with pytest.raises(ValueError, match="outside"):
         opt.read_unscaled_state_chunk(p, "exp_avg", 3, torch.empty(2))
     with pytest.raises(ValueError, match="contiguous 1-D"):
@@ -266,7 +266,7 @@ def test_fp16_set_scaled_state_leaves_caller_tensor_alone() -> None:
 def test_fp32_state_is_returned_live() -> None:
     p = torch.nn.Parameter(torch.zeros(3))
     opt = PrecisionAwareAdamW([p])
-    opt.initialize_state(p)
+    opt.initialize_state(p, False)
     assert opt.get_unscaled_state(p, "exp_avg") is opt.state[p]["exp_avg"]
 
 
@@ -437,7 +437,7 @@ def test_params_without_grads_get_no_state_and_do_not_move() -> None:
     opt.step()
     assert torch.equal(b, before) and not opt.state[b]
     assert set(opt.state_dict()["state"]) == {0}
-    opt.initialize_state(b)
+    opt.initialize_state(b, False)
     assert opt.get_unscaled_state(b, "exp_avg").eq(0).all()
 
 

@@ -43,7 +43,7 @@ def test_the_layout_describes_the_storage_the_optimizer_creates(
         exp_avg_sq_dtype=exp_avg_sq_dtype,
         store_param_remainders=store_param_remainders,
     )
-    opt.initialize_state(p)
+    opt.initialize_state(p, opt.layout.uses_remainder(p))
     layout = opt.layout
     for name in STATE_NAMES:
         if name not in opt.state[p]:

@@ -260,7 +260,7 @@ def test_loaded_hyper_parameters_never_alias_the_callers_even_in_containers() ->
     the caller's after a load."""
     p = torch.nn.Parameter(torch.zeros(4))
     opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
-    opt.initialize_state(p)
+    opt.initialize_state(p, opt.layout.uses_remainder(p))
     state_dict = opt.state_dict()
     betas = (torch.tensor(0.8), torch.tensor(0.9))
     lr = torch.tensor(0.01)

@@ -46,7 +46,7 @@ def test_kernel_would_update_is_what_the_step_does(
     opt = PrecisionAwareAdamW(params, lr=1e-2, **CONFIGS[config])
     group = opt.param_groups[0]
     for p in params:
-        opt.initialize_state(p)
+        opt.initialize_state(p, opt.layout.uses_remainder(p))
         p.grad = torch.randn(p.shape).to(dtype)
     predicted = [
         precision_paths.kernel_would_update(

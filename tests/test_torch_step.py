@@ -41,7 +41,7 @@ def _two_params_opt() -> tuple[PrecisionAwareAdamW, list[torch.nn.Parameter]]:
         cpu_kernel=False,
     )
     for p in params:
-        opt.initialize_state(p)
+        opt.initialize_state(p, opt.layout.uses_remainder(p))
     return opt, params
 
 

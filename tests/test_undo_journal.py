@@ -406,7 +406,7 @@ def test_a_killed_load_leaves_no_journal(tmp_path: Path) -> None:
                                   exp_avg_sq_dtype=torch.bfloat16, master_weights=True,
                                   store_param_remainders=True)
         for p in params:
-            opt.initialize_state(p)  # state to overwrite (no step: no kernel to build)
+            opt.initialize_state(p, opt.layout.uses_remainder(p))  # state to overwrite, no kernel
         load_optimizer(opt, {str(tmp_path / "ckpt")!r}, chunk_bytes={CHUNK},
                        journal_dir={str(journal_dir)!r})
         """

@@ -111,7 +111,7 @@ def _step(opt: PrecisionAwareAdamW, params: list[Any], grads: list[Any], step: i
         return
     for p in params:
         if not opt.state[p]:
-            opt.initialize_state(p)
+            opt.initialize_state(p, opt.layout.uses_remainder(p))
     group = opt.param_groups[0]
     group["step"] = group.get("step", 0) + 1
     pairs = _pairs(params, grads, step)
@@ -227,7 +227,7 @@ def rows(name: str, device: str = "cuda", *, large: bool = True) -> list[tuple[s
     out: list[tuple[str, bool, str]] = []
     opt, params, grads = _make(name, _SMALL, device)
     for p in params:
-        opt.initialize_state(p)
+        opt.initialize_state(p, opt.layout.uses_remainder(p))
     taken = all(
         fused_gpu.applicable(opt.layout, opt.state[p], opt.scales.get(p, {}), p, g)
         for p, g in _pairs(params, grads, 0)

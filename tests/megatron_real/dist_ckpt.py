@@ -150,6 +150,39 @@ def load_model_only(model: Any, optimizer: Any, directory: Path, fmt: str, route
         compat.sync_hybrid_device_optimizer_fp32_master_copies(optimizer)
 
 
+def save_and_continue(
+    model: Any, optimizer: Any, directory: Path, formats: tuple[str, ...], at: int, more: int,
+    rank: int,
+) -> dict[str, Any]:  # fmt: skip
+    """``at`` steps, a save in each of ``formats`` (to ``directory / fmt``), ``more`` steps:
+    ``{"space": model_space_state at the save, "snapshot": the uninterrupted run's end}``."""
+    from tests.megatron_real.harness import train
+
+    train(model, optimizer, range(at), rank)
+    for fmt in formats:
+        save(model, optimizer, directory / fmt, fmt)
+    space = model_space_state(model, optimizer)
+    train(model, optimizer, range(at, at + more), rank)
+    return {"snapshot": snapshot(model, optimizer), "space": space}
+
+
+def resume_and_continue(
+    model: Any, optimizer: Any, directory: Path, fmt: str, route: str, more: range, rank: int
+) -> dict[str, Any]:
+    """A full resume by ``route``, then ``more`` steps: ``{"space": model_space_state right
+    after the load, "snapshot": after the steps}``, or ``{"error": ...}`` if the load raised
+    (reported to the tests, which decide)."""
+    from tests.megatron_real.harness import train
+
+    try:
+        load(model, optimizer, directory, fmt, route)
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    space = model_space_state(model, optimizer)
+    train(model, optimizer, more, rank)
+    return {"snapshot": snapshot(model, optimizer), "space": space}
+
+
 # --------------------------------------------------------------------------------------
 # What a resume must reproduce
 # --------------------------------------------------------------------------------------
@@ -205,3 +238,25 @@ def model_space_state(model: Any, optimizer: Any) -> dict[str, tuple[int, int, t
                 value = _tensor(value).reshape(-1) if key != "step" else _tensor(value)
                 out[f"{names[id(model_param)]}/{key}"] = (param_range.start, param_range.end, value)
     return out
+
+
+def whole_model_space(
+    spaces: list[dict[str, tuple[int, int, torch.Tensor]]],
+) -> dict[str, torch.Tensor]:
+    """Each parameter's state in model space, put together from every rank's slice of
+    :func:`model_space_state` (a ``step`` is the same on every rank)."""
+    parts: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    for space in spaces:
+        for key, part in space.items():
+            parts.setdefault(key, []).append(part)
+    whole = {}
+    for key, slices in parts.items():
+        if key.endswith("/step"):
+            values = {float(value) for _, _, value in slices}
+            assert len(values) == 1, (key, values)  # every rank counts the same steps
+            whole[key] = slices[0][2]
+            continue
+        slices.sort(key=lambda part: part[0])
+        assert [s for s, _, _ in slices] == [0, *[e for _, e, _ in slices[:-1]]], key
+        whole[key] = torch.cat([values for _, _, values in slices])
+    return whole

@@ -26,6 +26,9 @@ CONFIGS: dict[str, tuple[bool, bool, float | None]] = {
     "offload_half": (True, True, 0.5),  # HybridDeviceOptimizer inside DistributedOptimizer
     "offload_full": (True, True, 1.0),
 }
+# Built only with ``build(..., options=...)`` (not iterated with CONFIGS): a DistributedOptimizer
+# over bf16 params, the base of Megatron's precision-aware configs.
+BF16_DISTRIBUTED = {"bf16_distributed": (True, True, None)}
 HIDDEN = 8
 STEPS = 3
 
@@ -44,21 +47,27 @@ def megatron_session() -> Iterator[None]:
 
 
 def build(
-    name: str, seed: int = 0, weights: dict[str, Any] | None = None, *, setup: bool = False
+    name: str,
+    seed: int = 0,
+    weights: dict[str, Any] | None = None,
+    *,
+    setup: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """``(ddp_model, optimizer)`` for config ``name``; inside :func:`megatron_session`.
 
     ``weights`` (a model state dict) is loaded into the model before the optimizer is built.
     ``setup``: the optimizer comes from :func:`wrapped_optim.integrations.bridge.setup_optimizer`
     (Megatron's standard param-group overrides, the derived stack) instead of a bare
-    ``get_megatron_optimizer`` call.
+    ``get_megatron_optimizer`` call. ``options``: more ``OptimizerConfig`` fields (the
+    precision-aware ones of :mod:`tests.megatron_real.precision_aware`).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import MegatronModule
 
-    bf16, distributed, fraction = CONFIGS[name]
+    bf16, distributed, fraction = {**CONFIGS, **BF16_DISTRIBUTED}[name]
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = TransformerConfig(
         num_layers=1,
@@ -86,9 +95,9 @@ def build(
     model = DistributedDataParallel(config, ddp_config, module)
     if weights is not None:
         model.load_state_dict(weights)
-    options: dict[str, Any] = {}
+    offload: dict[str, Any] = {}
     if fraction is not None:
-        options = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": fraction}
+        offload = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": fraction}
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=1e-2,
@@ -97,7 +106,8 @@ def build(
         use_distributed_optimizer=distributed,
         bf16=bf16,
         clip_grad=0.0,
-        **options,
+        **offload,
+        **(options or {}),
     )
     if setup:
         from wrapped_optim.integrations.bridge import SchedulerConfig, setup_optimizer

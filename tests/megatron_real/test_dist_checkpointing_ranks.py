@@ -12,19 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("megatron.core.dist_checkpointing")
 
 from tests.distributed.conftest import Launcher, mismatches
 from tests.megatron_real.dist_ckpt import (
-    load,
-    model_space_state,
+    resume_and_continue,
     route_optimizer,
-    save,
-    snapshot,
+    save_and_continue,
+    whole_model_space,
 )
-from tests.megatron_real.harness import build, megatron_session, train
+from tests.megatron_real.harness import build, megatron_session
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("megatron_real")]
 
@@ -46,12 +44,10 @@ def _save(rank: int, world: int, root: str) -> dict[Any, Any]:
             for writer in ("bare", "wrap"):
                 model, optimizer = build(name)
                 optimizer = route_optimizer(optimizer, writer)
-                train(model, optimizer, range(SAVE_AT), rank)
-                for fmt in FORMATS:
-                    save(model, optimizer, Path(root, f"world{world}", name, writer, fmt), fmt)
-                space = model_space_state(model, optimizer)
-                train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE), rank)
-                out[name, writer] = {"snapshot": snapshot(model, optimizer), "space": space}
+                directory = Path(root, f"world{world}", name, writer)
+                out[name, writer] = save_and_continue(
+                    model, optimizer, directory, FORMATS, SAVE_AT, MORE, rank
+                )
     return out
 
 
@@ -64,14 +60,15 @@ def _load(rank: int, world: int, root: str, saved_on: int) -> dict[Any, Any]:
                     directory = Path(root, f"world{saved_on}", name, _writer(route), fmt)
                     model, optimizer = build(name, seed=1)
                     optimizer = route_optimizer(optimizer, route)
-                    try:
-                        load(model, optimizer, directory, fmt, route)
-                    except Exception as error:  # reported to the tests, which decide
-                        out[name, fmt, route] = {"error": f"{type(error).__name__}: {error}"}
-                        continue
-                    space = model_space_state(model, optimizer)
-                    train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE), rank)
-                    out[name, fmt, route] = {"snapshot": snapshot(model, optimizer), "space": space}
+                    out[name, fmt, route] = resume_and_continue(
+                        model,
+                        optimizer,
+                        directory,
+                        fmt,
+                        route,
+                        range(SAVE_AT, SAVE_AT + MORE),
+                        rank,
+                    )
     return out
 
 
@@ -86,25 +83,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "2to1": launch(_load, 1, str(root), 2),
         "1to2": launch(_load, 2, str(root), 1),
     }
-
-
-def _whole(spaces: list[dict[str, tuple[int, int, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """Each parameter's state in model space, put together from every rank's slice."""
-    parts: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-    for space in spaces:
-        for key, part in space.items():
-            parts.setdefault(key, []).append(part)
-    whole = {}
-    for key, slices in parts.items():
-        if key.endswith("/step"):
-            values = {float(value) for _, _, value in slices}
-            assert len(values) == 1, (key, values)  # every rank counts the same steps
-            whole[key] = slices[0][2]
-            continue
-        slices.sort(key=lambda part: part[0])
-        assert [s for s, _, _ in slices] == [0, *[e for _, e, _ in slices[:-1]]], key
-        whole[key] = torch.cat([values for _, _, values in slices])
-    return whole
 
 
 CELLS = [(name, fmt, route) for name in CONFIGS for fmt in FORMATS for route in ROUTES]
@@ -137,8 +115,8 @@ def test_resharded_resume_restores_the_saved_state(
     cells = [runs[direction][rank][name, fmt, route] for rank in range(ranks_after)]
     for cell in cells:
         assert "error" not in cell, cell.get("error")
-    before = _whole([rank[name, _writer(route)]["space"] for rank in runs[saved]])
-    after = _whole([cell["space"] for cell in cells])
+    before = whole_model_space([rank[name, _writer(route)]["space"] for rank in runs[saved]])
+    after = whole_model_space([cell["space"] for cell in cells])
     assert before.keys() == after.keys()
     assert mismatches(before, after) == []
 

@@ -6,6 +6,7 @@ are listed in docs/guides/megatron_bridge.md and at each repair below.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import pickle
 import sys
@@ -21,6 +22,7 @@ import torch
 
 from wrapped_optim._adapters.hybrid import is_megatron_hdo
 from wrapped_optim._adapters.megatron import unshare_steps
+from wrapped_optim._adapters.megatron_precision import precision_setter_repairs
 from wrapped_optim._adapters.walk import LeafContext, walk_leaves
 from wrapped_optim.patching import patch_attribute
 
@@ -32,6 +34,7 @@ __all__ = [
     "sharded_loaders",
 ]
 
+_LOG = logging.getLogger(__name__)
 _SETTER = "_set_main_param_and_optimizer_states"
 _GETTER = "_get_main_param_and_optimizer_states"
 _FP32_UPDATE = "_update_fp32_params_by_new_state"
@@ -457,6 +460,11 @@ def megatron_load_repairs(stack: Any) -> Iterator[int]:
                     patch_attribute(container, _SETTER, _step_supplying_setter(container, original))
                 )
                 count += 1
+            names, precision_setter = precision_setter_repairs(container)  # outermost
+            if precision_setter is not None:
+                patches.enter_context(patch_attribute(container, _SETTER, precision_setter))
+                _LOG.info("megatron load repairs: %s", "; ".join(names))
+                count += len(names)
             if is_megatron_hdo(leaf.optimizer):
                 count += _hybrid_repairs(container, leaf.optimizer, patches)
         if seen and _common_loader() is not None:

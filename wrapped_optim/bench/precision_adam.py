@@ -136,7 +136,7 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
         >>> p = torch.nn.Parameter(torch.zeros(1000))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
-        >>> opt.initialize_state(p)
+        >>> opt.initialize_state(p, False)
         >>> state_bytes_per_param(opt)
         6.0
     """

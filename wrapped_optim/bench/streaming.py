@@ -69,7 +69,7 @@ def _build(n_tensors: int, numel: int, seed: int) -> Any:
     # Parameter values never reach the optimizer's state (no master weights): left unset.
     with torch.no_grad():
         for p in params:
-            opt.initialize_state(p)
+            opt.initialize_state(p, opt.layout.uses_remainder(p))
             if seed == 0:  # the optimizer that is saved: random state
                 opt.state[p]["exp_avg"].normal_(generator=g)
                 opt.state[p]["exp_avg_sq"].uniform_(0.0, 1.0, generator=g)

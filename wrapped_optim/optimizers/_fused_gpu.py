@@ -37,7 +37,7 @@ Example:
     >>> from wrapped_optim.optimizers import _fused_gpu
     >>> p = torch.nn.Parameter(torch.zeros(4))
     >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
-    >>> opt.initialize_state(p)
+    >>> opt.initialize_state(p, False)
     >>> _fused_gpu.applicable(opt.layout, opt.state[p], {}, p, torch.ones(4))  # CPU
     False
 """
@@ -259,7 +259,7 @@ def launches_per_step(
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
-        >>> opt.initialize_state(p)
+        >>> opt.initialize_state(p, False)
         >>> launches_per_step(opt.layout, opt.state, opt.scales, [])
         0
         >>> launches_per_step(opt.layout, opt.state, opt.scales, [(p, torch.ones(4))])  # CPU
@@ -377,7 +377,7 @@ def update_group(
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
-        >>> opt.initialize_state(p)
+        >>> opt.initialize_state(p, False)
         >>> update_group(opt.layout, opt.state, opt.scales, [(p, torch.ones(4))],
         ...              opt.param_groups[0], owner=opt)  # a CPU parameter
         Traceback (most recent call last):

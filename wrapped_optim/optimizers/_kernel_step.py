@@ -62,7 +62,7 @@ def kernel_operands(
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
         >>> p = torch.nn.Parameter(torch.zeros(2, 3))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_sq_dtype=torch.uint8)
-        >>> opt.initialize_state(p)
+        >>> opt.initialize_state(p, False)
         >>> ops = kernel_operands(opt.layout, opt.state[p], opt.scales[p], p, torch.ones(2, 3))
         >>> ops is None if not cpu_kernel.available() else (ops[0].shape, ops[6].item())
         (torch.Size([6]), 1.0)
@@ -112,7 +112,7 @@ def kernel_update(
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], lr=0.5, exp_avg_dtype=torch.bfloat16)
-        >>> opt.initialize_state(p)
+        >>> opt.initialize_state(p, False)
         >>> group = {**opt.param_groups[0], "step": 1}
         >>> if cpu_kernel.available():
         ...     ops = kernel_operands(opt.layout, opt.state[p], {}, p, torch.ones(4))

@@ -166,6 +166,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self._step_lock = StepLock()  # one step at a time, never saved
         self._pack_small = True  # small parameters share fused calls (tests turn it off)
         self._warned_skipped = False  # the per-group step count warning, once
+        # The group index lists of the last state_dict(): a state dict holding these very
+        # lists was built from our own in this process (Megatron's loading scaffold).
+        self._issued: list[list[int]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's Optimizer pickles only defaults/state/param_groups; our configuration and
@@ -173,6 +176,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         state = self.__dict__.copy()
         state["_scratch"] = StepScratch()
         state["_step_lock"] = StepLock()
+        state["_issued"] = []
         return state
 
     @property
@@ -209,7 +213,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             >>> import torch
             >>> p = torch.nn.Parameter(torch.zeros(2))
             >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.uint8)
-            >>> opt.initialize_state(p)
+            >>> opt.initialize_state(p, False)
             >>> list(opt.scales[p])
             ['exp_avg']
         """
@@ -217,24 +221,25 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state API
 
-    def initialize_state(self, param: Tensor, store_param_remainders: bool | None = None) -> None:
+    def initialize_state(self, param: Tensor, store_param_remainders: bool) -> None:
         """Create zero moments (and the master copy when ``master_weights``) for ``param``.
 
-        ``store_param_remainders`` defaults to what this optimizer uses for the parameter
-        (FusedAdam takes it positionally; Megatron calls ``initialize_state(p)``); a value that
-        contradicts the configuration is rejected.
+        ``store_param_remainders`` is required, as in TE >= 2.1's FusedAdam (so code that
+        calls ``initialize_state(p)``, as Megatron-Core's ``init_state_fn`` does, fails here as
+        it fails under TE); it must say what this optimizer does for the parameter
+        (``opt.layout.uses_remainder(param)``): a contradicting value is rejected.
 
         Examples:
             >>> import torch
             >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
             >>> p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
             >>> opt = PrecisionAwareAdamW([p], master_weights=True, store_param_remainders=True)
-            >>> opt.initialize_state(p)
+            >>> opt.initialize_state(p, True)
             >>> [(k, v.dtype) for k, v in opt.state[p].items()][2]
             ('master_param', torch.int16)
         """
         uses = self.layout.uses_remainder(param)
-        if store_param_remainders is not None and bool(store_param_remainders) != uses:
+        if bool(store_param_remainders) != uses:
             raise ValueError(
                 f"store_param_remainders={store_param_remainders} contradicts this optimizer, "
                 f"which {'stores' if uses else 'does not store'} remainders for a "
@@ -260,7 +265,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
             >>> p = torch.nn.Parameter(torch.zeros(2))
             >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.float16)
-            >>> opt.initialize_state(p)
+            >>> opt.initialize_state(p, False)
             >>> opt.get_unscaled_state(p, "exp_avg")
             tensor([0., 0.])
         """
@@ -432,9 +437,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 continue
             if len(pairs) < len(group["params"]):
                 self._warn_skipped_once(index, len(group["params"]) - len(pairs), group)
-            for p, _ in pairs:
-                if not self.state[p]:
-                    self.initialize_state(p)
+            for p in group["params"]:
+                if not self.state.get(p) and (self._grad_of(p) is not None or p.grad is not None):
+                    # FusedAdam creates state before it reads the grad: Megatron's dummy step
+                    # sets .grad even under use_decoupled_grad and expects state from it.
+                    self.initialize_state(p, layout.uses_remainder(p))
             _paths.step_group(
                 layout, group, pairs, states=self.state, scales=self._scales,
                 scratch=self._scratch, owner=self, group_index=index,
@@ -509,12 +516,14 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             >>> sd["state"][0]["exp_avg"].dtype, sd["param_groups"][0]["step"]
             (torch.float32, 1)
         """
-        return state_dict_with_hooks(
-            self,
-            lambda: _loading.portable_state_dict(
-                self.param_groups, self.state, self.get_unscaled_state
-            ),
+        return state_dict_with_hooks(self, self._portable_state_dict)
+
+    def _portable_state_dict(self) -> dict[str, Any]:
+        state_dict = _loading.portable_state_dict(
+            self.param_groups, self.state, self.get_unscaled_state
         )
+        self._issued = [group["params"] for group in state_dict["param_groups"]]
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load FusedAdam's portable format (or torch's Adam/AdamW layout, converted by
@@ -543,6 +552,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         load_state_dict_with_hooks(self, state_dict, self._load_either_layout)
 
     def _load_either_layout(self, state_dict: dict[str, Any]) -> None:
+        issued, self._issued = self._issued, []  # one load per state_dict() call
+        if _loading.issued_by(state_dict, issued):
+            holder = (self.layout, self._scales, self.set_scaled_state)
+            _loading.load_own_scaffold(self, state_dict, holder)
+            return
         if _torch_format.is_torch_adam_layout(state_dict):
             state_dict = _torch_format.from_torch_adam(
                 state_dict, adam_w_mode=bool(self.adam_w_mode)

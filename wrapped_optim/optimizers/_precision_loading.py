@@ -27,9 +27,10 @@ from torch import Tensor
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import holder_format, state_format
 from wrapped_optim._rollback import deep_clone
+from wrapped_optim.optimizers import _precision_state as _state
 from wrapped_optim.optimizers._precision_layout import PrecisionLayout
 
-__all__ = ["load_portable", "portable_state_dict"]
+__all__ = ["issued_by", "load_own_scaffold", "load_portable", "portable_state_dict"]
 
 _Write = tuple[Tensor, str, Tensor]  # (param, state name, FP32 or int16 source)
 _Tables = MutableMapping[Tensor, dict[str, Tensor]]
@@ -48,7 +49,7 @@ def portable_state_dict(
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> p = torch.nn.Parameter(torch.zeros(2))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
-        >>> opt.initialize_state(p)
+        >>> opt.initialize_state(p, False)
         >>> sd = portable_state_dict(opt.param_groups, opt.state, opt.get_unscaled_state)
         >>> sorted(sd["state"][0])
         ['exp_avg', 'exp_avg_sq']
@@ -73,6 +74,115 @@ def portable_state_dict(
     return {"state": saved, "param_groups": groups}
 
 
+def issued_by(state_dict: Mapping[str, Any], issued: Sequence[list[int]]) -> bool:
+    """Whether ``state_dict``'s parameter groups hold, in order, the very index lists
+    (``issued``) of the optimizer's last ``state_dict()``: a state dict built in this process
+    from the optimizer's own (Megatron's loading scaffold), never one read from a file.
+
+    Example:
+        >>> import copy
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> opt = PrecisionAwareAdamW([torch.nn.Parameter(torch.zeros(2))])
+        >>> own = opt.state_dict()
+        >>> issued = [g["params"] for g in own["param_groups"]]
+        >>> issued_by(own, issued), issued_by(copy.deepcopy(own), issued)
+        (True, False)
+    """
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if not issued or not isinstance(groups, list) or len(groups) != len(issued):
+        return False
+    return all(
+        isinstance(group, Mapping) and group.get("params") is ids
+        for group, ids in zip(groups, issued, strict=True)
+    )
+
+
+_Holder = tuple[PrecisionLayout, _Tables, Callable[[Tensor, str, Tensor], None]]
+
+
+def load_own_scaffold(
+    opt: torch.optim.Optimizer, state_dict: dict[str, Any], holder: _Holder
+) -> None:
+    """Loads a state dict :func:`issued_by` the optimizer itself, as TE's FusedAdam loads any.
+
+    Megatron's ``DistributedOptimizer.load_state_dict`` builds its loading scaffold from the
+    inner optimizer's own ``state_dict()``: its groups (the checkpoint's options around the
+    optimizer's own index lists) and either the optimizer's own state or, for an optimizer
+    without state, ``torch.empty`` placeholders in the *storage* dtypes (bf16, uint8 for FP8,
+    int16 remainders) that the parameter-state load overwrites next. FusedAdam quantizes
+    whatever they hold. Here a tensor in the expansion dtype (FP32, int16 for a remainder
+    master) is written as TE writes it; a placeholder in the storage dtype is not read at all
+    (uninitialised memory): the state gets zeroed storage of its format. Group options are
+    merged as in :func:`load_portable`; only what a state write itself checks (tensor,
+    dtype, element count) is checked. ``holder``: the optimizer's layout, scales and
+    ``set_scaled_state``.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
+        >>> own = opt.state_dict()
+        >>> own["state"] = {0: {"exp_avg": torch.empty(2, dtype=torch.bfloat16),
+        ...                     "exp_avg_sq": torch.empty(2)}}
+        >>> load_own_scaffold(opt, own, (opt.layout, opt.scales, opt.set_scaled_state))
+        >>> opt.state[p]["exp_avg"]
+        tensor([0., 0.], dtype=torch.bfloat16)
+    """
+    layout, scales, write = holder
+    params = [p for group in opt.param_groups for p in group["params"]]
+    saved_groups = state_dict["param_groups"]
+    index_of = {
+        index: param
+        for group, saved in zip(opt.param_groups, saved_groups, strict=True)
+        for index, param in zip(saved["params"], group["params"], strict=True)
+    }
+    if len(index_of) != len(params):
+        raise ValueError("the scaffold's parameter groups do not match the optimizer's")
+    groups = _merged_groups(opt.param_groups, saved_groups)
+    writes: list[_Write] = []
+    for key, entry in state_dict["state"].items():
+        param = index_of[key]
+        for name, value in entry.items():
+            if isinstance(value, Tensor) and _is_placeholder(layout, param, name, value):
+                _state.check_name(name)
+                if value.numel() != local_tensor(param).numel():
+                    raise ValueError(
+                        f"the scaffold's {name!r} of parameter {key} has {value.numel()} "
+                        f"elements, the parameter {local_tensor(param).numel()}"
+                    )
+                opt.state[param].pop(name, None)
+                scales.get(param, {}).pop(name, None)
+                _state.create(layout, opt.state[param], scales, param, name, zero=True)
+            writes.append((param, name, value))
+    writes = [w for w in _unaliased(opt.state, writes) if not _placeholder_write(layout, w)]
+    _install(writes, layout, write)
+    _drop_others(opt.state, scales, _scaffold_kept(state_dict, index_of))
+    opt.param_groups = groups
+
+
+def _is_placeholder(layout: PrecisionLayout, param: Tensor, name: str, value: Tensor) -> bool:
+    """A scaffold tensor in the state's storage dtype (not its expansion dtype)."""
+    if name not in ("exp_avg", "exp_avg_sq", "master_param"):
+        return False
+    expansion = layout.expansion_dtype(param, name)
+    return value.dtype != expansion and value.dtype == layout.storage_dtype(param, name)
+
+
+def _placeholder_write(layout: PrecisionLayout, write: _Write) -> bool:
+    param, name, value = write
+    return _is_placeholder(layout, param, name, value)
+
+
+def _scaffold_kept(state_dict: Mapping[str, Any], index_of: Mapping[Any, Tensor]) -> list[_Write]:
+    """(param, name, -) of every state the scaffold names: what :func:`_drop_others` keeps."""
+    empty = torch.empty(0)
+    return [
+        (index_of[key], name, empty) for key, entry in state_dict["state"].items() for name in entry
+    ]
+
+
 def load_portable(
     opt: torch.optim.Optimizer,
     state_dict: dict[str, Any],
@@ -95,7 +205,7 @@ def load_portable(
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> p = torch.nn.Parameter(torch.zeros(2))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
-        >>> opt.initialize_state(p)
+        >>> opt.initialize_state(p, False)
         >>> storage = opt.state[p]["exp_avg"]
         >>> sd = {"state": {0: {"exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}},
         ...       "param_groups": [{**opt.param_groups[0], "params": [0]}]}

@@ -64,13 +64,13 @@ def kernel_would_update(
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
-        >>> opt.initialize_state(p)
+        >>> opt.initialize_state(p, False)
         >>> g, group = torch.ones(4), opt.param_groups[0]
         >>> kernel_would_update(opt.layout, opt.state[p], {}, p, g, group) == (
         ...     cpu_kernel.available())
         True
         >>> fp32 = PrecisionAwareAdamW([p])  # torch's fused kernel takes FP32 state
-        >>> fp32.initialize_state(p)
+        >>> fp32.initialize_state(p, False)
         >>> kernel_would_update(fp32.layout, fp32.state[p], {}, p, g, group)
         False
     """
@@ -119,7 +119,7 @@ def step_group(
         >>> p = torch.nn.Parameter(torch.ones(2))
         >>> opt = PrecisionAwareAdamW([p], lr=0.5, weight_decay=0.0,
         ...                           exp_avg_dtype=torch.bfloat16)
-        >>> opt.initialize_state(p)
+        >>> opt.initialize_state(p, False)
         >>> group = {**opt.param_groups[0], "step": 1}
         >>> step_group(opt.layout, group, [(p, torch.ones(2))], states=opt.state, scales={},
         ...            scratch=_torch_step.StepScratch(), owner=opt, group_index=0)

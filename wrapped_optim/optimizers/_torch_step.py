@@ -212,7 +212,7 @@ def packable(
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> p = torch.nn.Parameter(torch.zeros(8))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16, chunk_numel=64)
-        >>> opt.initialize_state(p)
+        >>> opt.initialize_state(p, False)
         >>> packable(opt.layout, opt.state[p], {}, p, torch.ones(8), opt.param_groups[0])
         True
     """
@@ -251,7 +251,7 @@ def update_packed(
         >>> ps = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
         >>> opt = PrecisionAwareAdamW(ps, lr=0.5, exp_avg_dtype=torch.bfloat16)
         >>> for p in ps:
-        ...     opt.initialize_state(p)
+        ...     opt.initialize_state(p, False)
         >>> group = {**opt.param_groups[0], "step": 1}
         >>> pairs = [(p, torch.ones(2)) for p in ps]
         >>> update_packed(opt.layout, opt.state, pairs, group, torch.device("cpu"),
@@ -376,7 +376,7 @@ def direct_views(
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> p = torch.nn.Parameter(torch.zeros(2))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.uint8)
-        >>> opt.initialize_state(p)
+        >>> opt.initialize_state(p, False)
         >>> direct_views(opt.layout, opt.state[p], p, torch.ones(2), opt.param_groups[0])
     """
     p = local_tensor(param)
@@ -630,7 +630,7 @@ def update(
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
         >>> p = torch.nn.Parameter(torch.zeros(2))
         >>> opt = PrecisionAwareAdamW([p], lr=0.5, exp_avg_dtype=torch.float16)
-        >>> opt.initialize_state(p)
+        >>> opt.initialize_state(p, False)
         >>> group = {**opt.param_groups[0], "step": 1}
         >>> update(opt.layout, opt.state[p], opt.scales[p], p, torch.tensor([1.0, -1.0]),
         ...        group, StepScratch())
