@@ -354,3 +354,27 @@ def test_state_bytes_count_a_subclass_state_by_its_inner_tensors() -> None:
     optimizer.state[param]["exp_avg"] = two_tensor.TwoTensor(inner, inner.clone())
     optimizer.state[param]["exp_avg_sq"] = torch.zeros(8)
     assert precision_adam.state_bytes_per_param(optimizer) == 2.0 + 4.0
+
+
+def test_the_report_links_the_hand_measured_page_only_where_it_exists(tmp_path: Path) -> None:
+    import datetime
+
+    toy = report.TopicResult("toy", "# Toy\n\nrows", 1.0, None, (), headline="Toy.")
+
+    def page() -> str:
+        return report.render_report(
+            [toy],
+            page_dir=tmp_path,
+            quick=True,
+            machine=[("CPU", "test")],
+            date=datetime.datetime(2026, 1, 2, tzinfo=datetime.UTC),
+        )
+
+    assert "by_hand.md" not in page()  # a user's own --out folder has no such page
+    (tmp_path / report.TOPIC_DIR).mkdir()
+    (tmp_path / report.TOPIC_DIR / report.BY_HAND_PAGE).write_text("# Measured by hand\n")
+    assert f"]({report.TOPIC_DIR}/{report.BY_HAND_PAGE})" in page()
+    # The project's own pages carry it, and it is what the report would write there.
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    assert (docs / report.TOPIC_DIR / report.BY_HAND_PAGE).is_file()
+    assert f"]({report.TOPIC_DIR}/{report.BY_HAND_PAGE})" in (docs / report.PAGE).read_text()

@@ -68,6 +68,8 @@ __all__ = [
 PAGE = "benchmarks.md"
 IMAGE_DIR = "img"
 TOPIC_DIR = "bench"
+#: A hand-written page of measurements no topic makes, linked from the summary when present.
+BY_HAND_PAGE = "by_hand.md"
 #: The contributors' page of targets met and missed (the users' pages show results only).
 TARGETS_PAGE = "contributing/bench_targets.md"
 
@@ -524,6 +526,12 @@ def render_report(
     if not results:
         parts.append("| (no topics) | | |")
     parts.append("")
+    if (page_dir / TOPIC_DIR / BY_HAND_PAGE).is_file():
+        parts += [
+            f"Measured by hand, outside these topics: [{BY_HAND_PAGE}]({TOPIC_DIR}/{BY_HAND_PAGE})"
+            " (the every-step stale-master watch, the CPU kernel on a busy machine).",
+            "",
+        ]
     if plots_note:
         parts += [plots_note, ""]
     for r in results:
