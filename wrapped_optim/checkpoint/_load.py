@@ -581,6 +581,8 @@ def _new_state_tensor(
 
 def _apply(optimizer: Any, leaf: torch.optim.Optimizer, planner: StreamingLoadPlanner) -> None:
     """Installs the loaded state and hyper-parameters."""
+    if planner.undo is not None:
+        planner.undo.before_install()
     state_dict = {"state": planner.state, "param_groups": planner.param_groups}
     _write_empty_holder_states(planner)
     torch_loader = type(leaf).load_state_dict is torch.optim.Optimizer.load_state_dict
