@@ -145,8 +145,10 @@ class LoadUndo:
     """What a HybridOffloadOptimizer's ``load_state_dict`` changes, kept so that it can be
     undone after that load returned (a larger load that fails later).
 
-    ``overwrites`` are the tensors such a load writes in place: every stepped tensor (a copy,
-    or a param that is its own) and every precision-aware sub-optimizer's stored state. Their
+    ``overwrites`` are the tensors such a load writes in place: with a precision-aware
+    sub-optimizer, every stepped tensor (a copy, or a param that is its own) and every such
+    sub-optimizer's stored state; without, only the params that are their own stepped copy
+    (the load builds new copies and sub-optimizers beside the old). Their
     bytes are the caller's to keep (an undo journal on disk) and to put back before
     :meth:`restore`, which puts back everything else: the layout, the param groups, each
     sub-optimizer's state dict and entries (by reference), group options and scales (cloned:
@@ -173,7 +175,9 @@ class LoadUndo:
             )
             for sub in layout.sub_optimizers
         ]
-        inner = {id(t): t for t in layout.param_to_inner_param.values()}
+        # Without holders a load builds new copies: only a param that is its own is written.
+        holders = bool(layout.holders())
+        inner = {id(t): t for p, t in layout.param_to_inner_param.items() if holders or t is p}
         stored = {
             id(t): t
             for sub in layout.holders()
