@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from wrapped_optim._rollback import GroupOptions, OptimizerSnapshot
@@ -34,6 +35,8 @@ KINDS = {
     after=st.integers(1, 2),
     subset=st.booleans(),
 )
+# A partial snapshot of an FP8 optimizer whose other param has a scale too (seed 3361071480).
+@example(kind="precision-fp8", shapes=[[1], [1]], before=1, after=1, subset=True)
 def test_snapshot_restores_exactly(
     kind: str, shapes: list[list[int]], before: int, after: int, subset: bool
 ) -> None:
@@ -68,3 +71,68 @@ def test_group_options_hands_new_keys_to_the_caller() -> None:
     seen: list[str] = []
     saved.restore(groups, new_key=lambda group, key: seen.append(key))
     assert groups[0]["lr"] == 0.1 and sorted(seen) == ["extra", "step"]
+
+
+def _raw_state(opt: PrecisionAwareAdamW, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``p``'s stored state and scales as they are kept (no expansion to FP32)."""
+    raw = {name: value.clone() for name, value in opt.state[p].items()}
+    raw.update({f"scale {name}": s.clone() for name, s in opt.scales.get(p, {}).items()})
+    return raw
+
+
+def _assert_raw_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+
+
+def test_partial_snapshot_restores_storage_bytes_and_scales() -> None:
+    """A snapshot of some params of an FP8 optimizer whose other params have scales too puts
+    back the covered params' stored bytes and per-tensor scales (the scales table holds every
+    param, so it must not be passed over as "not keyed by the snapshot's params")."""
+    params = [torch.nn.Parameter(torch.randn(3).to(torch.bfloat16)) for _ in range(2)]
+    opt = KINDS["precision-fp8"](params)
+    synthetic_gradients(opt, 0)
+    opt.step()
+    synthetic_gradients(opt, 1)
+    params[1].grad = None
+    before = _raw_state(opt, params[0])
+    scale = opt.scales[params[0]]["exp_avg_sq"]
+    snapshot = OptimizerSnapshot.take(opt, params[:1])
+    opt.step()
+    assert not torch.equal(scale, before["scale exp_avg_sq"])  # the step moved the scale
+    snapshot.restore()
+    _assert_raw_equal(before, _raw_state(opt, params[0]))
+
+
+def test_atomic_step_with_params_left_out_restores_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PrecisionAwareAdamW(atomic_step=True) snapshots only the params with a gradient: a
+    step that raises part-way leaves their FP8 bytes and scales as they were."""
+    from wrapped_optim.optimizers import _torch_step
+
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    opt = PrecisionAwareAdamW(
+        params, lr=0.1, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
+        atomic_step=True, cpu_kernel=False,
+    )  # fmt: skip
+    opt._pack_small = False  # one sliced update per param, so the fault lands between them
+    synthetic_gradients(opt, 0)
+    opt.step()
+    synthetic_gradients(opt, 1)
+    params[2].grad = None  # left out of this step, but its scales stay in the table
+    before = [_raw_state(opt, p) for p in params]
+    original, calls = _torch_step.update, []
+
+    def failing_update(*args: Any) -> None:
+        calls.append(args[3])
+        if len(calls) == 2:
+            raise RuntimeError("device failure")
+        original(*args)
+
+    monkeypatch.setattr(_torch_step, "update", failing_update)
+    with pytest.raises(RuntimeError, match="device failure"):
+        opt.step()
+    assert len(calls) == 2  # the first param was updated before the failure
+    for old, p in zip(before, params, strict=True):
+        _assert_raw_equal(old, _raw_state(opt, p))

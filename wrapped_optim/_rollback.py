@@ -97,7 +97,7 @@ class OptimizerSnapshot:
     Kept: the values of ``params`` (default: every param of the optimizer), their entries of
     ``optimizer.state`` (cloned; with ``clone_state=False``, for a caller that replaces
     entries instead of writing into them, only referenced), the group options, and the
-    entries for those params of every instance dict keyed by params (a precision-aware
+    entries for those params of every instance dict keyed by its params (a precision-aware
     optimizer's scales). :meth:`restore` writes the params back in place and refills those
     dicts in place: no attribute of the optimizer is reassigned.
 
@@ -161,10 +161,13 @@ class OptimizerSnapshot:
                     for name, value in entry.items()
                 }
             state[id(param)] = entry
+        # A table keyed by any of the optimizer's params (a precision-aware optimizer's
+        # scales hold every stepped param, not only those of a partial snapshot).
+        everyone = {id(p) for group in optimizer.param_groups for p in group["params"]}
         tables = {
             name: {id(key): deep_clone(value) for key, value in table.items() if id(key) in ids}
             for name, table in vars(optimizer).items()
-            if name != "state" and _keyed_by_params(table, ids)
+            if name != "state" and _keyed_by_params(table, everyone)
         }
         return cls(
             optimizer, unique, values, state, GroupOptions.take(optimizer.param_groups), tables,
@@ -199,7 +202,7 @@ class OptimizerSnapshot:
 
 
 def _keyed_by_params(table: Any, ids: set[int]) -> bool:
-    """A plain dict (not a hook registry) whose keys are all params of the snapshot."""
+    """A plain dict (not a hook registry) whose keys are all params of the optimizer."""
     return (
         isinstance(table, dict)
         and not isinstance(table, OrderedDict)

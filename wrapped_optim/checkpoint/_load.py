@@ -581,6 +581,8 @@ def _new_state_tensor(
 
 def _apply(optimizer: Any, leaf: torch.optim.Optimizer, planner: StreamingLoadPlanner) -> None:
     """Installs the loaded state and hyper-parameters."""
+    if planner.undo is not None:
+        planner.undo.before_install()
     state_dict = {"state": planner.state, "param_groups": planner.param_groups}
     _write_empty_holder_states(planner)
     torch_loader = type(leaf).load_state_dict is torch.optim.Optimizer.load_state_dict
@@ -686,20 +688,30 @@ def load_optimizer(
         raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}")
     leaf = _leaf_of(optimizer)
     where = os.fspath(checkpoint_id) if checkpoint_id is not None else repr(storage_reader)
+    progress = _Progress()
     try:
         # One metadata snapshot for both reads, over a pinned directory (checkpoint/snapshot.py).
         with snapshot_reader(checkpoint_id, storage_reader) as reader:
             _load(
                 optimizer, leaf, reader, process_group, chunk_bytes, atomic, journal_dir,
-                allow_non_finite,
+                allow_non_finite, progress,
             )  # fmt: skip
     except CheckpointException as exc:
         _raise_ours(exc)
         raise unreadable_checkpoint(where, exc) from exc
     except OSError as exc:
-        if isinstance(exc, UndoJournalError):
-            raise
+        if isinstance(exc, UndoJournalError) or progress.read:
+            raise  # not the checkpoint's: the journal's, or the optimizer's own after reading
         raise unreadable_checkpoint(where, exc) from exc
+
+
+class _Progress:
+    """How far a load got. A failure once the state is read (in the optimizer's loader or its
+    hooks, in a wrapper's ``sync_after_load``) is the optimizer's, not the checkpoint's: it
+    propagates unchanged (after the undo), never as "cannot read the checkpoint"."""
+
+    def __init__(self) -> None:
+        self.read = False
 
 
 def _load(
@@ -711,6 +723,7 @@ def _load(
     atomic: bool,
     journal_dir: str | os.PathLike[str] | None,
     allow_non_finite: bool,
+    progress: _Progress,
 ) -> None:
     objects_planner = _ObjectsLoadPlanner()
     flat: dict[str, Any] = {}
@@ -742,14 +755,18 @@ def _load(
                     process_group=process_group,
                 )
 
-        _read_and_apply(optimizer, leaf, planner, read)
+        _read_and_apply(optimizer, leaf, planner, read, progress)
     except CheckpointException as exc:
         _raise_ours(exc)
         raise
 
 
 def _read_and_apply(
-    optimizer: Any, leaf: torch.optim.Optimizer, planner: StreamingLoadPlanner, read: Any
+    optimizer: Any,
+    leaf: torch.optim.Optimizer,
+    planner: StreamingLoadPlanner,
+    read: Any,
+    progress: _Progress,
 ) -> None:
     """Reads the state (``read()``) and installs it, all or nothing.
 
@@ -761,6 +778,7 @@ def _read_and_apply(
     """
     try:
         read()
+        progress.read = True
         _apply(optimizer, leaf, planner)
     except BaseException:
         if planner.undo is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Hashable, Iterable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -16,6 +17,16 @@ from wrapped_optim._rollback import GroupOptions, OptimizerSnapshot
 from wrapped_optim.checkpoint._journal import UndoJournal
 
 __all__: list[str] = []
+
+
+@runtime_checkable
+class _OwnLoadUndo(Protocol):
+    """An optimizer whose own loader changes more than its exposed state and groups (a
+    HybridOffloadOptimizer: its sub-optimizers' storage, copies, layout), and says what."""
+
+    def load_undo(self) -> Any:
+        """An object with ``overwrites`` (tensors written in place) and ``restore()``."""
+        ...
 
 
 class _Undo:
@@ -27,8 +38,11 @@ class _Undo:
     before it is written (:meth:`keep`); under a wrapper, whose ``sync_after_load()`` may write
     the weights, the params are journaled too. In memory stay only references: the state
     entries and group options as they were, and a precision-aware holder's param-keyed tables
-    (its scales, cloned: one value per tensor). :meth:`restore` copies the journal back into
-    the same tensors (which sub-optimizers or wrappers may alias) and puts the rest back.
+    (its scales, cloned: one value per tensor). An optimizer with a ``load_undo()`` (a
+    hybrid, whose own loader writes into its sub-optimizers) names what that loader writes in
+    place, journaled too, and puts back the rest itself. :meth:`restore` copies the journal
+    back into the same tensors (which sub-optimizers or wrappers may alias) and puts the rest
+    back.
     """
 
     def __init__(
@@ -49,9 +63,11 @@ class _Undo:
             if is_precision_aware_holder(leaf)
             else None
         )
+        self.own = leaf.load_undo() if isinstance(leaf, _OwnLoadUndo) else None
+        self.installs = [(("install", i), t) for i, t in enumerate(self._own_overwrites())]
         self.journal = UndoJournal(journal_dir, piece_bytes)
         try:
-            for key, tensor in writes:
+            for key, tensor in [*writes, *self.installs]:
                 self.journal.plan(key, tensor)
             params = (
                 list({id(p): p for g in leaf.param_groups for p in g["params"]}.values())
@@ -79,6 +95,14 @@ class _Undo:
         """Starts keeping what loading into ``leaf`` overwrites (``writes``, in read order)."""
         return cls(leaf, writes, with_params, journal_dir, piece_bytes)
 
+    def _own_overwrites(self) -> list[torch.Tensor]:
+        return list(self.own.overwrites) if self.own is not None else []
+
+    def before_install(self) -> None:
+        """Returns once what the leaf's own loader overwrites in place is journaled."""
+        for key, _ in self.installs:
+            self.journal.keep(key)
+
     def keep(self, key: Hashable) -> None:
         """Returns once the region ``key`` (planned in ``writes``) is safe to overwrite."""
         self.journal.keep(key)
@@ -89,8 +113,12 @@ class _Undo:
         try:
             self.journal.rollback()
         finally:
-            if self.tables is not None:
-                self.tables.restore()
+            self._restore_references()
+
+    def _restore_references(self) -> None:
+        if self.own is not None:
+            self.own.restore()  # its layout, sub-optimizers and exposed state
+        else:
             state = self.leaf.state
             for param in [p for p in state if p not in self.entries]:
                 del state[param]
@@ -100,7 +128,9 @@ class _Undo:
                     state[param].update(entry)
                 else:
                     state[param] = entry
-            self.options.restore(self.leaf.param_groups)
+        if self.tables is not None:
+            self.tables.restore()
+        self.options.restore(self.leaf.param_groups)
 
     def close(self) -> None:
         """Ends the journal (its file is freed)."""

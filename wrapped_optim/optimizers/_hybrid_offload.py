@@ -25,6 +25,7 @@ from wrapped_optim.optimizers._offload_layout import (
     placement,
 )
 from wrapped_optim.optimizers._offload_loading import (
+    LoadUndo,
     holder_state_dict,
     load_plain,
     load_with_holders,
@@ -486,6 +487,41 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
             wrapped_optim._formats.errors.OptimizerCheckpointError: param 0: state ...
         """
         load_state_dict_with_hooks(self, state_dict, self._load)
+
+    def load_undo(self) -> LoadUndo:
+        """What ``load_state_dict`` would change, kept so that a load that returned can be
+        undone (``wrapped_optim.checkpoint.load_optimizer`` uses it when a later step of
+        the load fails: a wrapper's ``sync_after_load``, a load post-hook).
+
+        Keep the bytes of ``.overwrites`` (the tensors a load writes in place: stepped
+        copies, precision-aware sub-optimizers' stored state) yourself, write them back, then
+        call ``.restore()`` for the rest (layout, groups, sub-optimizers' state entries,
+        options and scales, the exposed ``state``). It holds references, not state.
+
+        Examples:
+            >>> import torch
+            >>> p = torch.nn.Parameter(torch.ones(2))
+            >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1)
+            >>> p.grad = torch.ones(2); opt.step()
+            >>> saved = opt.state_dict()
+            >>> undo = opt.load_undo()
+            >>> kept = [t.clone() for t in undo.overwrites]
+            >>> saved["param_groups"][0]["lr"] = 0.5
+            >>> opt.load_state_dict(saved)
+            >>> for tensor, old in zip(undo.overwrites, kept):
+            ...     _ = tensor.copy_(old)
+            >>> undo.restore()
+            >>> opt.param_groups[0]["lr"], opt.sub_optimizers[0].param_groups[0]["lr"]
+            (0.1, 0.1)
+        """
+        pending = self._copy_back_pending
+
+        def finish(layout: OffloadLayout) -> None:
+            self._layout = layout
+            self._expose_state()
+            self._copy_back_pending = pending
+
+        return LoadUndo(self._layout, self.param_groups, finish)
 
     def _load(self, state_dict: dict[str, Any]) -> None:
         """Validates ``state_dict`` whole, then loads it (see ``load_state_dict``)."""

@@ -29,7 +29,7 @@ from wrapped_optim.optimizers._offload_state_rules import (
 )
 from wrapped_optim.optimizers._offload_step import sync_groups
 
-__all__ = ["holder_state_dict", "load_plain", "load_with_holders", "prepare_load"]
+__all__ = ["LoadUndo", "holder_state_dict", "load_plain", "load_with_holders", "prepare_load"]
 
 Groups = list[dict[str, Any]]
 States = dict[torch.Tensor, dict[str, Any]]
@@ -139,6 +139,64 @@ def load_with_holders(
         for snapshot in snapshots:
             snapshot.restore()
         raise
+
+
+class LoadUndo:
+    """What a HybridOffloadOptimizer's ``load_state_dict`` changes, kept so that it can be
+    undone after that load returned (a larger load that fails later).
+
+    ``overwrites`` are the tensors such a load writes in place: with a precision-aware
+    sub-optimizer, every stepped tensor (a copy, or a param that is its own) and every such
+    sub-optimizer's stored state; without, only the params that are their own stepped copy
+    (the load builds new copies and sub-optimizers beside the old). Their
+    bytes are the caller's to keep (an undo journal on disk) and to put back before
+    :meth:`restore`, which puts back everything else: the layout, the param groups, each
+    sub-optimizer's state dict and entries (by reference), group options and scales (cloned:
+    one value per tensor), and then calls ``finish(layout)`` (the optimizer adopts the layout
+    and re-exposes its state). Host memory: references, not state.
+    """
+
+    def __init__(
+        self,
+        layout: OffloadLayout,
+        param_groups: Groups,
+        finish: Callable[[OffloadLayout], None],
+    ) -> None:
+        self.layout = layout
+        self.param_groups = param_groups
+        self.groups = list(param_groups)
+        self.finish = finish
+        self.subs = [
+            (
+                sub,
+                sub.state,
+                {inner: dict(entry) for inner, entry in sub.state.items()},
+                OptimizerSnapshot.take(sub, clone_state=False, keep_values=False),
+            )
+            for sub in layout.sub_optimizers
+        ]
+        # Without holders a load builds new copies: only a param that is its own is written.
+        holders = bool(layout.holders())
+        inner = {id(t): t for p, t in layout.param_to_inner_param.items() if holders or t is p}
+        stored = {
+            id(t): t
+            for sub in layout.holders()
+            for entry in sub.state.values()
+            for t in entry.values()
+            if isinstance(t, torch.Tensor)
+        }
+        self.overwrites = [*inner.values(), *(t for k, t in stored.items() if k not in inner)]
+
+    def restore(self) -> None:
+        """Puts back all but the bytes of ``overwrites`` (restore those first)."""
+        self.param_groups[:] = self.groups
+        for sub, state, entries, snapshot in self.subs:
+            sub.state = state  # a plain sub-optimizer's loader replaces its dict
+            snapshot.restore()
+            for inner, entry in entries.items():
+                state[inner].clear()
+                state[inner].update(entry)
+        self.finish(self.layout)
 
 
 def _load_plain_entry(
