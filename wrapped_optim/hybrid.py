@@ -142,6 +142,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
         self.on_stale: OnStale = on_stale
         self._guard_armed = True
         self._push_pending = False
+        self._load_begun = False
         self._watch = WeightWatch()  # the weights as the optimizer's own last write left them
 
     @property

@@ -22,12 +22,12 @@ CONFIGS: dict[str, tuple[bool, bool, float | None]] = {
     "fp32": (False, False, None),  # FP32Optimizer around torch AdamW
     "bf16": (True, False, None),  # Float16OptimizerWithFloat16Params
     "distributed": (False, True, None),  # DistributedOptimizer, FP32 params
-    "distributed_bf16": (True, True, None),  # DistributedOptimizer, bf16 params, no offload
     "offload_half": (True, True, 0.5),  # HybridDeviceOptimizer inside DistributedOptimizer
     "offload_full": (True, True, 1.0),
 }
-# Built only with ``build(..., options=...)`` (not iterated with CONFIGS): a DistributedOptimizer
-# over bf16 params, the base of Megatron's precision-aware configs.
+# Built by name only (not iterated with CONFIGS): a DistributedOptimizer over bf16 params, no
+# offload, the base of Megatron's precision-aware configs and the offload-free side of the
+# offload-change resumes (Core refuses offload with FP32 params).
 BF16_DISTRIBUTED = {"bf16_distributed": (True, True, None)}
 HIDDEN = 8
 STEPS = 3

@@ -35,19 +35,19 @@ FORMATS = ("dp_reshardable", "fully_reshardable", "legacy")
 ROUTES = ("wrap", "stack", "setup", "compat")
 # (saved with, resumed with): bf16 params throughout (Core refuses offload with FP32 params)
 PAIRS = (
-    ("distributed_bf16", "offload_half"),
-    ("distributed_bf16", "offload_full"),
-    ("offload_half", "distributed_bf16"),
-    ("offload_full", "distributed_bf16"),
+    ("bf16_distributed", "offload_half"),
+    ("bf16_distributed", "offload_full"),
+    ("offload_half", "bf16_distributed"),
+    ("offload_full", "bf16_distributed"),
     ("offload_half", "offload_full"),
     ("offload_full", "offload_half"),
 )
 # The lean matrix (each direction, format and route once); the rest is slow.
 LEAN = (
-    ("distributed_bf16", "offload_half", "dp_reshardable", "wrap"),
-    ("offload_half", "distributed_bf16", "fully_reshardable", "setup"),
+    ("bf16_distributed", "offload_half", "dp_reshardable", "wrap"),
+    ("offload_half", "bf16_distributed", "fully_reshardable", "setup"),
     ("offload_full", "offload_half", "legacy", "stack"),
-    ("distributed_bf16", "offload_full", "dp_reshardable", "compat"),
+    ("bf16_distributed", "offload_full", "dp_reshardable", "compat"),
 )
 FULL = [
     (saved, resumed, fmt, route)
@@ -124,8 +124,8 @@ def full_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 ONE_RANK = (
-    ("distributed_bf16", "offload_half", "dp_reshardable", "wrap"),
-    ("offload_half", "distributed_bf16", "fully_reshardable", "compat"),
+    ("bf16_distributed", "offload_half", "dp_reshardable", "wrap"),
+    ("offload_half", "bf16_distributed", "fully_reshardable", "compat"),
 )
 
 
