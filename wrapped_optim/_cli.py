@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -164,6 +165,11 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "wrapped-optim") -> i
         "AdamW kernel's status, loop families, library and cache directory.",
     )
     args = parser.parse_args(argv)  # --version and --help exit here, before torch is imported
+    if args.command == "demo" and "torch" not in sys.modules:
+        # OpenMP workers that sleep while they wait, unless the user chose: spinning ones
+        # multiply the demo's CPU time on a busy machine (docs/bench/by_hand.md). Read by
+        # the OpenMP runtime when torch loads it, so only before torch is imported.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import wrapped_optim._quiet_torch  # noqa: F401  (every command imports torch: quietly)
 
     if args.command == "demo":
