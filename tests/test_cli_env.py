@@ -155,7 +155,7 @@ def test_no_numpy_warning_when_numpy_is_absent(tmp_path: Path) -> None:
 
 
 def test_the_demo_asks_for_sleeping_openmp_workers_unless_the_user_chose() -> None:
-    """Spinning OpenMP workers made the demo's CPU time 2.75x its idle figure beside four busy
+    """Spinning OpenMP workers made the demo's CPU time 2.77x its idle figure beside four busy
     processes on two cores; sleeping ones keep it at 0.93x (docs/bench/by_hand.md). The
     policy is read when torch loads the OpenMP runtime, so the command sets it first."""
     probe = (
