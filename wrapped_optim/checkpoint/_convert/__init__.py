@@ -1,0 +1,1 @@
+"""Carrying optimizer state between runtimes: readers and writers over one canonical form."""
