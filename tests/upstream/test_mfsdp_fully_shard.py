@@ -1,0 +1,54 @@
+"""Megatron-FSDP's fully_shard tests that adapt their optimizer, against compat's adapter.
+
+Upstream file: NVIDIA/Megatron-LM, tests/unit_tests/distributed/mfsdp_v2/test_fully_shard.py
+at 15d4b349def61d350c15998ced373404b1abfa58, the commit whose Megatron-FSDP
+is the megatron-fsdp 0.6.1 release. Neither megatron-core's nor
+megatron-fsdp's PyPI sdist ships tests, so it runs from a checkout:
+
+    WRAPPED_OPTIM_UPSTREAM_MEGATRON_FSDP=/path/to/Megatron-LM pytest tests/upstream
+
+Retargeting (upstream's assertions untouched; tests/upstream/_mfsdp.py runs it):
+* ``megatron_fsdp.experimental.fully_shard_optimizer`` is compat's; the rest of
+  Megatron-FSDP is the checkout's own.
+* TE's ``FusedAdam`` is PrecisionAwareAdamW (TE is not installed here).
+* two gloo ranks on CPU instead of torchrun's NCCL ranks: ``distributed_setup`` gives the
+  fields of upstream's fixture (CPU device), and CUDA stream calls are no-ops.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.upstream import _mfsdp
+from tests.upstream._harness import Expectation
+
+NAME = "test_fully_shard.py"
+CASES = _mfsdp.case_names(NAME)
+UPSTREAM_EXPECTED: dict[str, Expectation] = {}
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("mfsdp")]
+if _mfsdp.file_path(NAME) is None:
+    pytestmark.append(
+        pytest.mark.skip(
+            reason=f"set {_mfsdp.VARIABLE} to a Megatron-LM checkout to run its tests; "
+            "tests/distributed/test_megatron_fsdp.py checks fully_shard_optimizer on the "
+            "Megatron-FSDP release"
+        )
+    )
+elif _mfsdp.needs_cuda():
+    pytestmark.append(
+        pytest.mark.skip(
+            reason="not runnable here: this checkout's Megatron-FSDP requires a CUDA device "
+            "(fully_shard_context); check out 15d4b349de, megatron-fsdp 0.6.1's commit"
+        )
+    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_upstream(case: str, mfsdp_results: dict[str, list[tuple[str, str]]]) -> None:
+    _mfsdp.check_ranks(mfsdp_results, f"{NAME}::{case}")
+
+
+def test_the_upstream_file_was_loaded() -> None:
+    # Collected from this module itself, so the run reports the missing checkout.
+    assert CASES
