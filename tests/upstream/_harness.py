@@ -87,7 +87,8 @@ def substituted(modules: Mapping[str, Mapping[str, Any]]) -> Iterator[None]:
     """Installs stand-in modules (name -> attributes) for the block, then restores.
 
     Parents are created as needed and linked as attributes, as an import would, so
-    ``unittest.mock.patch("a.b.c.name")`` resolves them.
+    ``unittest.mock.patch("a.b.c.name")`` resolves them. A stand-in keeps its links after
+    the block: code loaded inside it (``import a.b as m``; ``m.c``) still reaches them.
     """
     saved: dict[str, Any] = {}
     linked: list[tuple[Any, str, Any]] = []
@@ -106,7 +107,8 @@ def substituted(modules: Mapping[str, Mapping[str, Any]]) -> Iterator[None]:
             parent, _, leaf = name.rpartition(".")
             if parent:
                 owner = sys.modules[parent]
-                linked.append((owner, leaf, getattr(owner, leaf, missing)))
+                if parent not in saved:  # a real module: unlink afterwards
+                    linked.append((owner, leaf, getattr(owner, leaf, missing)))
                 setattr(owner, leaf, sys.modules[name])
         yield
     finally:
