@@ -265,6 +265,10 @@ def test_custom_provider_then_mup_overrides_on_top(
     ]
     (mup,) = mup_results
     assert mup and all(isinstance(key, ParamKey) for key in mup)
+    if real_mup is None:  # the stand-in's values are fields of Core's ParamGroupOverride
+        scheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+        allowed = set(scheduler.ParamGroupOverride.__annotations__)
+        assert all(set(override) <= allowed for override in mup.values()), mup
     (call,) = builder.calls
     assert call["config_overrides"] == {**provided, **mup}  # muP's on top of the provider's
     if real_mup is None:
@@ -409,6 +413,7 @@ def test_setup_optimizer_with_bridge_style_scheduler_object(
     )
     import attrs
 
+    # Megatron-Bridge does not install here: its SchedulerConfig's fields on a namespace.
     bridge_like = SimpleNamespace(**attrs.asdict(scheduler_config(lr_decay_style="linear")))
     _, scheduler = setup_optimizer(megatron_config(), bridge_like, chunk)
     assert scheduler.lr_decay_style == "linear"
