@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer, save_optimizer
 from wrapped_optim.checkpoint._commit import CheckpointCommit, SaveInProgressError
-from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 from wrapped_optim.testing import assert_state_dict_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -341,3 +341,34 @@ def test_any_float32_state_round_trips_bitwise(tmp_path: Path, bits: list[int]) 
     fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(len(bits)))], lr=0.5)
     load_optimizer(fresh, target)
     assert _bits(fresh) == _bits(opt)
+
+
+def test_hybrid_offload_non_finite_state_round_trips_by_default(tmp_path: Path) -> None:
+    """The same rule through a hybrid offload optimizer (device and host halves): the
+    loaded stack holds the saved bits and steps on exactly as the saved one does."""
+
+    def hybrid() -> tuple[HybridOffloadOptimizer, list[torch.nn.Parameter]]:
+        params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))]
+        opt = HybridOffloadOptimizer([{"params": params}], offload_fraction=0.5, lr=0.1)
+        for param in params:
+            param.grad = torch.ones_like(param)
+        opt.step()
+        return opt, params
+
+    opt, params = hybrid()
+    params[0].grad = torch.tensor([1.0, float("inf"), 1.0, 1.0])
+    params[1].grad = torch.tensor([float("-inf"), 1.0, 1.0])
+    opt.step()
+    save_optimizer(opt, tmp_path / "ckpt")
+    fresh, fresh_params = hybrid()
+    with torch.no_grad():
+        for mine, theirs in zip(fresh_params, params, strict=True):
+            mine.copy_(theirs)
+    load_optimizer(fresh, tmp_path / "ckpt")
+    assert_state_dict_equal(fresh.state_dict(), opt.state_dict())
+    for stack, stack_params in ((opt, params), (fresh, fresh_params)):
+        for param in stack_params:
+            param.grad = torch.full_like(param, 0.5)
+        stack.step()
+    for mine, theirs in zip(fresh_params, params, strict=True):
+        assert torch.equal(mine.view(torch.int32), theirs.view(torch.int32))
