@@ -16,6 +16,8 @@ from wrapped_optim._adapters import config_flag, megatron_available, walk_leaves
 from wrapped_optim._adapters.megatron import megatron_optimizer_module
 
 
+# Kept: the walk goes by structure so that it needs no Megatron, and these carry shapes Core
+# refuses (nested chains, a context-less container); the real classes: test_walk_real_classes.
 class Container:
     """Structural double of a Megatron optimizer: ``.optimizer`` plus context."""
 
@@ -71,6 +73,23 @@ def test_walk_through_nested_containers_with_context() -> None:
     assert contexts[1].container is second and contexts[1].ddp_config is None
     assert contexts[2].is_stub and not contexts[3].is_stub
     assert contexts[3].config is None
+
+
+def test_walk_real_classes() -> None:
+    """The walk over megatron-core's real ChainedOptimizer of real FP32Optimizers (one
+    config across the chain, as Core asserts), one of them around a wrapped leaf."""
+    from tests.doubles.megatron_cpu import ChainedOptimizer, OptimizerConfig, cpu_fp32_optimizer
+
+    a, b = sgd(), sgd()
+    containers = [cpu_fp32_optimizer(a), cpu_fp32_optimizer(OptimizerWrapper(b))]
+    chain = ChainedOptimizer(containers)
+    contexts = list(walk_leaves(OptimizerWrapper(chain)))
+    assert [ctx.optimizer for ctx in contexts] == [a, b]
+    assert [ctx.container for ctx in contexts] == containers
+    assert [ctx.index for ctx in contexts] == [0, 1]
+    for ctx, container in zip(contexts, containers, strict=True):
+        assert isinstance(ctx.config, OptimizerConfig) and ctx.config is container.config
+        assert ctx.ddp_config is None and not ctx.is_stub  # FP32Optimizer has no DDP config
 
 
 def test_walk_rejects_unknown_objects() -> None:

@@ -6,11 +6,16 @@
   leaves the optimizer as it was;
 - ``load_optimizer`` refuses a non-positive ``chunk_bytes`` as ``save_optimizer`` does;
 - ``save_optimizer(opt, ".")`` keeps the caller's working directory usable;
-- a save into a directory another save is writing fails at once with ``SaveInProgressError``.
+- a save into a directory another save is writing fails at once with ``SaveInProgressError``;
+- non-finite state (item 4) is written and loaded back bitwise by default, refused (nothing
+  written, nothing changed) under ``refuse_non_finite=True``, and refused by a precision-aware
+  holder, which cannot hold it.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -18,10 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
 from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer, save_optimizer
 from wrapped_optim.checkpoint._commit import CheckpointCommit, SaveInProgressError
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 from wrapped_optim.testing import assert_state_dict_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -217,30 +225,150 @@ def test_zero_element_params_keep_their_empty_precision_aware_state(
     assert_state_dict_equal(other.state_dict(), opt.state_dict())
 
 
-def _with_inf() -> tuple[torch.optim.Optimizer, torch.nn.Parameter]:
+_PAYLOAD_NAN = 0x7FC0_1234  # a quiet NaN with a payload: bitwise round trips keep it
+
+
+def _with_inf() -> torch.optim.Optimizer:
+    """A torch AdamW after one overflowed gradient element, plus a NaN with a payload."""
     p = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.AdamW([p], lr=0.1)
-    p.grad = torch.tensor([1.0, float("inf"), 1.0, 1.0])  # one overflowed gradient element
+    p.grad = torch.tensor([1.0, float("inf"), 1.0, 1.0])
     opt.step()
-    assert not bool(torch.isfinite(opt.state[p]["exp_avg"]).all())
-    return opt, p
+    assert math.isinf(float(opt.state[p]["exp_avg"][1]))
+    opt.state[p]["exp_avg"].view(torch.int32)[2] = _PAYLOAD_NAN
+    return opt
 
 
-def test_what_the_library_saves_it_loads_with_non_finite_state(tmp_path: Path) -> None:
-    """Issue #36 item 4: one rule on both sides. By default the save refuses inf/NaN state
-    (the load would refuse it) before writing anything; ``allow_non_finite=True`` on both
-    sides keeps it, as torch's ``load_state_dict`` does."""
-    opt, _ = _with_inf()
-    with pytest.raises(ValueError, match=r"param 0: state 'exp_avg(_sq)?' holds non-finite"):
-        save_optimizer(opt, tmp_path / "ckpt")
-    assert not (tmp_path / "ckpt").exists()
-    assert sorted(os.listdir(tmp_path)) == []
-    save_optimizer(opt, tmp_path / "ckpt", allow_non_finite=True)
-    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.ones(4))], lr=0.1)
-    with pytest.raises(OptimizerCheckpointError, match="non-finite"):
-        load_optimizer(fresh, tmp_path / "ckpt")  # the default rule, on the load side too
-    assert not fresh.state
-    load_optimizer(fresh, tmp_path / "ckpt", allow_non_finite=True)
-    reference = torch.optim.AdamW([torch.nn.Parameter(torch.ones(4))], lr=0.1)
-    reference.load_state_dict(opt.state_dict())  # torch's own loader accepts it
+def _bits(opt: torch.optim.Optimizer) -> dict[str, list[int]]:
+    """Each state tensor's bit patterns (NaN payloads included; NaN != NaN as floats)."""
+    (state,) = opt.state.values()
+    return {name: value.view(torch.int32).tolist() for name, value in state.items()}
+
+
+def _stepped_four(lr: float) -> torch.optim.Optimizer:
+    p = torch.nn.Parameter(torch.arange(4.0))
+    opt = torch.optim.AdamW([p], lr=lr)
+    p.grad = torch.full((4,), 0.5)
+    opt.step()
+    return opt
+
+
+def test_non_finite_state_round_trips_bitwise_by_default(tmp_path: Path) -> None:
+    """What the library saves, it loads (issue #36 item 4): inf and NaN (its payload kept)
+    are written and read back bit for bit by default, as torch's ``load_state_dict`` takes
+    them; the victim's own state and hyper-parameters differ from the checkpoint's."""
+    opt = _with_inf()
+    save_optimizer(opt, tmp_path / "ckpt")
+    fresh = _stepped_four(lr=0.5)
+    load_optimizer(fresh, tmp_path / "ckpt")
+    assert _bits(fresh) == _bits(opt)
+    assert int(fresh.state_dict()["state"][0]["exp_avg"].view(torch.int32)[2]) == _PAYLOAD_NAN
+    assert fresh.param_groups[0]["lr"] == 0.1
+    reference = torch.optim.AdamW([torch.nn.Parameter(torch.ones(4))], lr=0.5)
+    reference.load_state_dict(opt.state_dict())  # torch's own loader takes it too
     assert_state_dict_equal(fresh.state_dict(), reference.state_dict())
+
+
+def test_refuse_non_finite_at_save_writes_nothing(tmp_path: Path) -> None:
+    opt = _with_inf()
+    before = _bits(opt)
+    with pytest.raises(ValueError, match=r"param 0: state 'exp_avg' holds non-finite.*refuse_non"):
+        save_optimizer(opt, tmp_path / "ckpt", refuse_non_finite=True)
+    assert sorted(os.listdir(tmp_path)) == []
+    assert _bits(opt) == before
+
+
+def test_refuse_non_finite_at_load_leaves_the_optimizer_untouched(tmp_path: Path) -> None:
+    save_optimizer(_with_inf(), tmp_path / "ckpt")
+    victim = _stepped_four(lr=0.01)
+    before = _bits(victim)
+    with pytest.raises(OptimizerCheckpointError, match=r"param 0: state 'exp_avg' has non-finite"):
+        load_optimizer(victim, tmp_path / "ckpt", refuse_non_finite=True)
+    assert _bits(victim) == before
+    assert victim.param_groups[0]["lr"] == 0.01
+
+
+def _precision_aware(fmt: torch.dtype, lr: float) -> PrecisionAwareAdamW:
+    p = torch.nn.Parameter(torch.arange(4.0))
+    opt = PrecisionAwareAdamW([p], lr=lr, exp_avg_dtype=fmt)
+    p.grad = torch.full((4,), 0.5)
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("fmt", [torch.float16, torch.uint8, torch.float32])
+def test_precision_aware_state_refuses_non_finite_even_by_default(
+    tmp_path: Path, fmt: torch.dtype
+) -> None:
+    """A precision-aware holder cannot take inf/NaN (fp16/FP8 scale a tensor by its amax):
+    even by default the load names the parameter and state, and nothing changes."""
+    source = _precision_aware(torch.float32, lr=0.1)
+    (state,) = source.state.values()
+    state["exp_avg"][1] = float("inf")  # FP32 storage holds it; the others could not
+    save_optimizer(source, tmp_path / "ckpt")
+    victim = _precision_aware(fmt, lr=0.01)
+    before = copy.deepcopy(victim.state_dict())
+    with pytest.raises(
+        OptimizerCheckpointError, match=r"param 0: state 'exp_avg' has non-finite.*precision-aware"
+    ):
+        load_optimizer(victim, tmp_path / "ckpt")
+    assert_state_dict_equal(victim.state_dict(), before)
+    assert victim.param_groups[0]["lr"] == 0.01
+
+
+_SPECIAL_BITS = [0x7F80_0000, 0xFF80_0000, 0x7FC0_0000, 0x7FC0_1234, 0xFFC0_0001, 0x7F80_0001]
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    bits=st.lists(
+        st.one_of(st.sampled_from(_SPECIAL_BITS), st.integers(0, 2**32 - 1)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_any_float32_state_round_trips_bitwise(tmp_path: Path, bits: list[int]) -> None:
+    """Property: whatever bit patterns a torch optimizer's state holds (inf, signed NaNs with
+    payloads, finite values), the default save and load give them back bit for bit."""
+    p = torch.nn.Parameter(torch.ones(len(bits)))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.ones(len(bits))
+    opt.step()
+    as_int32 = torch.tensor(bits, dtype=torch.int64).to(torch.int32)  # wraps, as the bits
+    opt.state[p]["exp_avg"].view(torch.int32).copy_(as_int32)
+    target = tmp_path / f"ckpt-{len(os.listdir(tmp_path))}"
+    save_optimizer(opt, target)
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(len(bits)))], lr=0.5)
+    load_optimizer(fresh, target)
+    assert _bits(fresh) == _bits(opt)
+
+
+def test_hybrid_offload_non_finite_state_round_trips_by_default(tmp_path: Path) -> None:
+    """The same rule through a hybrid offload optimizer (device and host halves): the
+    loaded stack holds the saved bits and steps on exactly as the saved one does."""
+
+    def hybrid() -> tuple[HybridOffloadOptimizer, list[torch.nn.Parameter]]:
+        params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))]
+        opt = HybridOffloadOptimizer([{"params": params}], offload_fraction=0.5, lr=0.1)
+        for param in params:
+            param.grad = torch.ones_like(param)
+        opt.step()
+        return opt, params
+
+    opt, params = hybrid()
+    params[0].grad = torch.tensor([1.0, float("inf"), 1.0, 1.0])
+    params[1].grad = torch.tensor([float("-inf"), 1.0, 1.0])
+    opt.step()
+    save_optimizer(opt, tmp_path / "ckpt")
+    fresh, fresh_params = hybrid()
+    with torch.no_grad():
+        for mine, theirs in zip(fresh_params, params, strict=True):
+            mine.copy_(theirs)
+    load_optimizer(fresh, tmp_path / "ckpt")
+    assert_state_dict_equal(fresh.state_dict(), opt.state_dict())
+    for stack, stack_params in ((opt, params), (fresh, fresh_params)):
+        for param in stack_params:
+            param.grad = torch.full_like(param, 0.5)
+        stack.step()
+    for mine, theirs in zip(fresh_params, params, strict=True):
+        assert torch.equal(mine.view(torch.int32), theirs.view(torch.int32))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from tests.doubles.distributed import DistributedOptimizerDouble, ddp_config, megatron_config
 from wrapped_optim import compat
 from wrapped_optim._adapters.hybrid import hybrid_master_copies
 from wrapped_optim.fsdp import FSDPAwareOptimizer
@@ -15,44 +15,25 @@ from wrapped_optim.optimizers import HybridOffloadOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper, find_layer
 
 
-class Container:
-    """What the stack walk sees of a Megatron DistributedOptimizer around one leaf."""
-
-    def __init__(
-        self,
-        optimizer: Any,
-        *,
-        precision_aware: bool = False,
-        offload: bool = False,
-        fsdp: bool = False,
-        distributed: bool = True,
-    ) -> None:
-        self.optimizer = optimizer
-        self.config = SimpleNamespace(
-            use_precision_aware_optimizer=precision_aware, optimizer_cpu_offload=offload
-        )
-        self.ddp_config = SimpleNamespace(use_megatron_fsdp=fsdp)
-        self.is_stub_optimizer = optimizer is None
-        if distributed:
-            self.shard_fp32_from_float16_groups: list[list[Any]] = [[]]
-
-    def state_dict(self) -> Any:
-        return self.optimizer.state_dict()
-
-    def step(self) -> None:
-        self.optimizer.step()
+def distributed(
+    optimizer: Any, *, precision_aware: bool = False, offload: bool = False, fsdp: bool = False
+) -> DistributedOptimizerDouble:
+    """A Megatron DistributedOptimizer around ``optimizer``: the one pinned double
+    (tests/doubles/distributed.py says why; tests/test_doubles_match_core.py checks it)."""
+    config = megatron_config(precision_aware=precision_aware, cpu_offload=offload)
+    return DistributedOptimizerDouble(optimizer, config, ddp_config(megatron_fsdp=fsdp))
 
 
-class Chained:
-    def __init__(self, *optimizers: Any) -> None:
-        self.chained_optimizers = list(optimizers)
+def chained(*optimizers: Any) -> Any:
+    """megatron-core's real ChainedOptimizer (which asserts one config across its members)."""
+    return pytest.importorskip("megatron.core.optimizer").ChainedOptimizer(list(optimizers))
 
-    def state_dict(self) -> Any:
-        return [o.state_dict() for o in self.chained_optimizers if o.optimizer is not None]
 
-    def step(self) -> None:
-        for optimizer in self.chained_optimizers:
-            optimizer.step()
+def fp32_optimizer(optimizer: Any) -> Any:
+    """megatron-core's real FP32Optimizer (not a distributed optimizer) around ``optimizer``."""
+    from tests.doubles.megatron_cpu import cpu_fp32_optimizer
+
+    return cpu_fp32_optimizer(optimizer)
 
 
 def precision_adam(**dtypes: Any) -> Any:
@@ -89,31 +70,39 @@ staging = compat.memory_efficient_precision_aware_optimizer_state_checkpointing
 
 def test_staging_yields_the_count_of_eligible_holders_and_keeps_values() -> None:
     eligible = precision_adam(**COMPRESSED)
-    offloaded = precision_adam(**COMPRESSED)
     fsdp = precision_adam(**COMPRESSED)
     all_fp32 = precision_adam()
-    not_aware = precision_adam(**COMPRESSED)
-    chained = Chained(
-        Container(eligible, precision_aware=True),
-        Container(offloaded, precision_aware=True, offload=True),
-        Container(fsdp, precision_aware=True, fsdp=True),
-        Container(all_fp32, precision_aware=True),
-        Container(not_aware, precision_aware=False),
-        Container(None, precision_aware=True),
+    # One config across the chain, as the real ChainedOptimizer asserts; Megatron-FSDP is
+    # the DDP config's, and a stub has no leaf.
+    chain = chained(
+        distributed(eligible, precision_aware=True),
+        distributed(fsdp, precision_aware=True, fsdp=True),
+        distributed(all_fp32, precision_aware=True),
+        distributed(None, precision_aware=True),
     )
     expected = eligible.state_dict()
-    with staging(chained, enabled=True) as count:
+    with staging(chain, enabled=True) as count:
         assert count == 1
         assert "get_unscaled_state" in vars(eligible)
-        for other in (offloaded, fsdp, all_fp32, not_aware):
+        for other in (fsdp, all_fp32):
             assert "get_unscaled_state" not in vars(other)
         assert_same_state(eligible.state_dict(), expected)
     assert "get_unscaled_state" not in vars(eligible)
+    # Configs that make a chain ineligible as a whole: offloaded, not precision-aware.
+    offloaded = precision_adam(**COMPRESSED)
+    not_aware = precision_adam(**COMPRESSED)
+    for holder, options in ((offloaded, {"offload": True}), (not_aware, {})):
+        aware = "offload" in options
+        with staging(
+            chained(distributed(holder, precision_aware=aware, **options)), enabled=True
+        ) as count:
+            assert count == 0
+            assert "get_unscaled_state" not in vars(holder)
 
 
 def test_staging_disabled_or_none_is_a_no_op() -> None:
     holder = precision_adam(**COMPRESSED)
-    container = Container(holder, precision_aware=True)
+    container = distributed(holder, precision_aware=True)
     with staging(container, enabled=False) as count:
         assert count == 0
         assert "get_unscaled_state" not in vars(holder)
@@ -125,7 +114,7 @@ def test_staging_restores_instance_attributes_exactly_even_on_error() -> None:
     holder = precision_adam(**COMPRESSED)
     own = holder.get_unscaled_state  # a bound method stored on the instance
     holder.get_unscaled_state = own
-    with pytest.raises(KeyError), staging(Container(holder, precision_aware=True), enabled=True):
+    with pytest.raises(KeyError), staging(distributed(holder, precision_aware=True), enabled=True):
         assert vars(holder)["get_unscaled_state"] is not own
         raise KeyError("boom")
     assert vars(holder)["get_unscaled_state"] is own
@@ -136,7 +125,8 @@ def test_staging_restores_instance_attributes_exactly_even_on_error() -> None:
 
 
 class WholeTensorHolder(torch.optim.SGD):
-    """A precision-aware holder without the chunk API (TE FusedAdam's shape)."""
+    """A precision-aware holder without the chunk API (TE FusedAdam's shape; TE does not
+    install here), whose accessor returns what a test gives it, tensor or not."""
 
     name_to_dtype_map = {"exp_avg": torch.bfloat16}
 
@@ -187,10 +177,10 @@ def fp32_moments_only(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 def test_fp32_loading_adopts_the_loaders_tensors_only_inside() -> None:
     holder = precision_adam()  # FP32 moments, no master weights
-    container = Container(holder)
+    container = distributed(holder)
     payload = fp32_moments_only(holder.state_dict())
     params = [p for group in holder.param_groups for p in group["params"]]
-    with no_copy(Chained(container)) as count:
+    with no_copy(chained(container)) as count:
         assert count == 1
         holder.load_state_dict(payload)
     assert all(
@@ -206,11 +196,11 @@ def test_fp32_loading_adopts_the_loaders_tensors_only_inside() -> None:
 @pytest.mark.parametrize(
     "container",
     [
-        lambda h: Container(h, precision_aware=True),
-        lambda h: Container(h, offload=True),
-        lambda h: Container(h, fsdp=True),
-        lambda h: Container(h, distributed=False),
-        lambda h: Container(None),
+        lambda h: distributed(h, precision_aware=True),
+        lambda h: distributed(h, offload=True),
+        lambda h: distributed(h, fsdp=True),
+        fp32_optimizer,  # not a distributed optimizer
+        lambda h: chained(distributed(None)),
         lambda h: h,
     ],
 )
@@ -220,7 +210,7 @@ def test_fp32_loading_skips_ineligible_optimizers(container: Any) -> None:
         assert count == 0
         assert "load_state_dict" not in vars(holder)
     compressed = precision_adam(**COMPRESSED)
-    with no_copy(Container(compressed)) as count:
+    with no_copy(distributed(compressed)) as count:
         assert count == 0
     with no_copy(None) as count:
         assert count == 0
@@ -231,12 +221,12 @@ def test_fp32_loading_falls_back_for_other_payloads_and_restores_on_error() -> N
     params = [p for group in holder.param_groups for p in group["params"]]
     payload = fp32_moments_only(holder.state_dict())
     payload["state"][0]["exp_avg"] = payload["state"][0]["exp_avg"].double()  # not plain FP32
-    with no_copy(Container(holder)) as count:
+    with no_copy(distributed(holder)) as count:
         assert count == 1
         holder.load_state_dict(payload)  # the holder's own loader: converts, copies
     assert holder.state[params[0]]["exp_avg"].dtype == torch.float32
     assert holder.state[params[1]]["exp_avg"] is not payload["state"][1]["exp_avg"]
-    with pytest.raises(ValueError, match="boom"), no_copy(Container(holder)):
+    with pytest.raises(ValueError, match="boom"), no_copy(distributed(holder)):
         raise ValueError("boom")
     assert "load_state_dict" not in vars(holder)
 
@@ -287,21 +277,20 @@ def test_hybrid_state_loading_supplies_omitted_entries() -> None:
 
 
 def test_hybrid_state_loading_counts_megatron_containers_and_restores() -> None:
-    _, hybrid = trained_hybrid()
-    container = Container(hybrid, offload=True)
-
-    def setter(model_param: Any, tensors: Any) -> Any:
-        return tensors
-
-    container._set_main_param_and_optimizer_states = setter  # type: ignore[attr-defined]
-    container.model_param_group_index_map = {}  # type: ignore[attr-defined]
-    other = trained_hybrid()[1]
-    with compat.hybrid_optimizer_state_loading(Chained(container, Container(other))) as n:
+    hybrids = [trained_hybrid()[1] for _ in range(2)]
+    containers = [distributed(hybrid, offload=True) for hybrid in hybrids]
+    setter = "_set_main_param_and_optimizer_states"
+    with compat.hybrid_optimizer_state_loading(chained(*containers)) as n:
         assert n == 2
-        assert vars(container)["_set_main_param_and_optimizer_states"] is not setter
-        assert "load_state_dict" not in vars(hybrid)  # prepared through its container
+        for container, hybrid in zip(containers, hybrids, strict=True):
+            assert setter in vars(container)  # a DistributedOptimizer is prepared through it
+            assert "load_state_dict" not in vars(hybrid)
+    assert not any(setter in vars(container) for container in containers)
+    # A Megatron optimizer without the distributed optimizer's setter: the leaf's loader.
+    other = trained_hybrid()[1]
+    with compat.hybrid_optimizer_state_loading(fp32_optimizer(other)) as n:
+        assert n == 1
         assert "load_state_dict" in vars(other)
-    assert vars(container)["_set_main_param_and_optimizer_states"] is setter
     assert "load_state_dict" not in vars(other)
     with compat.hybrid_optimizer_state_loading(torch.optim.SGD([torch.ones(1)], lr=1)) as n:
         assert n == 0
@@ -315,7 +304,9 @@ def test_sync_after_model_only_load_refreshes_every_level() -> None:
         for param in model.parameters():
             param.fill_(0.5)  # a model-only load behind the optimizer's back
     assert any(entry.stale_levels() for entry in hybrid_master_copies(optimizer))
-    assert compat.sync_hybrid_device_optimizer_fp32_master_copies(Chained(Container(optimizer)))
+    assert compat.sync_hybrid_device_optimizer_fp32_master_copies(
+        chained(distributed(optimizer, offload=True))
+    )
     entries = hybrid_master_copies(optimizer)
     assert entries and not any(entry.stale_levels() for entry in entries)
     assert all(torch.all(entry.master == 0.5) for entry in entries)
@@ -396,18 +387,14 @@ def test_init_optimizer_state_creates_state_without_side_effects() -> None:
 # Bridge's checkpoint flow: the real ChainedOptimizer around the DistributedOptimizer double
 # ----------------------------------------------------------------------------------------
 def _megatron_hybrid(seed: int) -> tuple[torch.nn.Module, Any]:
-    from tests.doubles.distributed import DistributedOptimizerDouble
-
-    chained_optimizer = pytest.importorskip("megatron.core.optimizer").ChainedOptimizer
-
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)).to(torch.bfloat16)
-    distributed = DistributedOptimizerDouble.of_model(
+    megatron_optimizer = DistributedOptimizerDouble.of_model(
         model,
         lambda groups: HybridOffloadOptimizer(groups, offload_fraction=0.5, lr=1e-2),
         precision_aware=False,
     )
-    return model, chained_optimizer([distributed])
+    return model, chained(megatron_optimizer)
 
 
 def _steps(model: torch.nn.Module, optimizer: Any, count: int) -> None:

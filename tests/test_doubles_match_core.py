@@ -83,3 +83,46 @@ def test_the_doubles_ddp_config_fields_are_cores() -> None:
         assert not extra, (
             f"megatron-core {CORE_VERSION}'s DistributedDataParallelConfig has no {sorted(extra)}"
         )
+
+
+# The double's own construction helpers; everything else it defines is Core's surface.
+DOUBLE_ONLY = {
+    "of_model",
+    "_optimizer_param",
+    "_precision_aware",
+    "_holder",
+    "_parameter_state",
+    "_fully_reshardable",
+    "_scaffold",
+}
+
+
+def test_the_doubles_methods_are_distributed_optimizers_with_its_signatures() -> None:
+    """What the library and Core's ChainedOptimizer call on the double (its methods,
+    properties and the reshardable-format set) is the real DistributedOptimizer's, by name
+    and parameter names, so code that runs against the double calls what Core has."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from tests.doubles.distributed import DistributedOptimizerDouble
+
+    surface = {
+        name: value
+        for name, value in vars(DistributedOptimizerDouble).items()
+        if not name.startswith("__") and name not in DOUBLE_ONLY
+    }
+    assert {"_set_main_param_and_optimizer_states", "sharded_state_dict", "step"} <= set(surface)
+    for name, value in surface.items():
+        real = inspect.getattr_static(DistributedOptimizer, name, None)
+        assert real is not None, (
+            f"megatron-core {CORE_VERSION}'s DistributedOptimizer has no {name!r}; rename it in "
+            "tests/doubles/distributed.py, or list it in DOUBLE_ONLY if it is the double's own"
+        )
+        if isinstance(value, property):
+            assert isinstance(real, property), f"{name}: a property on the double only"
+        elif isinstance(value, (set, frozenset)):
+            assert value <= set(real), f"{name}: {sorted(value)} not all in Core's {real}"
+        else:
+            ours = list(inspect.signature(value).parameters)
+            assert ours == list(inspect.signature(real).parameters), (
+                f"{name}{inspect.signature(value)} differs from Core's {inspect.signature(real)}"
+            )

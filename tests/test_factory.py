@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -50,14 +52,37 @@ def muon_module() -> Any:
 # ----------------------------------------------------------------------------------------
 # setup_optimizer: what Megatron's builder and scheduler receive
 # ----------------------------------------------------------------------------------------
-class Chunk(torch.nn.Module):
-    """A model chunk as Megatron hands it over: a module with .config (and .ddp_config)."""
+def Chunk(use_mup: bool = False, ddp_config: Any = None) -> Any:
+    """A model chunk as Megatron hands it over: a real MegatronModule with a real
+    TransformerConfig, and the DDP config Megatron's DDP wrapper carries (the real wrapper
+    needs a model-parallel state and process group; tests/megatron_real builds those)."""
+    transformer = pytest.importorskip("megatron.core.transformer")
+    distributed = pytest.importorskip("megatron.core.distributed")
+    module = pytest.importorskip("megatron.core.transformer.module")
+    # Core computes the width multiplier as hidden_size / mup_base_hidden_size: 4 / 1.
+    mup = {"use_mup": use_mup, "mup_base_hidden_size": 1, "mup_width_mult": 4.0}
+    fields = {field.name for field in dataclasses.fields(transformer.TransformerConfig)}
+    with warnings.catch_warnings():  # Core's own deprecation notes on its defaults
+        warnings.simplefilter("ignore")
+        config = transformer.TransformerConfig(
+            num_layers=1,
+            hidden_size=4,
+            num_attention_heads=1,
+            use_cpu_initialization=True,
+            **{name: value for name, value in mup.items() if name in fields},
+        )
+    for name, value in mup.items():
+        if name not in fields:  # a Core before muP (0.16.1): the fields as 0.19 has them
+            setattr(config, name, value)
 
-    def __init__(self, use_mup: bool = False, ddp_config: Any = None) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 3)
-        self.config = SimpleNamespace(use_mup=use_mup, mup_width_mult=4.0)
-        self.ddp_config = ddp_config or SimpleNamespace(use_megatron_fsdp=False)
+    class Linear(module.MegatronModule):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__(config)
+            self.linear = torch.nn.Linear(4, 3)
+
+    chunk = Linear()
+    chunk.ddp_config = ddp_config or distributed.DistributedDataParallelConfig()
+    return chunk
 
 
 def megatron_config(**kwargs: Any) -> Any:
@@ -76,19 +101,34 @@ def scheduler_config(**kwargs: Any) -> SchedulerConfig:
     return SchedulerConfig(**values).with_steps(train_iters=10, global_batch_size=1)
 
 
+# Kept as a spy: the real builders need DDP-wrapped chunks on an initialised model-parallel
+# state (tests/megatron_real drives them through setup_optimizer); each call binds to the real
+# builder's signature, so setup_optimizer never passes what Core would refuse.
 class Recorder:
     """Stands in for a Megatron builder: records its keyword arguments, returns an AdamW."""
 
-    def __init__(self, chunks: list[Chunk]) -> None:
+    def __init__(self, chunks: list[Any], real: Any = None) -> None:
         self.chunks = chunks
+        self.real = real.real if isinstance(real, Recorder) else real
         self.calls: list[dict[str, Any]] = []
         self.built: list[torch.optim.Optimizer] = []
 
     def __call__(self, **kwargs: Any) -> torch.optim.Optimizer:
+        if self.real is not None:
+            inspect.signature(self.real).bind(**kwargs)  # TypeError: Core takes no such call
         self.calls.append(kwargs)
         params = [p for chunk in self.chunks for p in chunk.parameters()]
         self.built.append(torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1))
         return self.built[-1]
+
+
+def test_the_builder_spy_refuses_what_the_real_builder_would(core: Any) -> None:
+    spy = Recorder([Chunk()], core.get_megatron_optimizer)
+    with pytest.raises(TypeError, match="no_such_option"):
+        spy(config=megatron_config(), model_chunks=spy.chunks, no_such_option=1)
+    assert not spy.calls
+    spy(config=megatron_config(), model_chunks=spy.chunks, use_gloo_process_groups=False)
+    assert len(spy.calls) == 1
 
 
 @pytest.fixture
@@ -114,7 +154,7 @@ def test_setup_optimizer_calls_megatron_builder_and_scheduler_with_bridge_argume
     muon_module: Any,
 ) -> None:
     chunks = [Chunk()]
-    builder = Recorder(chunks)
+    builder = Recorder(chunks, core.get_megatron_optimizer)
     monkeypatch.setattr(core, "get_megatron_optimizer", builder)
     monkeypatch.setattr(muon_module, "get_megatron_muon_optimizer", _must_not_be_called)
     optimizer_config = megatron_config()
@@ -172,7 +212,9 @@ def test_weight_decay_defaults_to_the_optimizer_config(
     monkeypatch: pytest.MonkeyPatch, scheduler_calls: list[tuple[Any, dict[str, Any]]], core: Any
 ) -> None:
     chunk = Chunk()
-    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    monkeypatch.setattr(
+        core, "get_megatron_optimizer", Recorder([chunk], core.get_megatron_optimizer)
+    )
     setup_optimizer(megatron_config(weight_decay=0.3), scheduler_config(), chunk)
     kwargs = scheduler_calls[0][1]
     assert (kwargs["start_wd"], kwargs["end_wd"]) == (0.3, 0.3)
@@ -182,7 +224,7 @@ def test_custom_provider_then_mup_overrides_on_top(
     monkeypatch: pytest.MonkeyPatch, core: Any
 ) -> None:
     chunks = [Chunk(use_mup=True), Chunk()]
-    builder = Recorder(chunks)
+    builder = Recorder(chunks, core.get_megatron_optimizer)
     monkeypatch.setattr(core, "get_megatron_optimizer", builder)
     mup_calls: list[dict[str, Any]] = []
     mup_results: list[dict[Any, Any]] = []
@@ -223,6 +265,10 @@ def test_custom_provider_then_mup_overrides_on_top(
     ]
     (mup,) = mup_results
     assert mup and all(isinstance(key, ParamKey) for key in mup)
+    if real_mup is None:  # the stand-in's values are fields of Core's ParamGroupOverride
+        scheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+        allowed = set(scheduler.ParamGroupOverride.__annotations__)
+        assert all(set(override) <= allowed for override in mup.values()), mup
     (call,) = builder.calls
     assert call["config_overrides"] == {**provided, **mup}  # muP's on top of the provider's
     if real_mup is None:
@@ -234,7 +280,7 @@ def test_mup_with_no_overrides_keeps_the_provider_result(
     monkeypatch: pytest.MonkeyPatch, core: Any
 ) -> None:
     chunk = Chunk(use_mup=True)
-    builder = Recorder([chunk])
+    builder = Recorder([chunk], core.get_megatron_optimizer)
     monkeypatch.setattr(core, "get_megatron_optimizer", builder)
     monkeypatch.setattr(core, "get_mup_config_overrides", lambda **_: {}, raising=False)
     provided = {"k": {"wd_mult": 0.0}}
@@ -289,18 +335,10 @@ def test_muon_and_soap_use_the_muon_builder(
     monkeypatch: pytest.MonkeyPatch, name: str, layer_wise: bool, core: Any, muon_module: Any
 ) -> None:
     chunk = Chunk()
-    builder = Recorder([chunk])
+    builder = Recorder([chunk], muon_module.get_megatron_muon_optimizer)
     monkeypatch.setattr(core, "get_megatron_optimizer", _must_not_be_called)
     monkeypatch.setattr(muon_module, "get_megatron_muon_optimizer", builder)
-    optimizer_config = SimpleNamespace(
-        optimizer=name,
-        lr=1e-3,
-        min_lr=0.0,
-        weight_decay=0.0,
-        apply_wd_to_qk_layernorm=False,
-        decoupled_lr=None,
-        decoupled_min_lr=None,
-    )
+    optimizer_config = megatron_config(optimizer=name, min_lr=0.0, weight_decay=0.0)
     setup_optimizer(optimizer_config, scheduler_config(), chunk, pg_collection="pg")
     (call,) = builder.calls
     assert call["layer_wise_distributed_optimizer"] is layer_wise
@@ -312,22 +350,27 @@ def test_muon_and_soap_use_the_muon_builder(
 def test_setup_optimizer_wraps_from_the_megatron_configs(
     monkeypatch: pytest.MonkeyPatch, core: Any
 ) -> None:
-    chunk = Chunk(ddp_config=SimpleNamespace(use_megatron_fsdp=True))
-    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    ddp_config = pytest.importorskip("megatron.core.distributed").DistributedDataParallelConfig
+    chunk = Chunk(ddp_config=ddp_config(use_megatron_fsdp=True))
+    monkeypatch.setattr(
+        core, "get_megatron_optimizer", Recorder([chunk], core.get_megatron_optimizer)
+    )
     optimizer, scheduler = setup_optimizer(megatron_config(), scheduler_config(), chunk)
     assert isinstance(optimizer, FSDPAwareOptimizer)
     assert optimizer.precision_aware is False
     assert isinstance(optimizer.inner, torch.optim.AdamW)
     assert scheduler.optimizer is optimizer
     # Explicit settings override derived ones; an explicit ddp_config wins over the model's.
-    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    monkeypatch.setattr(
+        core, "get_megatron_optimizer", Recorder([chunk], core.get_megatron_optimizer)
+    )
     plain, _ = setup_optimizer(megatron_config(), scheduler_config(), chunk, stack={"fsdp": False})
     assert isinstance(plain, torch.optim.AdamW)
     bare, _ = setup_optimizer(
         megatron_config(),
         scheduler_config(),
         chunk,
-        ddp_config=SimpleNamespace(use_megatron_fsdp=False),
+        ddp_config=ddp_config(use_megatron_fsdp=False),
     )
     assert not isinstance(bare, OptimizerWrapper)
 
@@ -336,7 +379,9 @@ def test_setup_optimizer_stages_precision_aware_megatron_optimizers(
     monkeypatch: pytest.MonkeyPatch, core: Any
 ) -> None:
     chunk = Chunk()
-    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    monkeypatch.setattr(
+        core, "get_megatron_optimizer", Recorder([chunk], core.get_megatron_optimizer)
+    )
     # megatron-core 0.16.1 refuses use_precision_aware_optimizer=True without TE: a look-alike.
     look_alike = {**vars(megatron_config()), "use_precision_aware_optimizer": True}
     look_alike["use_distributed_optimizer"] = True
@@ -349,7 +394,9 @@ def test_setup_optimizer_stages_precision_aware_megatron_optimizers(
         False,
         True,
     )
-    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    monkeypatch.setattr(
+        core, "get_megatron_optimizer", Recorder([chunk], core.get_megatron_optimizer)
+    )
     distributed = megatron_config(use_distributed_optimizer=True)
     optimizer, _ = setup_optimizer(
         distributed, scheduler_config(), chunk, stack={"staged": {"chunk_bytes": 8}}
@@ -361,9 +408,12 @@ def test_setup_optimizer_with_bridge_style_scheduler_object(
     monkeypatch: pytest.MonkeyPatch, core: Any
 ) -> None:
     chunk = Chunk()
-    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    monkeypatch.setattr(
+        core, "get_megatron_optimizer", Recorder([chunk], core.get_megatron_optimizer)
+    )
     import attrs
 
+    # Megatron-Bridge does not install here: its SchedulerConfig's fields on a namespace.
     bridge_like = SimpleNamespace(**attrs.asdict(scheduler_config(lr_decay_style="linear")))
     _, scheduler = setup_optimizer(megatron_config(), bridge_like, chunk)
     assert scheduler.lr_decay_style == "linear"
@@ -384,7 +434,9 @@ def test_setup_optimizer_errors_name_the_field(
     core: Any,
 ) -> None:
     chunk = Chunk()
-    monkeypatch.setattr(core, "get_megatron_optimizer", Recorder([chunk]))
+    monkeypatch.setattr(
+        core, "get_megatron_optimizer", Recorder([chunk], core.get_megatron_optimizer)
+    )
     with pytest.raises(ConfigError) as info:
         setup_optimizer(megatron_config(**optimizer_kwargs), sched or scheduler_config(), chunk)
     assert info.value.field == field
@@ -626,33 +678,19 @@ def test_wrap_derives_from_the_optimizer() -> None:
 
 
 def test_wrap_derives_inside_megatron_containers() -> None:
+    from tests.doubles.distributed import DistributedOptimizerDouble, ddp_config, megatron_config
     from wrapped_optim.optimizers import PrecisionAwareAdamW
 
+    chained_optimizer = pytest.importorskip("megatron.core.optimizer").ChainedOptimizer
     leaf = PrecisionAwareAdamW([torch.nn.Parameter(torch.ones(4))])  # FP32 states
-    container = SimpleNamespace(
-        optimizer=leaf,
-        config=SimpleNamespace(use_precision_aware_optimizer=False, optimizer_cpu_offload=False),
-        ddp_config=SimpleNamespace(use_megatron_fsdp=False),
-        is_stub_optimizer=False,
-        shard_fp32_from_float16_groups=[[]],
-        state_dict=lambda: {},
-        step=lambda: None,
-    )
-    chained = SimpleNamespace(
-        chained_optimizers=[container], state_dict=lambda: {}, step=lambda: None
-    )
+    config = megatron_config(precision_aware=False)
+    # Megatron's real ChainedOptimizer around the pinned DistributedOptimizer double.
+    chained = chained_optimizer([DistributedOptimizerDouble(leaf, config, ddp_config())])
     stack = wrap(chained)
     assert layer_names(stack)[0] == "StagedCheckpointOptimizer"
     assert stack.inner is chained
-    stub = SimpleNamespace(
-        optimizer=None,
-        config=None,
-        ddp_config=None,
-        is_stub_optimizer=True,
-        state_dict=lambda: {},
-        step=lambda: None,
-    )
-    assert wrap(stub) is stub
+    stub = chained_optimizer([DistributedOptimizerDouble(None, config, ddp_config())])
+    assert stub.is_stub_optimizer and wrap(stub) is stub
 
 
 def test_rewrap_never_doubles_and_keeps_options() -> None:

@@ -301,7 +301,7 @@ class DistributedOptimizerDouble:
         for key in destination:
             destination[key].copy_(tensors[key])  # KeyError for an entry the payload lacks
 
-    def get_parameter_state(self) -> dict[int, dict[str, Any]]:
+    def _parameter_state(self) -> dict[int, dict[str, Any]]:
         return {
             index: self._get_main_param_and_optimizer_states(p)
             for index, p in enumerate(self.model_params)
@@ -353,7 +353,7 @@ class DistributedOptimizerDouble:
             self.checkpoint = checkpoint
         if is_loading:
             self.load_state_dict(dict(state_dict))
-        state_dict["param_state"] = self.get_parameter_state()
+        state_dict["param_state"] = self._parameter_state()
         state_dict["param_state_sharding_type"] = "fully_sharded_model_space"
         return state_dict
 

@@ -432,9 +432,10 @@ def check_values(
     allow_non_finite: bool = False,
 ) -> None:
     """Finite values (unless ``allow_non_finite``: inf and NaN pass, as torch's loader lets
-    them); no negative value in a second moment (:data:`SECOND_MOMENTS`); with
-    ``stored`` (a holder's storage with ``scaled``), none too large for the format they are
-    loaded into (:func:`wrapped_optim._formats.load_limits.loads_as_inf`).
+    them; with ``scaled`` the refusal says why a holder cannot take them); no negative
+    value in a second moment (:data:`SECOND_MOMENTS`); with ``stored`` (a holder's storage
+    with ``scaled``), none too large for the format they are loaded into
+    (:func:`wrapped_optim._formats.load_limits.loads_as_inf`).
 
     Example:
         >>> import torch
@@ -454,14 +455,14 @@ def check_values(
         lo, hi = torch.stack(torch.aminmax(local)).tolist()
         finite = math.isfinite(lo) and math.isfinite(hi)
         if not finite and not allow_non_finite:
-            raise _state_fault(index, name, _NON_FINITE)
+            raise _state_fault(index, name, _non_finite(scaled))
         negative = lo < 0
         problem = overflow_problem(max(-lo, hi), stored, scaled=scaled) if finite else None
         if problem is not None:
             raise _state_fault(index, name, problem)
     else:
         if not allow_non_finite and not bool(torch.isfinite(local).all()):
-            raise _state_fault(index, name, _NON_FINITE)
+            raise _state_fault(index, name, _non_finite(scaled))
         negative = local.is_floating_point() and bool((local < 0).any())
     if name in SECOND_MOMENTS and negative:
         raise _state_fault(
@@ -470,4 +471,14 @@ def check_values(
 
 
 _MIN_MAX_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_NON_FINITE = "has non-finite values"
+
+
+def _non_finite(scaled: bool) -> str:
+    """Why inf/NaN is refused: by the caller's choice, or because a holder cannot keep it."""
+    if not scaled:
+        return "has non-finite values"
+    return (
+        "has non-finite values, which a precision-aware optimizer's state cannot take "
+        "(its fp16 and FP8 formats scale a whole tensor by its largest magnitude, which "
+        "inf or NaN poisons)"
+    )

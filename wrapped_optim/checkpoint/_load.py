@@ -142,7 +142,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self.wrapped = False  # a wrapper's sync_after_load() runs after the load (writes weights)
         self.atomic = True  # journal what reading overwrites, to undo a failed load
         self.journal_dir: str | os.PathLike[str] | None = None  # where (default: temp dir)
-        self.allow_non_finite = False  # inf/NaN state accepted (load_optimizer's option)
+        self.refuse_non_finite = False  # inf/NaN state refused (load_optimizer's option)
         self.saved_as: dict[str, tuple[Any, str]] = {}  # fqn -> (param index, state name)
         self.group_tensors: dict[str, tuple[int, str]] = {}  # fqn -> (group, hyper-parameter)
         self.chunk_bytes = chunk_bytes
@@ -277,8 +277,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         else:
             state_format.check_values(
                 index, name, tensor, target.stored, scaled=target.scaled,
-                # a scaled format cannot hold inf: its scale would poison the whole tensor
-                allow_non_finite=self.allow_non_finite and not target.scaled,
+                # a holder's storage cannot hold inf: a scale would poison the whole tensor
+                allow_non_finite=not (self.refuse_non_finite or target.scaled),
             )  # fmt: skip
         if target.staged is not None:
             if self.undo is not None:
@@ -635,7 +635,7 @@ def load_optimizer(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     atomic: bool = True,
     journal_dir: str | os.PathLike[str] | None = None,
-    allow_non_finite: bool = False,
+    refuse_non_finite: bool = False,
 ) -> None:
     """Loads a DCP optimizer checkpoint straight into ``optimizer``'s state storage.
 
@@ -655,10 +655,10 @@ def load_optimizer(
             of the stored state on disk; ``False`` for no journal when a retry is acceptable.
         journal_dir: where the undo journal goes (default: the system temp dir, ``TMPDIR``);
             a local disk with room for the stored state (a tmpfs would hold it in memory).
-        allow_non_finite: accept inf and NaN in the state (as torch's ``load_state_dict``
-            does; pass it to ``save_optimizer`` too) except into fp16/FP8 storage, which
-            cannot hold them; by default they are refused, as ``save_optimizer`` refuses
-            to write them.
+        refuse_non_finite: refuse a state holding inf or NaN (the parameter and state
+            named, nothing changed). By default such values load as they were saved, as
+            torch's ``load_state_dict`` takes them, except into a precision-aware
+            optimizer's state, which cannot hold them (refused even then).
 
     Raises:
         OptimizerCheckpointError: the checkpoint does not fit the optimizer, or cannot be read
@@ -694,7 +694,7 @@ def load_optimizer(
         with snapshot_reader(checkpoint_id, storage_reader) as reader:
             _load(
                 optimizer, leaf, reader, process_group, chunk_bytes, atomic, journal_dir,
-                allow_non_finite, progress,
+                refuse_non_finite, progress,
             )  # fmt: skip
     except CheckpointException as exc:
         _raise_ours(exc)
@@ -722,7 +722,7 @@ def _load(
     chunk_bytes: int,
     atomic: bool,
     journal_dir: str | os.PathLike[str] | None,
-    allow_non_finite: bool,
+    refuse_non_finite: bool,
     progress: _Progress,
 ) -> None:
     objects_planner = _ObjectsLoadPlanner()
@@ -744,7 +744,7 @@ def _load(
         planner.wrapped = isinstance(optimizer, OptimizerWrapper)
         planner.atomic = atomic
         planner.journal_dir = journal_dir
-        planner.allow_non_finite = allow_non_finite
+        planner.refuse_non_finite = refuse_non_finite
 
         def read() -> None:
             with _quiet_no_dist():

@@ -289,7 +289,7 @@ def save_optimizer(
     process_group: Any = None,
     chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
     async_: bool = False,
-    allow_non_finite: bool = False,
+    refuse_non_finite: bool = False,
 ) -> Any:
     """Saves ``optimizer``'s state as a DCP checkpoint, expanding one chunk at a time.
 
@@ -314,10 +314,10 @@ def save_optimizer(
             ``dist.new_group``) so that the save's collectives never interleave with training's.
         chunk_bytes: the most expanded bytes materialised per write item (None: whole tensors).
         async_: return a future at once and write in a background thread.
-        allow_non_finite: write state holding inf or NaN (torch's optimizers accept such
-            state); load it back with ``load_optimizer(..., allow_non_finite=True)``. By
-            default such a state is refused before anything is written, since
-            ``load_optimizer`` refuses it by default: what is saved loads.
+        refuse_non_finite: refuse a state holding inf or NaN (e.g. from one overflowed
+            gradient element) before anything is written. By default it is written as it
+            is, and ``load_optimizer`` loads it back bitwise, as torch's optimizers keep
+            such state (``load_optimizer(..., refuse_non_finite=True)`` refuses it there).
 
     Returns:
         The DCP metadata of the checkpoint; with ``async_``, a future of it.
@@ -326,7 +326,7 @@ def save_optimizer(
         TypeError: the stack holds Megatron containers (checkpoint those through
             ``sharded_state_dict``).
         ValueError: neither ``checkpoint_id`` nor ``storage_writer`` is given, or a state
-            holds inf or NaN without ``allow_non_finite`` (the parameter and state named).
+            holds inf or NaN under ``refuse_non_finite`` (the parameter and state named).
 
     Examples:
         >>> import tempfile, torch
@@ -346,7 +346,7 @@ def save_optimizer(
     if checkpoint_id is None and storage_writer is None:
         raise ValueError("save_optimizer needs a checkpoint_id or a storage_writer")
     leaf = _leaf_of(optimizer)
-    if not allow_non_finite:
+    if refuse_non_finite:
         _refuse_non_finite(leaf)
     # The directory is resolved here, in the calling thread: a later os.chdir or a changed
     # symlink does not move an asynchronous save.
@@ -384,10 +384,10 @@ def _refuse_non_finite(leaf: torch.optim.Optimizer) -> None:
             lo, hi = torch.stack(torch.aminmax(local.reshape(-1))).tolist()
             if not (math.isfinite(lo) and math.isfinite(hi)):
                 raise ValueError(
-                    f"param {index}: state {name!r} holds non-finite values (inf or NaN), "
-                    "which load_optimizer refuses by default; nothing was written. Fix the "
-                    "run (a gradient overflowed?), or pass allow_non_finite=True here and to "
-                    "load_optimizer to keep them as torch's optimizers do"
+                    f"param {index}: state {name!r} holds non-finite values (inf or NaN) "
+                    "and refuse_non_finite=True; nothing was written. Fix the run (a "
+                    "gradient overflowed?), or save without refuse_non_finite to keep them "
+                    "as torch's optimizers do"
                 )
 
 
