@@ -10,7 +10,11 @@ moments, fp16 master): bounded here as TE's re-quantization bounds it; everythin
 exact.
 
 The default run keeps a lean matrix; the full cross product (every config, format, route and
-direction) is marked slow.
+direction) is marked slow. Two launches of two processes do all of it: one saves (on 2 ranks,
+then each rank alone saves half of the stacks as a world of one), one resumes (2 -> 2 and
+1 -> 2, then each rank alone half of 2 -> 1), the slow matrix riding in the same launch when
+it is selected. The save launch also measures the staged save's memory bound
+(:mod:`tests.megatron_real.save_bound`) and looks at precision-aware + CPU offload.
 """
 
 from __future__ import annotations
