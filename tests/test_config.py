@@ -271,14 +271,24 @@ def test_from_megatron_distributed_fp32_adam_loads_without_copies() -> None:
 
 def test_from_megatron_cpu_offload_syncs_hybrid_and_skips_staging() -> None:
     config = StackConfig.from_megatron(
-        megatron(
-            optimizer_cpu_offload=True,
-            use_distributed_optimizer=True,
-            use_precision_aware_optimizer=True,
-        )
+        megatron(optimizer_cpu_offload=True, use_distributed_optimizer=True)
     )
     assert config.hybrid == HybridConfig()
     assert config.staged is False
+
+
+def test_from_megatron_refuses_precision_aware_with_cpu_offload() -> None:
+    # Core builds the HybridDeviceOptimizer without the precision-aware dtypes: refused, not
+    # silently given FP32 moments (tests/megatron_real/test_precision_aware.py sees Core do it).
+    settings = megatron(
+        optimizer_cpu_offload=True,
+        use_distributed_optimizer=True,
+        use_precision_aware_optimizer=True,
+        exp_avg_dtype=torch.bfloat16,
+    )
+    with pytest.raises(ConfigError, match="optimizer_cpu_offload: cannot be combined") as error:
+        StackConfig.from_megatron(settings)
+    assert "silently ignored" in str(error.value) and "Turn one of them off" in str(error.value)
 
 
 def test_from_megatron_fsdp() -> None:

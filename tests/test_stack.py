@@ -138,6 +138,10 @@ def test_from_megatron_and_the_staging_engine_follow_one_policy(
         with pytest.raises(ConfigError, match="use_distributed_optimizer"):
             StackConfig.from_megatron(config, ddp_config)
         return
+    if precision_aware and offload:  # Core ignores the precision-aware settings there
+        with pytest.raises(ConfigError, match="optimizer_cpu_offload: cannot be combined"):
+            StackConfig.from_megatron(config, ddp_config)
+        return
     derived = StackConfig.from_megatron(config, ddp_config).staged
 
     # The leaf Megatron would build: precision-aware state is compressed, otherwise FP32.
@@ -198,3 +202,18 @@ def test_wrap_adds_the_step_repair_for_torch_adam_in_a_distributed_optimizer(
     )
     if not settings["precision_aware"]:  # the config-side derivation agrees
         assert bool(StackConfig.from_megatron(megatron).staged) is staged
+
+
+def test_wrap_refuses_a_megatron_optimizer_built_precision_aware_with_cpu_offload() -> None:
+    leaf = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))])
+    config = SimpleNamespace(use_precision_aware_optimizer=True, optimizer_cpu_offload=True)
+    container = _Container(leaf, config, SimpleNamespace(use_megatron_fsdp=False), True)
+    before = leaf.state_dict()
+    with pytest.raises(ConfigError, match=r"config\.optimizer_cpu_offload: cannot be combined"):
+        wrap(container)
+    assert leaf.state_dict() == before and not hasattr(container, "inner")
+    # Either flag alone wraps.
+    container.config = SimpleNamespace(
+        use_precision_aware_optimizer=False, optimizer_cpu_offload=True
+    )
+    assert wrap(container) is not None

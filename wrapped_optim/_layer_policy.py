@@ -107,6 +107,8 @@ megatron_fsdp=None, optimizer='adam')
                 f"{where}.use_precision_aware_optimizer",
                 "is only supported with use_distributed_optimizer=True",
             )
+        cpu_offload = _strict_flag(optimizer_config, "optimizer_cpu_offload", where)
+        refuse_precision_aware_offload(precision_aware, cpu_offload, where)
         if not precision_aware:
             for dtype_name in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype"):
                 if not _is_fp32(getattr(optimizer_config, dtype_name, None)):
@@ -116,7 +118,7 @@ megatron_fsdp=None, optimizer='adam')
                     )
         return cls(
             precision_aware=precision_aware,
-            cpu_offload=_strict_flag(optimizer_config, "optimizer_cpu_offload", where),
+            cpu_offload=cpu_offload,
             distributed=distributed,
             megatron_fsdp=(
                 None
@@ -124,6 +126,33 @@ megatron_fsdp=None, optimizer='adam')
                 else _strict_flag(ddp_config, "use_megatron_fsdp", "ddp_config")
             ),
             optimizer=name,
+        )
+
+
+def refuse_precision_aware_offload(precision_aware: bool, cpu_offload: bool, where: str) -> None:
+    """Refuses Megatron's ``use_precision_aware_optimizer`` together with
+    ``optimizer_cpu_offload``: megatron-core (0.16.1 to 0.19.2) builds the
+    HybridDeviceOptimizer's halves without the precision-aware options, so the dtypes asked
+    for are silently ignored, and its checkpoint path for the pair does not resume exactly.
+
+    Example:
+        >>> refuse_precision_aware_offload(True, False, "optimizer_config")  # either alone: fine
+        >>> try:
+        ...     refuse_precision_aware_offload(True, True, "optimizer_config")
+        ... except ConfigError as error:
+        ...     print(str(error).split(":")[0])
+        optimizer_config.optimizer_cpu_offload
+    """
+    if precision_aware and cpu_offload:
+        raise ConfigError(
+            f"{where}.optimizer_cpu_offload",
+            "cannot be combined with use_precision_aware_optimizer=True: megatron-core builds "
+            "the HybridDeviceOptimizer's host and device optimizers without exp_avg_dtype, "
+            "exp_avg_sq_dtype, main_params_dtype or store_param_remainders (both keep FP32 "
+            "moments; the settings would be silently ignored), and its save and load of that "
+            "pair do not restore the FP32 copies the halves step on, so a resume is not "
+            "exact. Turn one of them off: offload alone keeps the same FP32 state and resumes "
+            "exactly; precision-aware state alone keeps bf16/FP8 moments",
         )
 
 

@@ -218,7 +218,9 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
 
     Raises:
         ConfigError: ``config`` is invalid, or it removes a layer that sits below a foreign
-            wrapper.
+            wrapper, or a Megatron optimizer in the stack was built with
+            ``use_precision_aware_optimizer`` and ``optimizer_cpu_offload`` together (Core
+            ignores the precision-aware settings there; the error says what to do).
 
     Examples:
         >>> import torch
@@ -234,6 +236,12 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
     """
     config = _as_stack_config(config)
     base, existing = _peel(optimizer)
+    for leaf in walk_leaves(base):
+        if leaf.config is not None:
+            settings = layer_policy.MegatronSettings.of(leaf.config, leaf.ddp_config)
+            layer_policy.refuse_precision_aware_offload(
+                bool(settings.precision_aware), settings.cpu_offload, "config"
+            )
     buried = _buried_sections(base)
 
     wanted: dict[str, Any] = {}  # section -> existing layer (reuse) or options (build)

@@ -10,6 +10,7 @@ in every spawned worker (a spawned process starts from a fresh interpreter).
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -150,6 +151,31 @@ def requantized_fp8_mismatches(
         if x.shape != y.shape or bool(((x - y).abs() > x.abs() / 16 + scale / 1024).any()):
             bad.append(key)
     return bad
+
+
+def become_solo(rank: int) -> None:
+    """Leaves the launch's world for a world of one, this process alone, on a fresh store.
+
+    Lets one launch of N processes do world-of-one work too, N pieces of it at once, after its
+    N-rank work (no second spawn and its seconds of imports). Call it last: the launcher's
+    teardown destroys the solo group. ``rank`` (in the old world) only names the store.
+    """
+    dist.barrier()  # every rank's collectives in the old world are done
+    dist.destroy_process_group()
+    store = Path(tempfile.mkdtemp(prefix=f"solo{rank}_")) / "store"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=WORKER_TIMEOUT_S),
+    )
+
+
+def merge_solo_results(parts: list[dict[Any, Any]]) -> list[dict[Any, Any]]:
+    """The results of a world of one, as one rank's, put together from the launch's ranks
+    that each did a part of it after :func:`become_solo`."""
+    return [{key: value for part in parts for key, value in part.items()}]
 
 
 def run_in_this_process(fn: Callable[..., Any], tmp_dir: Path, *args: Any) -> Any:

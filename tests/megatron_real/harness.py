@@ -53,6 +53,7 @@ def build(
     *,
     setup: bool = False,
     options: dict[str, Any] | None = None,
+    hidden: int = HIDDEN,
 ) -> tuple[Any, Any]:
     """``(ddp_model, optimizer)`` for config ``name``; inside :func:`megatron_session`.
 
@@ -60,7 +61,8 @@ def build(
     ``setup``: the optimizer comes from :func:`wrapped_optim.integrations.bridge.setup_optimizer`
     (Megatron's standard param-group overrides, the derived stack) instead of a bare
     ``get_megatron_optimizer`` call. ``options``: more ``OptimizerConfig`` fields (the
-    precision-aware ones of :mod:`tests.megatron_real.precision_aware`).
+    precision-aware ones of :mod:`tests.megatron_real.precision_aware`). ``hidden``: the
+    model's width (a larger model for memory measurements).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -71,7 +73,7 @@ def build(
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = TransformerConfig(
         num_layers=1,
-        hidden_size=HIDDEN,
+        hidden_size=hidden,
         num_attention_heads=1,
         use_cpu_initialization=True,
         bf16=bf16,
@@ -81,8 +83,8 @@ def build(
     class TwoLayer(MegatronModule):
         def __init__(self) -> None:
             super().__init__(config)
-            self.first = torch.nn.Linear(HIDDEN, HIDDEN)
-            self.second = torch.nn.Linear(HIDDEN, 4)
+            self.first = torch.nn.Linear(hidden, hidden)
+            self.second = torch.nn.Linear(hidden, 4)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.second(torch.tanh(self.first(x)))
@@ -127,9 +129,10 @@ def build(
 def train(model: Any, optimizer: Any, steps: range, rank: int = 0) -> None:
     """Megatron's step sequence on data fixed by (step, rank): the same data in every run."""
     dtype = next(model.parameters()).dtype
+    width = model.module.first.in_features
     for step in steps:
         generator = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(4, HIDDEN, generator=generator).to(dtype)
+        x = torch.randn(4, width, generator=generator).to(dtype)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         model(x).float().square().mean().backward()

@@ -67,9 +67,18 @@ def options(name: str, **more: Any) -> dict[str, Any]:
     return {"use_precision_aware_optimizer": True, **PRECISION_CONFIGS[name], **more}
 
 
-def build_precision_aware(name: str, seed: int = 0, *, setup: bool = False, **more: Any) -> Any:
+def build_precision_aware(
+    name: str, seed: int = 0, *, setup: bool = False, hidden: int | None = None, **more: Any
+) -> Any:
     """``(ddp_model, optimizer)`` from Core's factory for precision-aware config ``name``,
-    inside :func:`tests.megatron_real.harness.megatron_session`."""
-    from tests.megatron_real.harness import build
+    inside :func:`tests.megatron_real.harness.megatron_session` (``hidden``: the model's width,
+    default the harness's)."""
+    from tests.megatron_real.harness import HIDDEN, build
 
-    return build("bf16_distributed", seed, setup=setup, options=options(name, **more))
+    return build(
+        "bf16_distributed",
+        seed,
+        setup=setup,
+        options=options(name, **more),
+        hidden=HIDDEN if hidden is None else hidden,
+    )

@@ -51,7 +51,8 @@ _HOST = "_wrapped_optim_host"
 _IS_CUDA = torch._C.TensorBase.is_cuda.__get__  # type: ignore[attr-defined]
 
 
-def _is_host(value: Any) -> bool:
+def is_host(value: Any) -> bool:
+    """Whether the shim takes ``value`` for a host tensor."""
     return isinstance(value, torch.Tensor) and bool(getattr(value, _HOST, False))
 
 
@@ -59,6 +60,14 @@ def _mark_host(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         setattr(value, _HOST, True)
     return value
+
+
+def make_device_tensor(value: torch.Tensor) -> None:
+    """Makes ``value`` a device tensor again. A device-agnostic optimizer (PrecisionAwareAdamW)
+    allocates its state with ``device=param.device``, which on a CPU reads ``"cpu"`` and so
+    makes host tensors here even for a device param; on a GPU that state is device memory."""
+    if is_host(value):
+        delattr(value, _HOST)
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -82,16 +91,16 @@ def _device_method(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     """What the tensor methods that ask for or move to a device return under the shim, or
     ``_NOT_A_DEVICE_METHOD`` for any other function."""
     if func == _IS_CUDA:
-        return not _is_host(args[0])
+        return not is_host(args[0])
     if func is torch.Tensor.type and len(args) == 1 and not kwargs:
         name = func(*args)
-        return name if _is_host(args[0]) else name.replace("torch.", "torch.cuda.", 1)
+        return name if is_host(args[0]) else name.replace("torch.", "torch.cuda.", 1)
     if func is torch.Tensor.pin_memory:
         return _mark_host(args[0].clone())
     if func is torch.Tensor.cuda:
-        return args[0].clone() if _is_host(args[0]) else args[0]
+        return args[0].clone() if is_host(args[0]) else args[0]
     if func is torch.Tensor.cpu:
-        return args[0] if _is_host(args[0]) else _mark_host(args[0].detach().clone())
+        return args[0] if is_host(args[0]) else _mark_host(args[0].detach().clone())
     return _NOT_A_DEVICE_METHOD
 
 
@@ -115,7 +124,7 @@ class _CudaOnCpu(TorchFunctionMode):
             for index, value in enumerate(positional[1:], start=1):
                 if _is_cuda_device(value):
                     positional[index] = "cpu"
-                    if _is_host(args[0]):
+                    if is_host(args[0]):
                         return func(*positional, **kwargs).clone()
                 elif _is_cpu_device(value):
                     to_host = True
@@ -130,10 +139,10 @@ class _CudaOnCpu(TorchFunctionMode):
             to_host = True
         result = func(*args, **kwargs)
         inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        if to_host and func is torch.Tensor.to and result is args[0] and not _is_host(result):
+        if to_host and func is torch.Tensor.to and result is args[0] and not is_host(result):
             result = result.clone()  # a device-to-host move is a copy
-        if to_host or any(_is_host(a) for a in inputs):
-            device_inputs = [a for a in inputs if not _is_host(a)]
+        if to_host or any(is_host(a) for a in inputs):
+            device_inputs = [a for a in inputs if not is_host(a)]
             # An op that returns one of its device inputs (in place, or ``to`` a no-op) leaves
             # it a device tensor.
             tree_map(lambda r: r if any(r is a for a in device_inputs) else _mark_host(r), result)

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("megatron.core.dist_checkpointing")
 
-from tests.distributed.conftest import Launcher, mismatches
+from tests.distributed.conftest import Launcher, become_solo, merge_solo_results, mismatches
 from tests.megatron_real.dist_ckpt import (
     resume_and_continue,
     route_optimizer,
@@ -37,55 +37,65 @@ def _writer(route: str) -> str:
     return "bare" if route == "compat" else route
 
 
-def _save(rank: int, world: int, root: str) -> dict[Any, Any]:
+STACKS = [(name, writer) for name in CONFIGS for writer in ("bare", "wrap")]
+CELLS = [(name, fmt, route) for name in CONFIGS for fmt in FORMATS for route in ROUTES]
+
+
+def _save_stacks(rank: int, world: int, root: str, stacks: list[Any]) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     with megatron_session():  # one model-parallel state for every stack of the phase
-        for name in CONFIGS:
-            for writer in ("bare", "wrap"):
-                model, optimizer = build(name)
-                optimizer = route_optimizer(optimizer, writer)
-                directory = Path(root, f"world{world}", name, writer)
-                out[name, writer] = save_and_continue(
-                    model, optimizer, directory, FORMATS, SAVE_AT, MORE, rank
-                )
+        for name, writer in stacks:
+            model, optimizer = build(name)
+            optimizer = route_optimizer(optimizer, writer)
+            directory = Path(root, f"world{world}", name, writer)
+            out[name, writer] = save_and_continue(
+                model, optimizer, directory, FORMATS, SAVE_AT, MORE, rank
+            )
     return out
 
 
-def _load(rank: int, world: int, root: str, saved_on: int) -> dict[Any, Any]:
+def _save(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Every stack saved on 2 ranks, then by each rank alone (a world of one), half each."""
+    out = {"saved2": _save_stacks(rank, world, root, STACKS)}
+    become_solo(rank)
+    out["saved1"] = _save_stacks(0, 1, root, STACKS[rank::world])
+    return out
+
+
+def _load_cells(rank: int, root: str, saved_on: int, cells: list[Any]) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     with megatron_session():
-        for name in CONFIGS:
-            for fmt in FORMATS:
-                for route in ROUTES:
-                    directory = Path(root, f"world{saved_on}", name, _writer(route), fmt)
-                    model, optimizer = build(name, seed=1)
-                    optimizer = route_optimizer(optimizer, route)
-                    out[name, fmt, route] = resume_and_continue(
-                        model,
-                        optimizer,
-                        directory,
-                        fmt,
-                        route,
-                        range(SAVE_AT, SAVE_AT + MORE),
-                        rank,
-                    )
+        for name, fmt, route in cells:
+            directory = Path(root, f"world{saved_on}", name, _writer(route), fmt)
+            model, optimizer = build(name, seed=1)
+            optimizer = route_optimizer(optimizer, route)
+            out[name, fmt, route] = resume_and_continue(
+                model, optimizer, directory, fmt, route, range(SAVE_AT, SAVE_AT + MORE), rank
+            )
+    return out
+
+
+def _load(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Fresh processes resume 2 -> 2 and 1 -> 2, then each rank alone half of 2 -> 1."""
+    out = {"2to2": _load_cells(rank, root, 2, CELLS), "1to2": _load_cells(rank, root, 1, CELLS)}
+    become_solo(rank)
+    out["2to1"] = _load_cells(0, root, 2, CELLS[rank::world])
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("dist_ckpt_ranks")
-    launch = Launcher(root, cuda_shim=False, timeout_s=600)
+    launch = Launcher(root, cuda_shim=False, timeout_s=1200)
+    saves = launch(_save, 2, str(root))
+    loads = launch(_load, 2, str(root))  # fresh processes, fresh groups
     return {
-        "saved2": launch(_save, 2, str(root)),
-        "saved1": launch(_save, 1, str(root)),
-        "2to2": launch(_load, 2, str(root), 2),  # fresh processes, fresh group
-        "2to1": launch(_load, 1, str(root), 2),
-        "1to2": launch(_load, 2, str(root), 1),
+        "saved2": [run["saved2"] for run in saves],
+        "saved1": merge_solo_results([run["saved1"] for run in saves]),
+        "2to2": [run["2to2"] for run in loads],
+        "1to2": [run["1to2"] for run in loads],
+        "2to1": merge_solo_results([run["2to1"] for run in loads]),
     }
-
-
-CELLS = [(name, fmt, route) for name in CONFIGS for fmt in FORMATS for route in ROUTES]
 
 
 @pytest.mark.parametrize(("name", "fmt", "route"), CELLS)

@@ -110,17 +110,18 @@ def _check(runs: list[Any], cell: tuple[str, str, str, str]) -> None:
 
 def _launch(tmp_path_factory: pytest.TempPathFactory, label: str, cells: list[Any]) -> Any:
     root = tmp_path_factory.mktemp(label)
-    return Launcher(root, cuda_shim=False, timeout_s=900)(_phase, 2, str(root / "ckpt"), cells)
+    return Launcher(root, cuda_shim=False, timeout_s=1500)(_phase, 2, str(root / "ckpt"), cells)
 
 
 @pytest.fixture(scope="module")
-def lean_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return _launch(tmp_path_factory, "offload_cross_lean", list(LEAN))
-
-
-@pytest.fixture(scope="module")
-def full_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return _launch(tmp_path_factory, "offload_cross_full", FULL)
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One launch for the selected cells: the lean ones, and every other cell too when the
+    whole matrix is selected (one spawn, each stack saved once)."""
+    full = any(
+        item.name.startswith("test_offload_setting_changes_on_resume_every_cell")
+        for item in request.session.items
+    )
+    return _launch(tmp_path_factory, "offload_cross", list(LEAN) + (FULL if full else []))
 
 
 ONE_RANK = (
@@ -145,14 +146,14 @@ def test_offload_setting_changes_on_resume_one_rank(
 @pytest.mark.parametrize("cell", LEAN, ids="-".join)
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_offload_setting_changes_on_resume(lean_runs: Any, cell: tuple[str, str, str, str]) -> None:
-    _check(lean_runs, cell)
+def test_offload_setting_changes_on_resume(runs: Any, cell: tuple[str, str, str, str]) -> None:
+    _check(runs, cell)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", FULL, ids="-".join)
 def test_offload_setting_changes_on_resume_every_cell(
-    full_runs: Any, cell: tuple[str, str, str, str]
+    runs: Any, cell: tuple[str, str, str, str]
 ) -> None:
-    _check(full_runs, cell)
+    _check(runs, cell)

@@ -197,6 +197,13 @@ def _stored_state(holder: Any, param: torch.Tensor, name: str) -> torch.Tensor |
     return stored
 
 
+def _on_host(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is host memory: on the CPU and not claiming to be a CUDA tensor (a
+    CPU emulation of a device, such as a test shim's, answers ``is_cuda`` for its device
+    tensors: their state is staged as device state, through one chunk of scratch)."""
+    return tensor.device.type == "cpu" and not tensor.is_cuda
+
+
 def _read_chunked(
     holder: Any, param: torch.Tensor, name: str, stored: torch.Tensor, scratch: DeviceScratch
 ) -> torch.Tensor:
@@ -205,7 +212,7 @@ def _read_chunked(
     host = torch.empty(stored.shape, dtype=_FP32)  # pageable: the checkpoint's own memory
     flat = host.view(-1)
     step = scratch.chunk_numel(_FP32)
-    if device.type == "cpu":
+    if _on_host(stored):
         # The state already lives on the host: decode straight into the host buffer, in
         # calls of up to _HOST_SCRATCH_NUMEL elements, with no scratch to copy from.
         step = _HOST_SCRATCH_NUMEL

@@ -529,7 +529,8 @@ def render_report(
     if (page_dir / TOPIC_DIR / BY_HAND_PAGE).is_file():
         parts += [
             f"Measured by hand, outside these topics: [{BY_HAND_PAGE}]({TOPIC_DIR}/{BY_HAND_PAGE})"
-            " (the every-step stale-master watch, the CPU kernel and the demo on a busy machine).",
+            " (the every-step stale-master watch, the CPU kernel and the demo on a busy machine,"
+            " the staged save on Megatron's precision-aware DistributedOptimizer).",
             "",
         ]
     if plots_note:

@@ -391,7 +391,9 @@ def setup_optimizer(
         ``(optimizer, scheduler)``: the wrapped Megatron optimizer and its scheduler.
 
     Raises:
-        ConfigError: ``optimizer_config.optimizer`` is not a string, or a config is invalid.
+        ConfigError: ``optimizer_config.optimizer`` is not a string, or a config is invalid
+            (``use_precision_aware_optimizer`` with ``optimizer_cpu_offload`` included, which
+            megatron-core builds without the precision-aware settings); nothing is built.
         RuntimeError: megatron-core's builders need a CUDA device and this torch has none
             (the config has no ``provide`` hook); the message says what runs on a CPU.
 
@@ -419,6 +421,10 @@ def setup_optimizer(
     if not isinstance(name, str):
         raise ConfigError("optimizer_config.optimizer", f"must be a string, got {name!r}")
     model_chunks = model if isinstance(model, list) else [model]
+    if ddp_config is None:
+        ddp_config = _ddp_config_of(model_chunks)
+    # Validated before Megatron builds anything (a refused config builds no optimizer).
+    stack_config = StackConfig.from_megatron(optimizer_config, ddp_config, overrides=stack)
     config_overrides = _config_overrides(
         core, optimizer_config_override_provider, optimizer_config, scheduler_config, model
     )
@@ -431,9 +437,6 @@ def setup_optimizer(
         use_gloo_process_groups=use_gloo_process_groups,
         pg_collection=pg_collection,
     )
-    if ddp_config is None:
-        ddp_config = _ddp_config_of(model_chunks)
-    stack_config = StackConfig.from_megatron(optimizer_config, ddp_config, overrides=stack)
     wrapped = wrap(optimizer, stack_config)
     scheduler = _megatron_scheduler(optimizer_config, scheduler_config, wrapped)
     return wrapped, scheduler
