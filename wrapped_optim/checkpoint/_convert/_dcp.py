@@ -29,6 +29,7 @@ import attrs
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
@@ -146,9 +147,10 @@ def _tree(metadata: Any) -> dict[Any, Any]:
 
 
 def _is_nested(node: Any) -> bool:
+    """``state`` and ``param_groups`` (an optimizer with no state yet saves no ``state``)."""
     return (
         isinstance(node, Mapping)
-        and isinstance(node.get("state"), Mapping)
+        and isinstance(node.get("state", {}), Mapping)
         and ("param_groups" in node)
     )
 
@@ -157,8 +159,8 @@ def _is_flat(node: Any) -> bool:
     if not isinstance(node, Mapping):
         return False
     keys = [k for k in node if isinstance(k, str)]
-    return any(k.startswith("state.") for k in keys) and any(
-        k.startswith("param_groups.") for k in keys
+    return any(k.startswith("param_groups.") for k in keys) and all(
+        k.startswith(("state.", "param_groups.")) for k in keys
     )
 
 
@@ -204,7 +206,7 @@ class DcpReader:
         osd = (
             _unflatten(node)
             if flat
-            else {"state": node["state"], "param_groups": node["param_groups"]}
+            else {"state": node.get("state", {}), "param_groups": node["param_groups"]}
         )
         osd = self._resolved(osd)
         if flat:
@@ -231,8 +233,9 @@ class DcpReader:
         groups = _substitute(groups, values)
         if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
             raise ConversionError(f"{self.path}: param_groups is not a list of mappings")
+        by_index = any(isinstance(k, int) for g in groups for k in g.get("params", []))
         state = {
-            key: {
+            _index_key(key) if by_index else key: {
                 name: values[v.key] if name == "step" and isinstance(v, _Leaf) else v
                 for name, v in entries.items()
             }
@@ -253,6 +256,11 @@ class DcpReader:
 
     def close(self) -> None:
         self._leaves = {}
+
+
+def _index_key(key: Any) -> Any:
+    """DCP routes keep a mapping's int keys as strings: parameter indices back to ints."""
+    return int(key) if isinstance(key, str) and key.isdigit() else key
 
 
 def _spec_of(value: Any) -> TensorSpec | None:
@@ -353,7 +361,19 @@ class DcpWriter:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             planner = _PullingPlanner(reader, sources)
-            dcp.save(tree, storage_writer=writer, planner=planner, no_dist=True)
+            try:
+                dcp.save(tree, storage_writer=writer, planner=planner, no_dist=True)
+            except CheckpointException as error:
+                raise _first_failure(error) from error
+
+
+def _first_failure(error: CheckpointException) -> BaseException:
+    """The failure itself (a reader's ConversionError, an OSError) rather than DCP's wrapper."""
+    for failure in error.failures.values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, BaseException):
+            return cause
+    return error
 
 
 def _flatten(osd: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ it as any torch.save file.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -243,6 +244,21 @@ class TorchSaveWriter:
 
 def _write_archive(stream: IO[bytes], data: bytes, slots: list[_Slot], reader: StateReader) -> None:
     archive = PyTorchFileWriter(stream, True, 64)
+    try:
+        _write_records(archive, data, slots, reader)
+    except BaseException:
+        # The archive must be ended while its stream is open (its destructor would write
+        # into a closed stream and abort the process); the caller removes the file.
+        with contextlib.suppress(Exception):
+            archive.write_end_of_file()
+        raise
+    finally:
+        del archive
+
+
+def _write_records(
+    archive: PyTorchFileWriter, data: bytes, slots: list[_Slot], reader: StateReader
+) -> None:
     archive.write_record("data.pkl", data, len(data))
     archive.write_record(".format_version", b"1", 1)
     archive.write_record(".storage_alignment", b"64", 2)
@@ -256,6 +272,9 @@ def _write_archive(stream: IO[bytes], data: bytes, slots: list[_Slot], reader: S
             )
         tensor = tensor.contiguous()  # a view of a mapping or a fresh tensor: no copy
         nbytes = tensor.numel() * tensor.element_size()
-        archive.write_record(f"data/{slot.key}", tensor.data_ptr() if nbytes else b"", nbytes)
-        del tensor
+        if tensor.storage_offset() or tensor.untyped_storage().nbytes() != nbytes:
+            tensor = tensor.clone()  # a view into a larger storage: its own bytes only
+        storage = tensor.untyped_storage()
+        archive.write_record(f"data/{slot.key}", storage, nbytes)  # type: ignore[arg-type]
+        del tensor, storage
     archive.write_end_of_file()
