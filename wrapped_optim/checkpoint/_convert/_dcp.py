@@ -314,6 +314,18 @@ class _PullingPlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
         self.reader = reader
         self.sources = sources
+        self.previous: torch.Tensor | None = None
+
+    def release_previous(self) -> None:
+        """Frees the last tensor handed to DCP (written by now: its serial loader asks for
+        the next item only after writing this one), which DCP's file writer would otherwise
+        keep referenced until the file ends. Only a whole tensor the reader handed over is
+        freed; a view (of a reader's cache, of a file mapping) is left alone."""
+        previous, self.previous = self.previous, None
+        if previous is not None and previous._base is None:
+            storage = previous.untyped_storage()
+            if storage.resizable():
+                storage.resize_(0)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if write_item.type == WriteItemType.BYTE_IO:
@@ -322,13 +334,16 @@ class _PullingPlanner(DefaultSavePlanner):
         source = self.sources.get(id(obj))
         if source is None:
             return super().resolve_data(write_item)
+        self.release_previous()
         tensor = self.reader.read(*source)
         if tensor.dtype != obj.dtype or tensor.shape != obj.shape:
             raise ConversionError(
                 f"parameter {source[0]!r}: state {source[1]!r} came as {tensor.dtype} "
                 f"{tuple(tensor.shape)}, its index says {obj.dtype} {tuple(obj.shape)}"
             )
-        return tensor.contiguous()
+        tensor = tensor.contiguous()
+        self.previous = tensor
+        return tensor
 
 
 class DcpWriter:
@@ -365,6 +380,8 @@ class DcpWriter:
                 dcp.save(tree, storage_writer=writer, planner=planner, no_dist=True)
             except CheckpointException as error:
                 raise _first_failure(error) from error
+            finally:
+                planner.release_previous()
 
 
 def _first_failure(error: CheckpointException) -> BaseException:

@@ -131,7 +131,7 @@ class TorchSaveReader:
             value = self._leaves[(name, key)]
         except KeyError:
             raise ConversionError(f"{self.path}: no state {key!r} for parameter {name!r}") from None
-        return value.detach()  # a new tensor object over the file's mapping: no copy
+        return value.detach().view(value.shape)  # a view: the file mapping stays ours
 
     def close(self) -> None:
         self._leaves = {}
@@ -153,6 +153,15 @@ _STORAGE_TYPES = {
     torch.uint8: "ByteStorage",
     torch.bool: "BoolStorage",
 }
+
+
+def _crc32() -> bool:
+    """Whether torch.save computes zip CRC32s here (its ``compute_crc32`` setting)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return True
+    return bool(getattr(config.save, "compute_crc32", True))
 
 
 class _Slot:
@@ -238,12 +247,17 @@ class TorchSaveWriter:
         )
         buffer = io.BytesIO()
         _Pickler(buffer, slots).dump(osd)
-        with self.path.open("wb") as stream:
-            _write_archive(stream, buffer.getvalue(), slots, reader)
+        if str(self.path).isascii():  # torch's own file writer: no Python call per block
+            _write_archive(str(self.path), buffer.getvalue(), slots, reader)
+        else:
+            with self.path.open("wb") as stream:
+                _write_archive(stream, buffer.getvalue(), slots, reader)
 
 
-def _write_archive(stream: IO[bytes], data: bytes, slots: list[_Slot], reader: StateReader) -> None:
-    archive = PyTorchFileWriter(stream, True, 64)
+def _write_archive(
+    stream: IO[bytes] | str, data: bytes, slots: list[_Slot], reader: StateReader
+) -> None:
+    archive = PyTorchFileWriter(stream, _crc32(), 64)
     try:
         _write_records(archive, data, slots, reader)
     except BaseException:
