@@ -524,6 +524,16 @@ def test_peak_allocation_stays_within_the_largest_tensor(
     assert peak <= bound * largest + SLACK + (1 << 20), peak
 
 
+def test_dp_is_refused_by_formats_of_whole_tensors(tmp_path: Path) -> None:
+    model = Model([(2,)], torch.float32)
+    opt = make_optimizer("sgd", model, 1)
+    train(model, opt, 1, seed=0)
+    torch.save(opt.state_dict(), tmp_path / "a.pt")
+    with pytest.raises(ConversionError, match="dp=2: dcp holds whole tensors"):
+        convert(tmp_path / "a.pt", tmp_path / "b", to="dcp", model=model, dp=2)
+    assert not (tmp_path / "b").exists()
+
+
 def test_registry_lists_and_detects_the_formats(tmp_path: Path) -> None:
     names = {fmt.name for fmt in known_formats()}
     assert {"torch-save", "dcp", "dcp-flat", "dcp-streaming"} <= names

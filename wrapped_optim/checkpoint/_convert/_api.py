@@ -232,6 +232,11 @@ def convert(
         raise ConversionError(
             f"the converter cannot {'read' if which == source.name else 'write'} {which}"
         )
+    if dp is not None and not target.sharded:
+        raise ConversionError(
+            f"dp={dp}: {target.name} holds whole tensors, which load at any data-parallel "
+            "size; dp applies to formats sharded by DP rank"
+        )
     options = _options(names, model, dp, trusted, location, layout)
     reader = source.reader(Path(src), attrs.evolve(options, location=location))
     try:
