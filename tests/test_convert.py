@@ -550,3 +550,22 @@ def test_registry_lists_and_detects_the_formats(tmp_path: Path) -> None:
         register_format(get_format("dcp"))
     with pytest.raises(ConversionError, match="unknown format 'nope'"):
         get_format("nope")
+
+
+def test_master_narrowed_then_widened(tmp_path: Path) -> None:
+    model = Model([(6,)], torch.bfloat16)
+    opt = make_optimizer("precision_aware", model, 1)
+    train(model, opt, 1, seed=3)
+    torch.save(opt.state_dict(), tmp_path / "a.pt")
+    with pytest.raises(ConversionError, match=r"'master' would be torch.float32 -> torch.float16"):
+        convert(tmp_path / "a.pt", tmp_path / "b.pt", to="torch-save", master="fp16")
+    narrowed = convert(
+        tmp_path / "a.pt", tmp_path / "b.pt", to="torch-save", master="fp16", allow_lossy=True
+    )
+    widened = convert(tmp_path / "b.pt", tmp_path / "c.pt", to="torch-save", master="fp32")
+    source = opt.state_dict()["state"][0]["master_param"]
+    half = torch.load(tmp_path / "b.pt")["state"][0]["master_param"]
+    back = torch.load(tmp_path / "c.pt")["state"][0]["master_param"]
+    assert half.dtype == torch.float16 and bits_equal(half, source.half())
+    assert widened.lossy == {} and bits_equal(back, half.float())
+    assert narrowed.lossy["0:master"] == float((half.double() - source.double()).abs().max())
