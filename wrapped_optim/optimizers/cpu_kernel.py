@@ -533,7 +533,7 @@ def _check_blocks(
 
 def _describe(
     index: int, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-    master: Tensor | None, m_scale: Tensor | None, v_scale: Tensor | None,
+    master: Tensor | None, m_scale: Tensor | None, v_scale: Tensor | None, *,
     block_format: blocks.BlockFormat | None = None,
 ) -> _Tensor:  # fmt: skip
     n = param.numel()
@@ -666,7 +666,7 @@ def adamw_step_(
         raise ValueError(f"num_threads must be at least 1, got {threads}")
     count = len(params)
     operands = zip(params, grads, exp_avgs, exp_avg_sqs, masters, m_scales, v_scales, strict=True)
-    described = [_describe(i, *ops, block_format) for i, ops in enumerate(operands)]
+    described = [_describe(i, *ops, block_format=block_format) for i, ops in enumerate(operands)]
     tensors = (_Tensor * max(count, 1))(*described)
     scaled: list[_Scaled] = [
         (tensors[i], prefix, storage.dtype, scale)
