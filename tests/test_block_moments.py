@@ -7,6 +7,7 @@ reads and writes for staging; training quality next to FP32; bad options."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,95 +15,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.kernel_support import needs_kernel, param_and_master
+from tests.kernel_support import (
+    block_kernel_step,
+    block_moments,
+    block_operands,
+    block_reference_step,
+    needs_kernel,
+    same_block_results,
+)
 from wrapped_optim._formats import blocks
 from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
 
 FORMATS = list(blocks.BLOCK_FORMATS)
-MASTERS = ["none", "fp32", "remainder", "fp32 copy"]
 HYPER: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
                          "bias_correction1": 0.19, "bias_correction2": 0.0975}  # fmt: skip
-TORCH_HYPER = (3e-3, 0.9, 0.95, 1e-8, 0.1, 1.0 / 0.19, 1.0 / 0.0975)
-
-
-def _moments(n: int, fmt: blocks.BlockFormat, gen: torch.Generator, magnitude: float) -> Any:
-    m = torch.randn(n, generator=gen) * 0.1 * magnitude
-    v = torch.rand(n, generator=gen) * magnitude**2
-    if n > 40:  # a zero stretch (zero codes beside live ones) and a zero second moment
-        m[10:40] = 0
-        v[10:40] = 0
-        v[3] = 0
-    mc, ms = blocks.encode(m, fmt, "exp_avg")
-    vc, vs = blocks.encode(v, fmt, "exp_avg_sq")
-    return [mc, vc], [ms, vs]
-
-
-def _operands(fmt: blocks.BlockFormat, seed: int) -> list[dict[str, Any]]:
-    """One parameter per (master kind, gradient dtype), sizes with every kind of tail,
-    gradients from 1e-30 to 1e4, a NaN or inf in some."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i, (master, g_dtype) in enumerate(
-        (m, g) for m in MASTERS for g in (torch.float32, torch.bfloat16)
-    ):
-        n = (1, 3, fmt.block_size - 1, fmt.block_size, 3 * fmt.block_size + 17, 5000)[i % 6] + i
-        magnitude = (1e-30, 1e-6, 1.0, 1e4)[i % 4]
-        param, master_t, _ = param_and_master(torch.randn(n, generator=gen), master)
-        g = torch.randn(n, generator=gen) * magnitude
-        g[: min(n, 7)] = 0  # zero gradients: second moments that must not round to code 0
-        if i % 5 == 3:
-            g[n // 2] = (float("nan"), float("inf"))[i % 2]
-        codes, scales = _moments(n, fmt, gen, magnitude)
-        out.append({"param": param, "master": master_t, "grad": g.to(g_dtype), "codes": codes,
-                    "scales": scales, "kind": master})  # fmt: skip
-    return out
-
-
-def _torch_step(op: dict[str, Any], fmt: blocks.BlockFormat, adam_w_mode: bool) -> None:
-    """The reference: step_blocks on the FP32 value the kernel updates, then the kernel's
-    write-back of the parameter (bf16 rounding, remainder split, exact copy)."""
-    from wrapped_optim._formats import remainders
-
-    kind, param, master = op["kind"], op["param"], op["master"]
-    if kind == "none":
-        value = param
-    elif kind == "remainder":
-        value = remainders.join_master(param, master)
-    else:
-        value = master
-    blocks.step_blocks(value, op["grad"], tuple(op["codes"]), tuple(op["scales"]), fmt,
-                       TORCH_HYPER, adam_w_mode=adam_w_mode)  # fmt: skip
-    if kind == "remainder":
-        remainders.split_master_into(value, param, master)
-    elif kind != "none":
-        param.copy_(value)
-        if param.dtype == torch.bfloat16:  # the kernel's NaN is the quiet 0x7FC0 (torch's
-            param.view(torch.int16)[value.isnan()] = 0x7FC0  # scalar cast), not a payload
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
-
-
-def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
-    for x, y in zip(a, b, strict=True):
-        for name in ("param", "master"):
-            if x[name] is not None:
-                assert torch.equal(_bits(x[name]), _bits(y[name])), (x["kind"], name)
-        for i in range(2):
-            assert torch.equal(x["codes"][i], y["codes"][i]), (x["kind"], "codes", i)
-            assert torch.equal(_bits(x["scales"][i]), _bits(y["scales"][i])), (x["kind"], i)
-
-
-def _kernel_step(ops: list[dict[str, Any]], fmt: blocks.BlockFormat, adam_w_mode: bool,
-                 threads: int) -> None:  # fmt: skip
-    cpu_kernel.adamw_step_(
-        [o["param"] for o in ops], [o["grad"] for o in ops], [o["codes"][0] for o in ops],
-        [o["codes"][1] for o in ops], [o["master"] for o in ops], **HYPER,
-        adam_w_mode=adam_w_mode, num_threads=threads,
-        exp_avg_scales=[o["scales"][0] for o in ops],
-        exp_avg_sq_scales=[o["scales"][1] for o in ops], block_format=fmt,
-    )  # fmt: skip
 
 
 @needs_kernel
@@ -114,12 +40,15 @@ def test_kernel_gives_the_bits_of_the_torch_block_step(name: str, block_size: in
     fmt = blocks.BlockFormat(name, block_size)
     for adam_w_mode in (True, False):
         for threads in (1, 2):
-            expected, got = _operands(fmt, seed=block_size), _operands(fmt, seed=block_size)
+            expected, got = (
+                block_operands(fmt, seed=block_size),
+                block_operands(fmt, seed=block_size),
+            )
             for _ in range(3):
                 for op in expected:
-                    _torch_step(op, fmt, adam_w_mode)
-                _kernel_step(got, fmt, adam_w_mode, threads)
-            _same(expected, got)
+                    block_reference_step(op, fmt, adam_w_mode)
+                block_kernel_step(got, fmt, adam_w_mode, threads)
+            same_block_results(expected, got)
 
 
 @needs_kernel
@@ -135,7 +64,7 @@ def test_block_kernel_threads_split_blocks_by_their_start() -> None:
         g = torch.Generator().manual_seed(5)
         out = []
         for n in sizes:
-            codes, scales = _moments(n, fmt, g, 1.0)
+            codes, scales = block_moments(n, fmt, g, 1.0)
             out.append({"param": torch.randn(n, generator=g), "master": None,
                         "grad": torch.randn(n, generator=g), "codes": codes, "scales": scales,
                         "kind": "none"})  # fmt: skip
@@ -145,9 +74,9 @@ def test_block_kernel_threads_split_blocks_by_their_start() -> None:
     one, two = ops(), ops()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_kernel, "_MIN_ELEMENTS_PER_THREAD", 1)
-        _kernel_step(one, fmt, True, 1)
-        _kernel_step(two, fmt, True, 2)
-    _same(one, two)
+        block_kernel_step(one, fmt, True, 1)
+        block_kernel_step(two, fmt, True, 2)
+    same_block_results(one, two)
 
 
 @needs_kernel
@@ -386,3 +315,83 @@ def test_a_step_rejects_moments_resized_behind_its_back_and_changes_nothing() ->
     with pytest.raises(StepOperandError, match="block scales"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+
+
+# ----------------------------------------------------------------------------- Triton
+
+
+@pytest.fixture
+def interpreted_blocks() -> Iterator[None]:
+    """The Triton block kernel runs on host tensors through TRITON_INTERPRET=1 (set before
+    the kernel modules are imported); the interpreter's numpy warns on discarded lanes."""
+    import sys
+
+    import numpy as np
+
+    from wrapped_optim.optimizers import _block_step
+
+    modules = (_block_step._KERNEL_MODULE, "wrapped_optim.optimizers._fused_gpu_kernel")
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        np.errstate(divide="ignore", invalid="ignore", over="ignore"),
+    ):
+        patch.setenv("TRITON_INTERPRET", "1")
+        patch.setattr(_block_step, "_DEVICE_TYPES", {"cuda", "cpu"})
+        for name in modules:
+            sys.modules.pop(name, None)
+        yield
+    for name in modules:
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("interpreted_blocks")
+@pytest.mark.parametrize("name", FORMATS)
+def test_triton_kernel_gives_the_bits_of_the_torch_block_step(name: str) -> None:
+    """Every master kind the kernel takes, both gradient dtypes, tails, NaN and inf, AdamW
+    mode (L2 mode for FP8: the interpreter is slow): the Triton kernel (interpreted) leaves
+    the torch step's bits."""
+    pytest.importorskip("triton")
+    from wrapped_optim.optimizers import _block_step
+    from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+
+    fmt = blocks.BlockFormat(name, 32)
+    masters = {"none": {}, "fp32": {"master_weights": True},
+               "fp32 copy": {"master_weights": True},
+               "remainder": {"master_weights": True, "store_param_remainders": True}}  # fmt: skip
+    # betas (0.9, 0.95) at step 2: bias corrections 0.19 and 0.0975, the reference's.
+    group = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+             "bias_correction": True, "step": 2}  # fmt: skip
+    for adam_w_mode in (name != "fp8",):
+        expected, got = block_operands(fmt, seed=5), block_operands(fmt, seed=5)
+        for op in expected:
+            block_reference_step(op, fmt, adam_w_mode)
+        for op in got:
+            layout = PrecisionLayout(block_format=name, block_size=32, adam_w_mode=adam_w_mode,
+                                     **masters[op["kind"]])  # fmt: skip
+            state = {"exp_avg": op["codes"][0], "exp_avg_sq": op["codes"][1]}
+            if op["master"] is not None:
+                state["master_param"] = op["master"]
+            scales = {"exp_avg": op["scales"][0], "exp_avg_sq": op["scales"][1]}
+            assert _block_step.triton_update(layout, state, scales, op["param"], op["grad"], group)
+        same_block_results(expected, got)
+
+
+@pytest.mark.usefixtures("interpreted_blocks")
+def test_optimizer_steps_through_the_triton_kernel_where_it_applies() -> None:
+    """PrecisionAwareAdamW with the kernel off hands its block parameters to the Triton
+    kernel (here on the host, interpreted): the bits of the CPU kernel's path."""
+    pytest.importorskip("triton")
+    runs = []
+    for kernel in (False, None):
+        params = _model(6)
+        opt = PrecisionAwareAdamW(params, lr=1e-2, block_moments="int4", block_size=64,
+                                  cpu_kernel=kernel)  # fmt: skip
+        _train(opt, params, range(2))
+        runs.append((params, opt))
+    (a_params, a), (b_params, b) = runs
+    for p, q in zip(a_params, b_params, strict=True):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(a.state[p][key], b.state[q][key])
+            assert torch.equal(a.scales[p][key], b.scales[q][key])

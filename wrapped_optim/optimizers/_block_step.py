@@ -1,26 +1,37 @@
-"""The torch step of a :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` parameter whose
-moments are block-scaled (``block_moments``), where the compiled CPU kernel does not take it
-(another device, the kernel off or unavailable, a layout it does not read).
+"""The step of a :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` parameter whose
+moments are block-scaled (``block_moments``), where the compiled CPU kernel does not take it:
+on CUDA the Triton kernel (:mod:`~wrapped_optim.optimizers._fused_gpu_blocks_kernel`, one
+launch per parameter, one program per block) where triton is installed and the layout is
+one it reads, else torch (:func:`wrapped_optim._formats.blocks.step_blocks`). All three give
+the CPU kernel's bits.
 
-The arithmetic is :func:`wrapped_optim._formats.blocks.step_blocks`, bit for bit the
-kernel's; this module finds the FP32 value to update (the parameter, its FP32 master, or a
-bf16 parameter joined with its int16 remainder) and writes the parameter back from it.
+The torch step finds the FP32 value to update (the parameter, its FP32 master, or a bf16
+parameter joined with its int16 remainder) and writes the parameter back from it.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import blocks
 from wrapped_optim._formats.remainders import join_master, split_master_into
 from wrapped_optim.optimizers._precision_layout import PrecisionLayout
 
-__all__ = ["group_hyper", "update"]
+__all__ = ["group_hyper", "triton_update", "update"]
+
+_KERNEL_MODULE = "wrapped_optim.optimizers._fused_gpu_blocks_kernel"
+# Devices the Triton kernel is launched on. Tests add "cpu" (with TRITON_INTERPRET=1,
+# Triton's interpreter runs the same kernel on host tensors).
+_DEVICE_TYPES = {"cuda"}
+_FORMAT_CODES = {"int8": 0, "fp8": 1, "int4": 2}
 
 
 def group_hyper(group: Mapping[str, Any]) -> tuple[float, float, float, float, float, float, float]:
@@ -63,6 +74,8 @@ def update(
         >>> p.data.tolist()
         [0.5, 0.5]
     """
+    if triton_update(layout, state, scales, param, grad, group):
+        return
     fmt = layout.blocks
     assert fmt is not None
     p = local_tensor(param).detach()
@@ -91,3 +104,74 @@ def update(
             p.copy_(flat_p.view(p.shape))
     elif value.data_ptr() != p.data_ptr():
         p.copy_(value.view(p.shape))  # round to nearest even into a bf16/fp16 parameter
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def triton_update(
+    layout: PrecisionLayout,
+    state: Mapping[str, Tensor],
+    scales: Mapping[str, Tensor],
+    param: Tensor,
+    grad: Tensor,
+    group: Mapping[str, Any],
+) -> bool:
+    """One launch of the Triton block kernel for ``param`` where it applies (a device in
+    ``_DEVICE_TYPES``, triton installed, contiguous operands, an FP32 parameter without a
+    master, an FP32 master or a remainder, an FP32 or bf16 gradient); False (nothing done)
+    elsewhere.
+
+    Example:
+        >>> import torch
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> opt = PrecisionAwareAdamW([p], block_moments="int8")
+        >>> opt.initialize_state(p, False)
+        >>> triton_update(opt.layout, opt.state[p], opt.scales[p], p, torch.ones(2),
+        ...               {**opt.param_groups[0], "step": 1})  # a CPU tensor: not here
+        False
+    """
+    fmt = layout.blocks
+    p = local_tensor(param).detach()
+    g = local_tensor(grad)
+    if fmt is None or p.device.type not in _DEVICE_TYPES or g.device != p.device:
+        return False
+    if importlib.util.find_spec("triton") is None:
+        return False
+    master = state.get("master_param")
+    if master is None:
+        kind, ok = 0, p.dtype == torch.float32
+    elif layout.uses_remainder(param):
+        kind, ok = 2, True
+    else:
+        kind, ok = 1, master.dtype == torch.float32 and p.dtype in (torch.float32, torch.bfloat16)
+    stored = [p, g, state["exp_avg"], state["exp_avg_sq"], scales["exp_avg"], scales["exp_avg_sq"]]
+    if master is not None:
+        stored.append(master)
+    if not ok or g.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not all(t.is_contiguous() for t in stored):
+        return False
+    kernels = importlib.import_module(_KERNEL_MODULE)
+    lr, beta1, beta2, eps, wd, inv_bc1, inv_bc2 = group_hyper(group)
+    n = p.numel()
+    options: dict[str, Any] = {}
+    if p.device.type == "cuda":  # no contraction into FMA, no flush-to-zero: the CPU bits
+        options = {"num_warps": 4, "enable_fp_fusion": False, "enable_reflect_ftz": False}
+    args = (p, p if master is None else master, g, state["exp_avg"], state["exp_avg_sq"],
+            scales["exp_avg"], scales["exp_avg_sq"], n,
+            *(_f32(x) for x in (lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, wd,
+                                inv_bc1, inv_bc2)))  # fmt: skip
+    constexprs = {"FMT": _FORMAT_CODES[fmt.name], "HALF": fmt.block_size // 2,
+                  "ADAM_W": layout.adam_w_mode, "MASTER": kind,
+                  "P_BF16": p.dtype == torch.bfloat16, **options}  # fmt: skip
+    launch = kernels.adamw_block_kernel[(fmt.blocks(n),)]
+    if p.device.type == "cuda":
+        with torch.cuda.device(p.device):
+            launch(*args, **constexprs)
+    else:
+        launch(*args, **constexprs)
+    increment_version(stored[:1] + stored[2:])  # written by a kernel: as in-place ops would
+    return True
