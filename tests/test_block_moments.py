@@ -330,7 +330,7 @@ def interpreted_blocks() -> Iterator[None]:
 
     from wrapped_optim.optimizers import _block_step
 
-    modules = (_block_step._KERNEL_MODULE, "wrapped_optim.optimizers._fused_gpu_kernel")
+    modules = (_block_step._KERNEL_MODULE,)
     with (
         pytest.MonkeyPatch.context() as patch,
         np.errstate(divide="ignore", invalid="ignore", over="ignore"),
@@ -377,21 +377,90 @@ def test_triton_kernel_gives_the_bits_of_the_torch_block_step(name: str) -> None
         same_block_results(expected, got)
 
 
-@pytest.mark.usefixtures("interpreted_blocks")
-def test_optimizer_steps_through_the_triton_kernel_where_it_applies() -> None:
-    """PrecisionAwareAdamW with the kernel off hands its block parameters to the Triton
-    kernel (here on the host, interpreted): the bits of the CPU kernel's path."""
+def interpreted_training(out: str) -> None:
+    """A child process's work (``TRITON_INTERPRET=1`` set before triton is imported): two
+    steps of an int4 optimizer with the CPU kernel off, on the host through the Triton block
+    kernel; its parameters, codes and scales saved to ``out``."""
+    from wrapped_optim.optimizers import _block_step
+
+    _block_step._DEVICE_TYPES.add("cpu")
+    params = _model(6)
+    opt = PrecisionAwareAdamW(params, lr=1e-2, block_moments="int4", block_size=64,
+                              cpu_kernel=False)  # fmt: skip
+    _train(opt, params, range(2))
+    torch.save(_optimizer_bits(opt, params), out)
+
+
+def _optimizer_bits(opt: PrecisionAwareAdamW, params: list[torch.nn.Parameter]) -> list[Any]:
+    out: list[Any] = [p.detach() for p in params]
+    for p in params:
+        out += [opt.state[p][k] for k in ("exp_avg", "exp_avg_sq")]
+        out += [opt.scales[p][k] for k in ("exp_avg", "exp_avg_sq")]
+    return out
+
+
+def test_optimizer_steps_through_the_triton_kernel_where_it_applies(tmp_path: Any) -> None:
+    """PrecisionAwareAdamW with the CPU kernel off hands its block parameters to the Triton
+    kernel (in a child process, on the host, interpreted: the interpreter must be chosen
+    before triton is first imported, which torch's optimizers do): the bits of the CPU
+    kernel's path."""
     pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = str(tmp_path / "state.pt")
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        f"from tests.test_block_moments import interpreted_training; interpreted_training({out!r})"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=600)
+    params = _model(6)
+    opt = PrecisionAwareAdamW(params, lr=1e-2, block_moments="int4", block_size=64)
+    _train(opt, params, range(2))
+    for a, b in zip(_optimizer_bits(opt, params), torch.load(out), strict=True):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- offload
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_hybrid_offload_steps_block_moments_fused_and_unfused_alike(name: str) -> None:
+    """HybridOffloadOptimizer with PrecisionAwareAdamW(block_moments=...) on the host: the
+    fused host step (grad in, update and bf16 param out in one kernel pass) gives the
+    unfused step's bits, and its state_dict resumes exactly."""
+    from wrapped_optim.optimizers import HybridOffloadOptimizer
+    from wrapped_optim.optimizers._hybrid_offload import fused_plan
+
+    def build(fused: bool, params: list[torch.nn.Parameter]) -> HybridOffloadOptimizer:
+        return HybridOffloadOptimizer(
+            params, offload_fraction=1.0, cpu_optimizer_cls=PrecisionAwareAdamW, lr=1e-2,
+            block_moments=name, fused_host_step=fused,
+        )  # fmt: skip
+
     runs = []
-    for kernel in (False, None):
-        params = _model(6)
-        opt = PrecisionAwareAdamW(params, lr=1e-2, block_moments="int4", block_size=64,
-                                  cpu_kernel=kernel)  # fmt: skip
+    for fused in (True, False):
+        params = _model(7, torch.bfloat16)
+        opt = build(fused, params)
         _train(opt, params, range(2))
+        if fused and cpu_kernel.available():
+            assert len(fused_plan(opt)) == len(params)
+        _train(opt, params, range(2, 3))
         runs.append((params, opt))
     (a_params, a), (b_params, b) = runs
     for p, q in zip(a_params, b_params, strict=True):
         assert torch.equal(p, q)
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(a.state[p][key], b.state[q][key])
-            assert torch.equal(a.scales[p][key], b.scales[q][key])
+        for key in ("exp_avg", "exp_avg_sq", "master_param"):
+            assert torch.equal(a.state[p][key], b.state[q][key]), key
+    saved = copy.deepcopy(a.state_dict())
+    assert saved["state"][0]["exp_avg"].dtype == torch.float32
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in a_params]
+    again = build(True, resumed)
+    again.load_state_dict(saved)
+    _train(a, a_params, range(3, 5))
+    _train(again, resumed, range(3, 5))
+    for p, q in zip(a_params, resumed, strict=True):
+        assert torch.equal(p, q)

@@ -60,25 +60,24 @@ static inline __attribute__((always_inline)) float block_scale(uint32_t amax, ui
     return u2f((e - k) << 23);
 }
 
-/* The FP32 value of code i of a block (times its scale). */
-static inline __attribute__((always_inline)) float block_decode(const uint8_t *codes, int64_t i,
-                                                               int fmt, int second, float scale) {
+/* The FP32 value of element i of a block (times its scale; squared for the integer formats'
+ * second moment): from the FP8 codes, or from the integer codes one per byte (int4 codes
+ * unpacked first, see block_moments). */
+static inline __attribute__((always_inline)) float block_decode(const uint8_t *codes,
+                                                               const int8_t *signed_codes,
+                                                               int64_t i, int fmt, int second,
+                                                               float scale) {
     if (fmt == FMT_FP8) return e4m3_to_f32(codes[i]) * scale;
-    float c;
-    if (fmt == FMT_INT8) {
-        c = second ? (float)codes[i] : (float)(int8_t)codes[i];
-    } else {
-        uint32_t nib = ((uint32_t)codes[i >> 1] >> ((i & 1) * 4)) & 0xFu;
-        c = second ? (float)nib : (float)((int32_t)(nib << 28) >> 28);
-    }
+    float c = second ? (float)codes[i] : (float)signed_codes[i];
     float x = c * scale;
     return second ? x * x : x;
 }
 
 /* The code of x (already multiplied by 1/scale) in a moment's format, as 0..255 (int8: the
- * two's complement byte; int4: the nibble). */
+ * two's complement byte; int4: the nibble); `positive` (0 or 1) lifts a second moment's code
+ * 0 to 1. No branches (bitwise operators, selects): the loops vectorize. */
 static inline __attribute__((always_inline)) uint32_t block_code(float y, int fmt, int second,
-                                                                 int positive) {
+                                                                 uint32_t positive) {
     uint32_t code;
     if (fmt == FMT_FP8) {
         y = y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y);
@@ -89,7 +88,8 @@ static inline __attribute__((always_inline)) uint32_t block_code(float y, int fm
         r = r > top ? top : (r < -top ? -top : r);
         code = (uint32_t)(int32_t)r & (fmt == FMT_INT8 ? 0xFFu : 0xFu);
     }
-    return (second && positive && code == 0) ? 1u : code;
+    if (!second) return code; /* known at compile time */
+    return code + (positive & (uint32_t)(code == 0));
 }
 
 /*
@@ -105,13 +105,30 @@ static inline __attribute__((always_inline)) void block_moments(
     const float inv_bc1 = h->inv_bias_correction1, inv_bc2 = h->inv_bias_correction2;
     const float m_old = *ms, v_old = *vs;
     float M[WO_QBLOCK_MAX + 1], S[WO_QBLOCK_MAX + 1];
+    /* int4: the codes one per byte first (exp_avg sign-extended), a loop of its own, so the
+     * update loop reads every format element by element */
+    int8_t MQ[WO_QBLOCK_MAX + 1];
+    uint8_t VQ[WO_QBLOCK_MAX + 1];
+    const int8_t *mq = (const int8_t *)mc;
+    const uint8_t *vq = vc;
+    if (fmt == FMT_INT4) {
+        for (int64_t j = 0; j < (k + 1) / 2; ++j) {
+            uint8_t mb = mc[j], vb = vc[j];
+            MQ[2 * j] = (int8_t)((int8_t)(uint8_t)(mb << 4) >> 4);
+            MQ[2 * j + 1] = (int8_t)((int8_t)mb >> 4);
+            VQ[2 * j] = (uint8_t)(vb & 0xFu);
+            VQ[2 * j + 1] = (uint8_t)(vb >> 4);
+        }
+        mq = MQ;
+        vq = VQ;
+    }
     uint32_t ma = 0, va = 0;
     for (int64_t i = 0; i < k; ++i) {
         float pi = p[i];
         float gi = g[i];
         if (!adam_w_mode) gi = gi + wd * pi;
-        float mi = b1 * block_decode(mc, i, fmt, 0, m_old) + omb1 * gi;
-        float vi = b2 * block_decode(vc, i, fmt, 1, v_old) + omb2 * gi * gi;
+        float mi = b1 * block_decode(mc, mq, i, fmt, 0, m_old) + omb1 * gi;
+        float vi = b2 * block_decode(vq, NULL, i, fmt, 1, v_old) + omb2 * gi * gi;
         float denom = __builtin_sqrtf(vi * inv_bc2) + eps;
         float update = (mi * inv_bc1) / denom;
         if (adam_w_mode) update = update + wd * pi;
@@ -129,28 +146,31 @@ static inline __attribute__((always_inline)) void block_moments(
     float v_new = block_scale(va, block_headroom(fmt, 1), &v_inv);
     *ms = m_new;
     *vs = v_new;
-    /* A zero or NaN scale (inverse 0) stores codes 0; otherwise every value is finite. */
-    const int m_live = m_inv != 0.0f, v_live = v_inv != 0.0f;
+    /* A zero or NaN scale (inverse 0) stores codes 0 (a rare block: its own branch, so the
+     * loops below have no per-element condition); otherwise every value is finite. */
+    if (m_inv == 0.0f)
+        for (int64_t i = 0; i < k; ++i) M[i] = 0.0f;
+    if (v_inv == 0.0f)
+        for (int64_t i = 0; i < k; ++i) S[i] = 0.0f;
     if (fmt == FMT_INT4) {
         if (k & 1) { /* the odd last element's partner nibble is a zero */
             M[k] = 0.0f;
             S[k] = 0.0f;
         }
         for (int64_t j = 0; j < (k + 1) / 2; ++j) {
-            uint32_t m0 = block_code(m_live ? M[2 * j] * m_inv : 0.0f, fmt, 0, 0);
-            uint32_t m1 = block_code(m_live ? M[2 * j + 1] * m_inv : 0.0f, fmt, 0, 0);
-            uint32_t v0 = block_code(v_live ? S[2 * j] * v_inv : 0.0f, fmt, 1,
-                                     v_live && S[2 * j] > 0.0f);
-            uint32_t v1 = block_code(v_live ? S[2 * j + 1] * v_inv : 0.0f, fmt, 1,
-                                     v_live && S[2 * j + 1] > 0.0f);
+            uint32_t m0 = block_code(M[2 * j] * m_inv, fmt, 0, 0);
+            uint32_t m1 = block_code(M[2 * j + 1] * m_inv, fmt, 0, 0);
+            uint32_t v0 = block_code(S[2 * j] * v_inv, fmt, 1, (uint32_t)(S[2 * j] > 0.0f));
+            uint32_t v1 =
+                block_code(S[2 * j + 1] * v_inv, fmt, 1, (uint32_t)(S[2 * j + 1] > 0.0f));
             mc[j] = (uint8_t)(m0 | (m1 << 4));
             vc[j] = (uint8_t)(v0 | (v1 << 4));
         }
         return;
     }
     for (int64_t i = 0; i < k; ++i) {
-        mc[i] = (uint8_t)block_code(m_live ? M[i] * m_inv : 0.0f, fmt, 0, 0);
-        vc[i] = (uint8_t)block_code(v_live ? S[i] * v_inv : 0.0f, fmt, 1, v_live && S[i] > 0.0f);
+        mc[i] = (uint8_t)block_code(M[i] * m_inv, fmt, 0, 0);
+        vc[i] = (uint8_t)block_code(S[i] * v_inv, fmt, 1, (uint32_t)(S[i] > 0.0f));
     }
 }
 
