@@ -7,7 +7,6 @@ reads and writes for staging; training quality next to FP32; bad options."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -320,61 +319,70 @@ def test_a_step_rejects_moments_resized_behind_its_back_and_changes_nothing() ->
 # ----------------------------------------------------------------------------- Triton
 
 
-@pytest.fixture
-def interpreted_blocks() -> Iterator[None]:
-    """The Triton block kernel runs on host tensors through TRITON_INTERPRET=1 (set before
-    the kernel modules are imported); the interpreter's numpy warns on discarded lanes."""
-    import sys
+_MASTER_OPTIONS: dict[str, dict[str, Any]] = {
+    "none": {}, "fp32": {"master_weights": True}, "fp32 copy": {"master_weights": True},
+    "remainder": {"master_weights": True, "store_param_remainders": True},
+}  # fmt: skip
 
+
+def _in_interpreter(code: str, tmp_path: Any) -> Any:
+    """Runs ``code`` (which saves to the path ``out``) in a child process with
+    ``TRITON_INTERPRET=1`` (chosen before triton is first imported, which torch's optimizers
+    do in this process) and returns what it saved."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = str(tmp_path / "result.pt")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    script = f"out = {out!r}\n{code}"
+    subprocess.run([sys.executable, "-c", script], env=env, cwd=root, check=True, timeout=600)
+    return torch.load(out)
+
+
+def interpreted_kernel_run(name: str, adam_w_mode: bool, out: str) -> None:
+    """A child process's work: block_operands stepped once by the Triton block kernel on the
+    host (interpreted), saved to ``out``."""
     import numpy as np
 
     from wrapped_optim.optimizers import _block_step
-
-    modules = (_block_step._KERNEL_MODULE,)
-    with (
-        pytest.MonkeyPatch.context() as patch,
-        np.errstate(divide="ignore", invalid="ignore", over="ignore"),
-    ):
-        patch.setenv("TRITON_INTERPRET", "1")
-        patch.setattr(_block_step, "_DEVICE_TYPES", {"cuda", "cpu"})
-        for name in modules:
-            sys.modules.pop(name, None)
-        yield
-    for name in modules:
-        sys.modules.pop(name, None)
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("interpreted_blocks")
-@pytest.mark.parametrize("name", FORMATS)
-def test_triton_kernel_gives_the_bits_of_the_torch_block_step(name: str) -> None:
-    """Every master kind the kernel takes, both gradient dtypes, tails, NaN and inf, AdamW
-    mode (L2 mode for FP8: the interpreter is slow): the Triton kernel (interpreted) leaves
-    the torch step's bits."""
-    pytest.importorskip("triton")
-    from wrapped_optim.optimizers import _block_step
     from wrapped_optim.optimizers._precision_layout import PrecisionLayout
 
+    _block_step._DEVICE_TYPES.add("cpu")
     fmt = blocks.BlockFormat(name, 32)
-    masters = {"none": {}, "fp32": {"master_weights": True},
-               "fp32 copy": {"master_weights": True},
-               "remainder": {"master_weights": True, "store_param_remainders": True}}  # fmt: skip
     # betas (0.9, 0.95) at step 2: bias corrections 0.19 and 0.0975, the reference's.
     group = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
              "bias_correction": True, "step": 2}  # fmt: skip
-    for adam_w_mode in (name != "fp8",):
-        expected, got = block_operands(fmt, seed=5), block_operands(fmt, seed=5)
-        for op in expected:
-            block_reference_step(op, fmt, adam_w_mode)
-        for op in got:
+    ops = block_operands(fmt, seed=5)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for op in ops:
             layout = PrecisionLayout(block_format=name, block_size=32, adam_w_mode=adam_w_mode,
-                                     **masters[op["kind"]])  # fmt: skip
+                                     **_MASTER_OPTIONS[op["kind"]])  # fmt: skip
             state = {"exp_avg": op["codes"][0], "exp_avg_sq": op["codes"][1]}
             if op["master"] is not None:
                 state["master_param"] = op["master"]
             scales = {"exp_avg": op["scales"][0], "exp_avg_sq": op["scales"][1]}
             assert _block_step.triton_update(layout, state, scales, op["param"], op["grad"], group)
-        same_block_results(expected, got)
+    torch.save(ops, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FORMATS)
+def test_triton_kernel_gives_the_bits_of_the_torch_block_step(name: str, tmp_path: Any) -> None:
+    """Every master kind the kernel takes, both gradient dtypes, tails, NaN and inf, AdamW
+    mode (L2 mode for FP8: the interpreter is slow): the Triton kernel (interpreted) leaves
+    the torch step's bits."""
+    pytest.importorskip("triton")
+    fmt = blocks.BlockFormat(name, 32)
+    adam_w_mode = name != "fp8"
+    expected = block_operands(fmt, seed=5)
+    for op in expected:
+        block_reference_step(op, fmt, adam_w_mode)
+    code = ("from tests.test_block_moments import interpreted_kernel_run\n"
+            f"interpreted_kernel_run({name!r}, {adam_w_mode!r}, out)")  # fmt: skip
+    same_block_results(expected, _in_interpreter(code, tmp_path))
 
 
 def interpreted_training(out: str) -> None:
@@ -401,26 +409,15 @@ def _optimizer_bits(opt: PrecisionAwareAdamW, params: list[torch.nn.Parameter]) 
 
 def test_optimizer_steps_through_the_triton_kernel_where_it_applies(tmp_path: Any) -> None:
     """PrecisionAwareAdamW with the CPU kernel off hands its block parameters to the Triton
-    kernel (in a child process, on the host, interpreted: the interpreter must be chosen
-    before triton is first imported, which torch's optimizers do): the bits of the CPU
-    kernel's path."""
+    kernel (on the host, interpreted, in a child process): the bits of the CPU kernel's
+    path."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    out = str(tmp_path / "state.pt")
-    root = Path(__file__).resolve().parents[1]
-    code = (
-        f"from tests.test_block_moments import interpreted_training; interpreted_training({out!r})"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=600)
+    code = "from tests.test_block_moments import interpreted_training\ninterpreted_training(out)"
+    triton_bits = _in_interpreter(code, tmp_path)
     params = _model(6)
     opt = PrecisionAwareAdamW(params, lr=1e-2, block_moments="int4", block_size=64)
     _train(opt, params, range(2))
-    for a, b in zip(_optimizer_bits(opt, params), torch.load(out), strict=True):
+    for a, b in zip(_optimizer_bits(opt, params), triton_bits, strict=True):
         assert torch.equal(a, b)
 
 
