@@ -157,7 +157,9 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
         for p in group["params"]:
             numel += p.numel()
             for value in optimizer.state.get(p, {}).values():
-                if isinstance(value, torch.Tensor) and value.numel() == p.numel():
+                # per-element state (block-scaled int4 codes are half as many bytes as
+                # elements); 0-d step counters are not
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
                     total += _stored_bytes(value)
     scales: dict[Any, dict[str, torch.Tensor]] = getattr(optimizer, "scales", {})
     total += sum(s.numel() * s.element_size() for per in scales.values() for s in per.values())
