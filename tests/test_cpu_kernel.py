@@ -14,8 +14,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.kernel_support import CPU_FAMILIES, needs_kernel, param_and_master, running
-from wrapped_optim._formats import codecs, remainders
+from tests.kernel_support import (
+    CPU_FAMILIES,
+    block_kernel_step,
+    block_operands,
+    needs_kernel,
+    param_and_master,
+    running,
+    same_block_results,
+)
+from wrapped_optim._formats import blocks, codecs, remainders
 from wrapped_optim.optimizers import PrecisionAwareAdamW, _kernel_build, cpu_kernel
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -432,6 +440,29 @@ def test_baseline_build_gives_the_bits_of_the_clones_for_scaled_and_mixed_moment
         for a, b in zip(clone, base, strict=True):
             assert (a is None and b is None) or same_bits(a, b)
     assert not any(same_bits(a, b) for a, b in zip(results[0][2], before[2], strict=True))
+
+
+@needs_kernel
+def test_baseline_build_gives_the_bits_of_the_clones_for_block_moments(baseline: Path) -> None:
+    """The block-scaled moments' loop is the file's portable C in every clone (AVX-512, AVX2,
+    baseline: GCC vectorizes each for its target): the baseline build alone gives the bits of
+    the clone this machine runs, for every block format, master kind, gradient dtype, mode
+    and tail."""
+    results = []
+    for lib in (None, cpu_kernel._open(baseline)):
+        runs = []
+        with pytest.MonkeyPatch.context() as mp:
+            if lib is not None:
+                mp.setattr(cpu_kernel, "_loaded", (cpu_kernel.status(), lib))
+            for name in blocks.BLOCK_FORMATS:
+                fmt = blocks.BlockFormat(name, 64)
+                ops = block_operands(fmt, seed=13)
+                for mode in (True, False):
+                    block_kernel_step(ops, fmt, mode, threads=1)
+                runs.append(ops)
+        results.append(runs)
+    for clone, base in zip(*results, strict=True):
+        same_block_results(clone, base)
 
 
 @needs_kernel

@@ -18,6 +18,8 @@ it. Then each check runs in turn (each a module whose ``run()`` returns a
 * ``gpu_fused_step`` -- the fused Triton step: taken, launches per step (profiler), no host
   sync (sync debug mode), bitwise against the same kernels interpreted on CPU and against
   the CPU kernel;
+* ``gpu_block_moments`` -- block-scaled moments on CUDA: the Triton block kernel taken,
+  bitwise against the CPU kernel at 1M parameters, resume bit-identity, step times;
 * ``gpu_hybrid`` -- megatron-core's real ``HybridDeviceOptimizer`` through
   ``HybridSyncOptimizer``;
 * ``gpu_hybrid_precision`` -- ``HybridOffloadOptimizer`` with ``PrecisionAwareAdamW``
@@ -52,6 +54,7 @@ __all__ = ["CHECKS", "REQUIREMENTS", "exit_code", "main", "run_checks", "setup"]
 CHECKS = (
     "gpu_precision_adam",
     "gpu_fused_step",
+    "gpu_block_moments",
     "gpu_hybrid_precision",
     "gpu_streaming",
     "gpu_hybrid",

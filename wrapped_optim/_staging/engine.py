@@ -192,7 +192,9 @@ def _stored_state(holder: Any, param: torch.Tensor, name: str) -> torch.Tensor |
         stored = state[param][name] if state is not None else None
     except (KeyError, TypeError):
         return None
-    if not isinstance(stored, torch.Tensor) or stored.numel() != param.numel():
+    # The expansion has the parameter's shape; the storage may be smaller (block-scaled
+    # codes: a byte or half a byte per value), never larger.
+    if not isinstance(stored, torch.Tensor) or stored.numel() > param.numel():
         return None
     return stored
 
@@ -208,8 +210,8 @@ def _read_chunked(
     holder: Any, param: torch.Tensor, name: str, stored: torch.Tensor, scratch: DeviceScratch
 ) -> torch.Tensor:
     device = stored.device
-    numel = stored.numel()
-    host = torch.empty(stored.shape, dtype=_FP32)  # pageable: the checkpoint's own memory
+    numel = param.numel()
+    host = torch.empty(param.shape, dtype=_FP32)  # pageable: the checkpoint's own memory
     flat = host.view(-1)
     step = scratch.chunk_numel(_FP32)
     if _on_host(stored):

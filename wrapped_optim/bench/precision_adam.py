@@ -87,6 +87,8 @@ _SCALED_PARAMS = {"exp_avg_dtype": FP8, "exp_avg_sq_dtype": FP8}
 _FP8_FP32 = "8-bit moments"
 _FP8_BF16 = "bf16 params + remainders + FP8 moments"
 _REMAINDERS = "bf16 params + remainders / FP32 master"
+_BLOCK8 = "block-scaled 8-bit moments"
+_BLOCK4 = "block-scaled 4-bit moments"
 CONFIGS: list[Config] = [
     Config("torch AdamW foreach", FP32, lambda ps: torch.optim.AdamW(ps, foreach=True), 28,
            _FP32_TRAFFIC),
@@ -109,6 +111,15 @@ CONFIGS: list[Config] = [
            loops="portable"),
     Config("ours FP8 moments, no CPU kernel (cpu_kernel=False)", FP32,
            _ours(**_SCALED_PARAMS, **_NO_KERNEL), 22, "as above"),
+    Config("ours int8 block moments", FP32, _ours(block_moments="int8"), 16.03,
+           "one pass: p 4+4, g 4, m 1+1, v 1+1, scales 4/256 each", 0.8, group=_BLOCK8),
+    Config("ours FP8 block moments", FP32, _ours(block_moments="fp8"), 16.03,
+           "as above", 0.8, group=_BLOCK8),
+    Config("ours int4 block moments", FP32, _ours(block_moments="int4"), 14.06,
+           "one pass: p 4+4, g 4, m 0.5+0.5, v 0.5+0.5, scales 4/128 each", 0.7, group=_BLOCK4),
+    Config("ours bf16 params + remainders + int8 block moments", BF16,
+           _ours(**_MASTER, store_param_remainders=True, block_moments="int8"), 14.03,
+           "one pass: p 2+2, rem 2+2, g 2, m 1+1, v 1+1, scales", 0.8, group=_BLOCK8),
     Config("ours bf16 params + bf16 moments", BF16, _ours(**_BF16_MOMENTS), 14,
            "p 2+2, g 2, m 2+2, v 2+2", group="bf16 params + bf16 moments"),
     Config("ours bf16 params + remainders + bf16 moments", BF16,
@@ -146,7 +157,9 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
         for p in group["params"]:
             numel += p.numel()
             for value in optimizer.state.get(p, {}).values():
-                if isinstance(value, torch.Tensor) and value.numel() == p.numel():
+                # per-element state (block-scaled int4 codes are half as many bytes as
+                # elements); 0-d step counters are not
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
                     total += _stored_bytes(value)
     scales: dict[Any, dict[str, torch.Tensor]] = getattr(optimizer, "scales", {})
     total += sum(s.numel() * s.element_size() for per in scales.values() for s in per.values())

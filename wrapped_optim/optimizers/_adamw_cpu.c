@@ -37,9 +37,11 @@
  * the param it stands for, updated in one pass). */
 enum { MASTER_NONE = 0, MASTER_FP32 = 1, MASTER_REMAINDER = 2, MASTER_FP32_COPY = 3 };
 enum { KIND_FP32 = 0, KIND_BF16 = 1, KIND_FP16 = 2, KIND_FP8 = 3 };
+/* Block-scaled moments (both moments of a tensor in one of them; _adamw_cpu_blocks.h). */
+enum { KIND_INT8_BLOCK = 5, KIND_FP8_BLOCK = 6, KIND_INT4_BLOCK = 7 };
 enum { PASS_WRITE = 0, PASS_AMAX = 1 };
 
-#define WO_ABI_VERSION 9
+#define WO_ABI_VERSION 10
 
 int wo_abi_version(void) { return WO_ABI_VERSION; }
 
@@ -66,6 +68,9 @@ typedef struct {
     int master_kind, grad_kind, m_kind, v_kind;
     float m_decode, v_decode, m_encode, v_encode;
     uint32_t m_amax, v_amax;
+    /* block-scaled moments: one scale per qblock values of each moment (read and written) */
+    float *m_scales, *v_scales;
+    int64_t qblock;
 } wo_tensor;
 
 static inline __attribute__((always_inline)) int is_scaled(int kind) {
@@ -342,35 +347,62 @@ int wo_set_loops(int family) {
  */
 #define WO_TILE 512
 
+/* The FP32 gradient of elements [s, s + k): in place, or decoded into the tile G. */
+static inline __attribute__((always_inline)) const float *tile_grad(const wo_tensor *t,
+                                                                    int64_t s, int64_t k,
+                                                                    float *G) {
+    if (t->grad_kind != KIND_BF16) return (const float *)t->grad + s;
+    const uint16_t *src = (const uint16_t *)t->grad + s;
+    for (int64_t i = 0; i < k; ++i) G[i] = bf16_to_f32(src[i]);
+    return G;
+}
+
+/* The FP32 value updated for elements [s, s + k): the param or master in place, or a bf16
+ * param joined with its remainder in the tile P. */
+static inline __attribute__((always_inline)) float *tile_param(const wo_tensor *t, int64_t s,
+                                                              int64_t k, float *P) {
+    const int mk = t->master_kind;
+    if (mk == MASTER_NONE) return (float *)t->param + s;
+    if (mk == MASTER_FP32 || mk == MASTER_FP32_COPY) return (float *)t->master + s;
+    const uint16_t *hi = (const uint16_t *)t->param + s;
+    const int16_t *lo = (const int16_t *)t->master + s;
+    for (int64_t i = 0; i < k; ++i) P[i] = u2f(((uint32_t)hi[i] << 16) + (uint32_t)(int32_t)lo[i]);
+    return P;
+}
+
+/* After the update of [s, s + k) in p (tile_param's pointer): the param (and remainder)
+ * written from it, where the value updated is not the param itself. */
+static inline __attribute__((always_inline)) void tile_store_param(const wo_tensor *t, int64_t s,
+                                                                   int64_t k, const float *p) {
+    const int mk = t->master_kind;
+    if (mk == MASTER_FP32) {
+        uint16_t *out = (uint16_t *)t->param + s;
+        for (int64_t i = 0; i < k; ++i) out[i] = f32_to_bf16(p[i]);
+    } else if (mk == MASTER_FP32_COPY) {
+        float *out = (float *)t->param + s;
+        for (int64_t i = 0; i < k; ++i) out[i] = p[i];
+    } else if (mk == MASTER_REMAINDER) {
+        uint16_t *hi = (uint16_t *)t->param + s;
+        int16_t *lo = (int16_t *)t->master + s;
+        for (int64_t i = 0; i < k; ++i) {
+            uint32_t bits = f2u(p[i]);
+            int16_t rem = (int16_t)(bits & 0xFFFFu);
+            lo[i] = rem;
+            hi[i] = (uint16_t)((bits - (uint32_t)(int32_t)rem) >> 16);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void split_range(wo_tensor *t, int64_t begin,
                                                                int64_t end, const wo_hyper *h,
                                                                int pass) {
     float P[WO_TILE], G[WO_TILE];
     uint32_t m_amax = 0, v_amax = 0;
-    const int mk = t->master_kind;
     const int need_p = pass == PASS_WRITE || !h->adam_w_mode;
     for (int64_t s = begin; s < end; s += WO_TILE) {
         int64_t k = end - s < WO_TILE ? end - s : WO_TILE;
-        const float *g = (const float *)t->grad + s;
-        if (t->grad_kind == KIND_BF16) {
-            const uint16_t *src = (const uint16_t *)t->grad + s;
-            for (int64_t i = 0; i < k; ++i) G[i] = bf16_to_f32(src[i]);
-            g = G;
-        }
-        float *p = NULL;
-        if (need_p) {
-            if (mk == MASTER_NONE) {
-                p = (float *)t->param + s;
-            } else if (mk == MASTER_FP32 || mk == MASTER_FP32_COPY) {
-                p = (float *)t->master + s;
-            } else {
-                const uint16_t *hi = (const uint16_t *)t->param + s;
-                const int16_t *lo = (const int16_t *)t->master + s;
-                for (int64_t i = 0; i < k; ++i)
-                    P[i] = u2f(((uint32_t)hi[i] << 16) + (uint32_t)(int32_t)lo[i]);
-                p = P;
-            }
-        }
+        const float *g = tile_grad(t, s, k, G);
+        float *p = need_p ? tile_param(t, s, k, P) : NULL;
         void *m = (void *)offset(t->exp_avg, s, t->m_kind);
         void *v = (void *)offset(t->exp_avg_sq, s, t->v_kind);
         const int scaled = is_scaled(t->m_kind) || is_scaled(t->v_kind);
@@ -386,28 +418,16 @@ static inline __attribute__((always_inline)) void split_range(wo_tensor *t, int6
 #endif
             split_moments(k, p, g, m, v, t, h, pass, &m_amax, &v_amax);
         if (pass == PASS_AMAX) continue;
-        if (mk == MASTER_FP32) {
-            uint16_t *out = (uint16_t *)t->param + s;
-            for (int64_t i = 0; i < k; ++i) out[i] = f32_to_bf16(p[i]);
-        } else if (mk == MASTER_FP32_COPY) {
-            float *out = (float *)t->param + s;
-            for (int64_t i = 0; i < k; ++i) out[i] = p[i];
-        } else if (mk == MASTER_REMAINDER) {
-            uint16_t *hi = (uint16_t *)t->param + s;
-            int16_t *lo = (int16_t *)t->master + s;
-            for (int64_t i = 0; i < k; ++i) {
-                uint32_t bits = f2u(P[i]);
-                int16_t rem = (int16_t)(bits & 0xFFFFu);
-                lo[i] = rem;
-                hi[i] = (uint16_t)((bits - (uint32_t)(int32_t)rem) >> 16);
-            }
-        }
+        tile_store_param(t, s, k, p);
     }
     if (pass == PASS_AMAX) {
         atomic_max_u32(&t->m_amax, m_amax);
         atomic_max_u32(&t->v_amax, v_amax);
     }
 }
+
+/* The block-scaled moments' one-pass loop. */
+#include "_adamw_cpu_blocks.h"
 
 /*
  * TE's update, per element, with the bias corrections applied as multiplications by their
@@ -538,6 +558,10 @@ static inline __attribute__((always_inline)) void copy_master_range(wo_tensor *t
 static inline __attribute__((always_inline)) int adamw_tensor(wo_tensor *t, int64_t begin,
                                                               int64_t end, const wo_hyper *h,
                                                               int pass) {
+    if (t->m_kind >= KIND_INT8_BLOCK) { /* block scales are local: one pass, no amax pass */
+        if (pass == PASS_WRITE) block_range(t, begin, end, h);
+        return 0;
+    }
     int scaled = is_scaled(t->m_kind) || is_scaled(t->v_kind);
     if (pass == PASS_AMAX && !scaled) return 0; /* nothing to measure: pass 0 updates it */
     if (scaled || !h->adam_w_mode || t->m_kind != t->v_kind) {
@@ -560,9 +584,15 @@ static inline __attribute__((always_inline)) int adamw_tensor(wo_tensor *t, int6
 static int wo_kinds_ok(const wo_tensor *tensors, int64_t count) {
     for (int64_t k = 0; k < count; ++k) {
         const wo_tensor *t = &tensors[k];
-        if (t->master_kind < 0 || t->master_kind > 3 || t->grad_kind < 0 || t->grad_kind > 1 ||
-            t->m_kind < 0 || t->m_kind > 3 || t->v_kind < 0 || t->v_kind > 3)
+        if (t->master_kind < 0 || t->master_kind > 3 || t->grad_kind < 0 || t->grad_kind > 1)
             return 0;
+        if (t->m_kind >= KIND_INT8_BLOCK) { /* both moments in one block format */
+            if (t->m_kind > KIND_INT4_BLOCK || t->v_kind != t->m_kind || t->qblock < 2 ||
+                t->qblock > WO_QBLOCK_MAX || (t->qblock & 1) || !t->m_scales || !t->v_scales)
+                return 0;
+            continue;
+        }
+        if (t->m_kind < 0 || t->m_kind > 3 || t->v_kind < 0 || t->v_kind > 3) return 0;
     }
     return 1;
 }

@@ -237,8 +237,8 @@ def applicable(
         >>> applicable(PrecisionLayout(), {}, {}, p, torch.ones(4))  # no state yet
         False
     """
-    if layout.fused is True or not state:
-        return False
+    if layout.fused is True or not state or layout.block_format is not None:
+        return False  # block-scaled moments: the torch step (_block_step)
     if local_tensor(param).device.type not in _DEVICE_TYPES:
         return False  # first: the CPU step asks about every parameter it cannot fuse
     return available() and _operands(layout, state, scales, param, grad) is not None

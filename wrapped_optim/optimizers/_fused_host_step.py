@@ -243,7 +243,9 @@ def run(entries: Sequence[FusedEntry]) -> None:
             plain.setdefault((id(entry.group), step), []).append(entry)
     for sub, group, calls in precision.values():
         # its group step: advanced by sub.step
-        kernel_update(calls, group, adam_w_mode=bool(sub.adam_w_mode))
+        kernel_update(
+            calls, group, adam_w_mode=bool(sub.adam_w_mode), block_format=sub.layout.blocks
+        )
     for (_, step), same_step in plain.items():
         _torch_adamw(same_step, step)
 

@@ -292,6 +292,16 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         ``_step_checks``): a param resized behind the optimizer's back is refused before
         any grad is copied or any sub-optimizer steps."""
         inner_of = self._layout.param_to_inner_param
+        # Block-scaled moments hold a byte (or half a byte) per element: their sub-optimizer
+        # checks them (codes and block scales) in its own step.
+        blocked = {
+            id(state[name])
+            for sub in self._layout.sub_optimizers
+            if getattr(getattr(sub, "layout", None), "block_format", None) is not None
+            for state in sub.state.values()
+            for name in ("exp_avg", "exp_avg_sq")
+            if name in state
+        }
         for group_index, group in enumerate(self.param_groups):
             for index, param in enumerate(group["params"]):
                 grad = grad_of(param)
@@ -301,7 +311,9 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
                 kept = {
                     f"state {name!r}": value
                     for name, value in self.state.get(param, {}).items()
-                    if isinstance(value, torch.Tensor) and value.dim() > 0
+                    if isinstance(value, torch.Tensor)
+                    and value.dim() > 0
+                    and id(value) not in blocked
                 }
                 if inner is not param:
                     kept["its stepped copy"] = inner

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from wrapped_optim._adapters.dtensor import local_tensor
-from wrapped_optim._formats import codecs
+from wrapped_optim._formats import blocks, codecs
 from wrapped_optim.optimizers import cpu_kernel
 from wrapped_optim.optimizers._precision_layout import PrecisionLayout
 
@@ -73,7 +73,7 @@ def kernel_operands(
     if p.device.type != "cpu" or g.device != p.device or g.numel() != p.numel():
         return None
     stored = [state["exp_avg"], state["exp_avg_sq"]]
-    if any(t.dtype not in _MOMENTS for t in stored):
+    if layout.block_format is None and any(t.dtype not in _MOMENTS for t in stored):
         return None
     if g.dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -96,16 +96,25 @@ def kernel_operands(
         flat[0],
         flat[1],
         flat[2] if master is not None else None,
-        scales["exp_avg"] if layout.is_scaled(param, "exp_avg") else None,
-        scales["exp_avg_sq"] if layout.is_scaled(param, "exp_avg_sq") else None,
+        scales["exp_avg"] if _has_scale(layout, param, "exp_avg") else None,
+        scales["exp_avg_sq"] if _has_scale(layout, param, "exp_avg_sq") else None,
     )
 
 
+def _has_scale(layout: PrecisionLayout, param: Tensor, state_name: str) -> bool:
+    return layout.is_blocked(state_name) or layout.is_scaled(param, state_name)
+
+
 def kernel_update(
-    operands: list[KernelOperands], group: Mapping[str, Any], *, adam_w_mode: bool
+    operands: list[KernelOperands],
+    group: Mapping[str, Any],
+    *,
+    adam_w_mode: bool,
+    block_format: blocks.BlockFormat | None = None,
 ) -> None:
     """One kernel call updating every parameter of ``operands`` (one group's) in place, its
-    scales included, with ``group``'s options and step count.
+    scales included, with ``group``'s options and step count (``block_format``: the
+    moments' block format, None for TE's formats).
 
     Example:
         >>> import torch
@@ -135,5 +144,5 @@ def kernel_update(
         bias_correction1=1.0 - beta1**step if correct else 1.0,
         bias_correction2=1.0 - beta2**step if correct else 1.0,
         adam_w_mode=adam_w_mode,
-        exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales,
+        exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales, block_format=block_format,
     )  # fmt: skip

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from wrapped_optim._adapters.dtensor import like_param, local_tensor
+from wrapped_optim._formats import blocks as _blocks
 from wrapped_optim._formats import state_format
 from wrapped_optim._rollback import OptimizerSnapshot
 from wrapped_optim._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
@@ -71,13 +72,22 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         foreach: accepted for ``torch.optim.AdamW``'s signature and ignored: ``fused`` and
             ``cpu_kernel`` choose how the step runs (every path gives the same update).
         differentiable: must be False (autograd through the step is not supported).
+        block_moments: store both moments block-scaled instead of in ``exp_avg_dtype`` /
+            ``exp_avg_sq_dtype`` (which then stay FP32): ``"int8"``, ``"fp8"`` (E4M3) or
+            ``"int4"`` codes with one power-of-two scale per block (see
+            docs/precision_adam.md). A step stores each block as it computes it (one pass
+            over memory); ``state_dict()`` is the same portable FP32 form.
+        block_size: values per block (a power of two from 32 to 2048); default 256 for the
+            8-bit formats, 128 for int4.
 
     Raises:
         RuntimeError: ``amsgrad``, ``capturable`` or ``differentiable``; a master or moment
             dtype FusedAdam rejects; ``cpu_kernel=True`` where the kernel cannot be built.
         ValueError: a negative or non-finite ``lr``, ``eps`` or ``weight_decay``, ``betas``
             outside ``[0, 1)``, a tensor ``lr`` of several elements, ``chunk_numel <= 0``,
-            or both ``fused`` and ``cpu_kernel`` True.
+            both ``fused`` and ``cpu_kernel`` True; an unknown ``block_moments``, a
+            ``block_size`` without it or out of range, ``block_moments`` with a moment
+            dtype other than FP32 or with an fp16 master.
 
     Examples:
         >>> import torch
@@ -91,6 +101,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         tensor([0.8984, 0.8984, 0.8984, 0.8984], dtype=torch.bfloat16)
         >>> opt.state[p]["exp_avg_sq"].dtype, opt.get_unscaled_state(p, "exp_avg_sq").dtype
         (torch.uint8, torch.float32)
+
+        Block-scaled 8-bit moments (1 byte per value and a scale per 256 values):
+
+        >>> opt = PrecisionAwareAdamW([p], lr=0.1, block_moments="int8")
+        >>> opt.step()
+        >>> opt.state[p]["exp_avg"].dtype, opt.get_unscaled_state(p, "exp_avg").tolist()
+        (torch.uint8, [0.099609375, 0.099609375, 0.099609375, 0.099609375])
     """
 
     def __init__(
@@ -118,6 +135,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         maximize: bool = False,
         foreach: bool | None = None,
         differentiable: bool = False,
+        block_moments: str | None = None,
+        block_size: int | None = None,
     ) -> None:
         if differentiable:
             raise RuntimeError(
@@ -131,6 +150,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             exp_avg_sq_dtype=exp_avg_sq_dtype, chunk_numel=chunk_numel, fused=fused,
             cpu_kernel=cpu_kernel,
         )  # fmt: skip
+        block_size = _check_block_options(
+            block_moments, block_size, (exp_avg_dtype, exp_avg_sq_dtype),
+            master_weight_dtype if master_weights else None,
+        )  # fmt: skip
+        if block_moments is not None:  # the storage of the codes (TE's dtype vocabulary)
+            exp_avg_dtype = exp_avg_sq_dtype = torch.uint8
         defaults = {
             "lr": lr,
             "bias_correction": bias_correction,
@@ -161,6 +186,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self.atomic_step = bool(atomic_step)
         self.maximize = bool(maximize)
         self.foreach = foreach  # kept for introspection; the step's path ignores it
+        self.block_moments = block_moments
+        self.block_size = block_size
         self._scales: dict[Tensor, dict[str, Tensor]] = {}
         self._scratch = StepScratch()  # per-thread step workspace, never saved
         self._step_lock = StepLock()  # one step at a time, never saved
@@ -201,6 +228,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             fused=self.fused,
             cpu_kernel=self.cpu_kernel,
             pack_small=self._pack_small,
+            block_format=self.block_moments,
+            block_size=self.block_size,
         )
 
     @property
@@ -481,6 +510,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     f"PrecisionAwareAdamW supports fp32, fp16 and bf16 parameters, got {p.dtype}"
                 )
             state = {k: v for k, v in self.state.get(p, {}).items() if k in STATE_NAMES}
+            if layout.block_format is not None and state:
+                problem = _state.check_blocked(layout, state, self._scales.get(p, {}), p)
+                if problem is not None:
+                    raise StepOperandError(f"{describe_param(group_index, index, p)}: {problem}")
+                state = {k: v for k, v in state.items() if not layout.is_blocked(k)}
             check_operands(
                 describe_param(group_index, index, p), p, grad,
                 {f"state {name!r}": value for name, value in state.items()},
@@ -611,6 +645,36 @@ def _check_options(
         raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
     _check_kernels(fused, cpu_kernel)
     return moments
+
+
+def _check_block_options(
+    block_moments: str | None,
+    block_size: int | None,
+    moment_dtypes: tuple[torch.dtype, torch.dtype],
+    master_dtype: torch.dtype | None,
+) -> int:
+    """The block size to use (256 for 8-bit, 128 for int4 unless given), once the block
+    options are valid and agree with the others."""
+    if block_moments is None:
+        if block_size is not None:
+            raise ValueError("block_size needs block_moments ('int8', 'fp8' or 'int4')")
+        return 256
+    if block_moments not in _blocks.BLOCK_FORMATS:
+        raise ValueError(
+            f"block_moments must be one of {', '.join(map(repr, _blocks.BLOCK_FORMATS))}, got "
+            f"{block_moments!r}"
+        )
+    if any(dtype != torch.float32 for dtype in moment_dtypes):
+        raise ValueError(
+            f"block_moments={block_moments!r} chooses the storage of both moments; leave "
+            f"exp_avg_dtype and exp_avg_sq_dtype at torch.float32 (got {moment_dtypes[0]} and "
+            f"{moment_dtypes[1]})"
+        )
+    if master_dtype is not None and master_dtype != torch.float32:
+        raise ValueError(f"block_moments needs an FP32 master copy, got {master_dtype}")
+    size = block_size if block_size is not None else (128 if block_moments == "int4" else 256)
+    _blocks.BlockFormat(block_moments, size)  # raises for a bad size
+    return size
 
 
 def _check_hyper_parameters(

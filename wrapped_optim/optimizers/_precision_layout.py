@@ -11,7 +11,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from wrapped_optim._formats import codecs
+from wrapped_optim._formats import blocks, codecs
 
 __all__ = ["STATE_NAMES", "PrecisionLayout"]
 
@@ -35,6 +35,10 @@ class PrecisionLayout:
         fused: torch's fused AdamW kernel: None where torch has one, True required.
         cpu_kernel: the compiled CPU kernel: None where it builds, True required.
         pack_small: small parameters share one fused call.
+        block_format: both moments block-scaled in this format (``"int8"``, ``"fp8"`` or
+            ``"int4"``, :mod:`wrapped_optim._formats.blocks`), stored as ``torch.uint8``
+            codes; None for the moment dtypes' own formats (TE's).
+        block_size: values per block of a block format.
 
     Example:
         >>> import torch
@@ -55,6 +59,19 @@ class PrecisionLayout:
     fused: bool | None = None
     cpu_kernel: bool | None = None
     pack_small: bool = True
+    block_format: str | None = None
+    block_size: int = 256
+
+    @property
+    def blocks(self) -> blocks.BlockFormat | None:
+        """The moments' block format, or None (TE's formats)."""
+        if self.block_format is None:
+            return None
+        return blocks.BlockFormat(self.block_format, self.block_size)
+
+    def is_blocked(self, state_name: str) -> bool:
+        """Whether a state is stored block-scaled (the moments, with a block format)."""
+        return self.block_format is not None and state_name in ("exp_avg", "exp_avg_sq")
 
     def dtype_of(self, state_name: str) -> torch.dtype:
         """The configured dtype of a state (a remainder master is stored as int16 instead)."""
@@ -84,6 +101,8 @@ class PrecisionLayout:
 
     def is_scaled(self, param: Tensor, state_name: str) -> bool:
         """Whether ``param``'s state is stored relative to a per-tensor scale (fp16, FP8)."""
+        if self.is_blocked(state_name):
+            return False
         return not self.uses_remainder(param, state_name) and codecs.is_scaled(
             self.dtype_of(state_name)
         )

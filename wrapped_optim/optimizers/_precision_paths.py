@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from wrapped_optim._adapters.dtensor import local_tensor
-from wrapped_optim.optimizers import _fused_gpu, _torch_step
+from wrapped_optim.optimizers import _block_step, _fused_gpu, _torch_step
 from wrapped_optim.optimizers._kernel_step import KernelOperands, kernel_operands, kernel_update
 from wrapped_optim.optimizers._precision_layout import PrecisionLayout
 
@@ -138,7 +138,9 @@ def step_group(
     for device, small in routes.small.items():
         _torch_step.update_packed(layout, states, small, group, device, scratch)
     if routes.kernel:
-        kernel_update(routes.kernel, group, adam_w_mode=layout.adam_w_mode)
+        kernel_update(
+            routes.kernel, group, adam_w_mode=layout.adam_w_mode, block_format=layout.blocks
+        )
     if routes.fused_gpu:
         _fused_gpu.update_group(
             layout, states, scales, routes.fused_gpu, group, owner=owner, group_index=group_index
@@ -161,6 +163,8 @@ def _route(
         routes.batches.setdefault((views[0].device, views[0].dtype), []).append(views)
     elif operands is not None:
         routes.kernel.append(operands)
+    elif layout.block_format is not None:
+        _block_step.update(layout, state, scales, param, grad, group)
     elif _fused_gpu.applicable(layout, state, scales, param, grad):
         routes.fused_gpu.append((param, grad))
     elif _torch_step.packable(layout, state, scales, param, grad, group):

@@ -4,7 +4,8 @@ source, quantizing FP32 values into storage and reading them back.
 Each function takes the optimizer's
 :class:`~wrapped_optim.optimizers._precision_layout.PrecisionLayout`, one parameter's ``state``
 (state name -> storage) and the optimizer's ``scales`` table (parameter -> state name ->
-one-element float32 scale; an entry exists only for parameters with a scaled state).
+one-element float32 scale, or one scale per block of a block-scaled moment; an entry exists
+only for parameters with a scaled state).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import torch
 from torch import Tensor
 
 from wrapped_optim._adapters.dtensor import local_tensor
-from wrapped_optim._formats import codecs
+from wrapped_optim._formats import blocks, codecs
 from wrapped_optim.optimizers._precision_layout import STATE_NAMES, PrecisionLayout
 
 __all__ = [
+    "check_blocked",
     "check_name",
     "check_source",
     "create",
@@ -53,7 +55,10 @@ def scale_of(
     layout: PrecisionLayout, scales: Mapping[Tensor, Mapping[str, Tensor]], param: Tensor,
     state_name: str,
 ) -> Tensor | None:  # fmt: skip
-    """The per-tensor scale of ``param``'s state, None for an unscaled format."""
+    """The per-tensor scale of ``param``'s state (a block-scaled moment's block scales), None
+    for an unscaled format."""
+    if layout.is_blocked(state_name):
+        return scales[param][state_name]
     if not layout.is_scaled(param, state_name):
         return None
     return scales[param][state_name]
@@ -80,6 +85,16 @@ def create(
         (torch.uint8, tensor([1.]))
     """
     local = local_tensor(param)
+    fmt = layout.blocks
+    if fmt is not None and layout.is_blocked(state_name):
+        # Zero codes under zero scales: zeros, whatever ``zero`` asks (the codes of a
+        # partial block's missing half-byte must be defined).
+        n = local.numel()
+        state[state_name] = torch.zeros(fmt.code_bytes(n), dtype=torch.uint8, device=local.device)
+        scales.setdefault(param, {})[state_name] = torch.zeros(
+            fmt.blocks(n), dtype=torch.float32, device=local.device
+        )
+        return
     dtype = layout.storage_dtype(param, state_name)
     make = torch.zeros if zero or dtype == torch.int16 else torch.empty
     state[state_name] = make(local.shape, dtype=dtype, device=local.device)
@@ -99,6 +114,10 @@ def _fits(
     """Whether ``param``'s storage of the state exists with the format and shape it needs."""
     storage = state.get(state_name)
     local = local_tensor(param)
+    if layout.is_blocked(state_name):
+        return (
+            _blocked_problem(layout, storage, scales.get(param, {}).get(state_name), local) is None
+        )
     dtype = layout.storage_dtype(param, state_name)
     if not (
         isinstance(storage, Tensor)
@@ -111,6 +130,50 @@ def _fits(
     return (
         dtype == torch.int16 or not codecs.is_scaled(dtype) or (state_name in scales.get(param, {}))
     )
+
+
+def _blocked_problem(
+    layout: PrecisionLayout, storage: object, scale: object, local: Tensor
+) -> str | None:
+    """What is wrong with a block-scaled moment's codes and scales, or None."""
+    fmt = layout.blocks
+    assert fmt is not None
+    n = local.numel()
+    if not isinstance(storage, Tensor) or storage.dtype != torch.uint8 or storage.dim() != 1:
+        return "its codes are not a 1-D uint8 tensor"
+    if storage.numel() != fmt.code_bytes(n) or not storage.is_contiguous():
+        return f"it has {storage.numel()} code bytes, {fmt.name} needs {fmt.code_bytes(n)}"
+    if storage.device != local.device:
+        return f"its codes are on {storage.device}, the parameter on {local.device}"
+    if not isinstance(scale, Tensor) or scale.dtype != torch.float32:
+        return "its block scales are missing"
+    if scale.numel() != fmt.blocks(n) or scale.device != local.device:
+        return f"it has {scale.numel()} block scales on {scale.device}, expected {fmt.blocks(n)}"
+    return None
+
+
+def check_blocked(
+    layout: PrecisionLayout, state: Mapping[str, Tensor], scales: Mapping[str, Tensor],
+    param: Tensor,
+) -> str | None:  # fmt: skip
+    """What is wrong with ``param``'s block-scaled moments (codes and block scales), or None.
+
+    Example:
+        >>> import torch
+        >>> layout = PrecisionLayout(block_format="int4", block_size=32)
+        >>> p, state, scales = torch.zeros(5), {}, {}
+        >>> create(layout, state, scales, p, "exp_avg", zero=True)
+        >>> create(layout, state, scales, p, "exp_avg_sq", zero=True)
+        >>> check_blocked(layout, state, scales[p], p) is None, state["exp_avg"].shape
+        (True, torch.Size([3]))
+    """
+    local = local_tensor(param)
+    for name in ("exp_avg", "exp_avg_sq"):
+        if name in state:
+            problem = _blocked_problem(layout, state[name], scales.get(name), local)
+            if problem is not None:
+                return f"state {name!r} ({layout.block_format} blocks): {problem}"
+    return None
 
 
 def check_source(
@@ -163,6 +226,16 @@ def encode_into_state(
         scales.get(param, {}).pop(state_name, None)
         create(layout, state, scales, param, state_name, zero=False)
     out = state[state_name].view(-1)
+    fmt = layout.blocks
+    if fmt is not None and layout.is_blocked(state_name):
+        # Blocks are independent: each slice (whole blocks) is encoded on its own; the
+        # encode's temporaries are a few times the slice, so slices are a quarter chunk.
+        step = max(fmt.block_size, chunk_numel // 4 // fmt.block_size * fmt.block_size)
+        block_scales = scales[param][state_name]
+        for s in range(0, flat.numel(), step):
+            piece = flat[s : s + step]
+            blocks.encode_into(piece, out, block_scales, fmt, state_name, start=s)
+        return
     if layout.is_scaled(param, state_name):
         # Every device temporary within chunk_numel FP32 elements (the staging bound).
         scale = codecs.encode_chunked(flat, out, layout.dtype_of(state_name), chunk_numel)
@@ -178,6 +251,11 @@ def unscaled(
     """The local FP32 value of a state: the storage itself when FP32 or a remainder, else a
     fresh expansion."""
     dtype = layout.dtype_of(state_name)
+    fmt = layout.blocks
+    if fmt is not None and layout.is_blocked(state_name):
+        assert scale is not None
+        local = local_tensor(param)
+        return blocks.decode(storage, scale, fmt, state_name, local.numel()).view(local.shape)
     if layout.uses_remainder(param, state_name) or dtype == torch.float32:
         return storage
     return codecs.decode(storage, dtype, scale)
@@ -202,10 +280,16 @@ def read_chunk(
     if out.device != storage.device:
         raise ValueError(f"out is on {out.device}, the state lives on {storage.device}")
     stop = start + out.numel()
-    if start < 0 or stop > storage.numel():
+    numel = local_tensor(param).numel() if layout.is_blocked(state_name) else storage.numel()
+    if start < 0 or stop > numel:
         raise ValueError(
-            f"chunk [{start}, {stop}) is outside state {state_name!r} of {storage.numel()} elements"
+            f"chunk [{start}, {stop}) is outside state {state_name!r} of {numel} elements"
         )
+    fmt = layout.blocks
+    if fmt is not None and layout.is_blocked(state_name):
+        assert scale is not None
+        blocks.decode_into(storage, scale, fmt, state_name, start, out)
+        return
     piece = storage.view(-1)[start:stop]
     dtype = layout.dtype_of(state_name)
     if expected == torch.int16 or dtype == torch.float32:

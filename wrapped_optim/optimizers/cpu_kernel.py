@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
-from wrapped_optim._formats import codecs
+from wrapped_optim._formats import blocks, codecs
 from wrapped_optim.optimizers import _kernel_build, _kernel_threads
 
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
     "use_loops",
 ]
 
-_ABI_VERSION = 9
+_ABI_VERSION = 10
 #: The loop families of fp16/FP8 moments, fastest first (the C side's LOOPS_* values are the
 #: reverse indices).
 LOOP_FAMILIES = ("avx512", "avx2", "portable")
@@ -60,6 +60,8 @@ _MASTERED_PARAM_DTYPES = (torch.bfloat16, torch.float32)
 _VALUE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, codecs.FP8_E4M3: 3}
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)
 _MOMENT_DTYPES = tuple(_VALUE_KIND)
+#: Block-scaled moments (KIND_*_BLOCK in _adamw_cpu.c): both moments of a param in one.
+_BLOCK_KIND = {"int8": 5, "fp8": 6, "int4": 7}
 _PASS_WRITE, _PASS_AMAX = 0, 1
 
 
@@ -86,6 +88,8 @@ class _Tensor(ctypes.Structure):
         *_fields(ctypes.c_int, "master_kind grad_kind m_kind v_kind"),
         *_fields(ctypes.c_float, "m_decode v_decode m_encode v_encode"),
         *_fields(ctypes.c_uint32, "m_amax v_amax"),
+        *_fields(ctypes.c_void_p, "m_scales v_scales"),
+        ("qblock", ctypes.c_int64),
     ]
 
 
@@ -515,9 +519,22 @@ def _new_scales(moments: Sequence[_Scaled]) -> list[tuple[list[Tensor], Tensor]]
     return updates
 
 
+def _check_blocks(
+    index: int, n: int, fmt: blocks.BlockFormat, moments: tuple[Tensor, Tensor],
+    scales: tuple[Tensor | None, Tensor | None],
+) -> None:  # fmt: skip
+    """Block-scaled moments: uint8 codes and one float32 scale per block, each on the CPU."""
+    for name, codes, scale in zip(("exp_avgs", "exp_avg_sqs"), moments, scales, strict=True):
+        _check_operand(f"{name}[{index}]", codes, fmt.code_bytes(n), (torch.uint8,))
+        if scale is None:
+            raise ValueError(f"{name}[{index}] is block-scaled ({fmt.name}): no scales given")
+        _check_operand(f"the scales of {name}[{index}]", scale, fmt.blocks(n), (torch.float32,))
+
+
 def _describe(
     index: int, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-    master: Tensor | None, m_scale: Tensor | None, v_scale: Tensor | None,
+    master: Tensor | None, m_scale: Tensor | None, v_scale: Tensor | None, *,
+    block_format: blocks.BlockFormat | None = None,
 ) -> _Tensor:  # fmt: skip
     n = param.numel()
     if master is None:
@@ -532,6 +549,17 @@ def _describe(
                 "of an FP32 param updated in place"
             )
     _check_operand(f"grads[{index}]", grad, n, _GRAD_DTYPES)
+    if block_format is not None:
+        _check_blocks(index, n, block_format, (exp_avg, exp_avg_sq), (m_scale, v_scale))
+        kind = _BLOCK_KIND[block_format.name]
+        assert m_scale is not None and v_scale is not None  # checked above
+        return _Tensor(
+            param.data_ptr(), None if master is None else master.data_ptr(), grad.data_ptr(),
+            exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
+            _MASTER_KIND[param.dtype, None if master is None else master.dtype],
+            _VALUE_KIND[grad.dtype], kind, kind, 1.0, 1.0, 1.0, 1.0, 0, 0,
+            m_scale.data_ptr(), v_scale.data_ptr(), block_format.block_size,
+        )  # fmt: skip
     _check_operand(f"exp_avgs[{index}]", exp_avg, n, _MOMENT_DTYPES)
     _check_operand(f"exp_avg_sqs[{index}]", exp_avg_sq, n, _MOMENT_DTYPES)
     _check_scale(f"exp_avgs[{index}]", exp_avg, m_scale)
@@ -553,6 +581,9 @@ def _describe(
         1.0,
         0,
         0,
+        None,
+        None,
+        0,
     )
 
 
@@ -573,6 +604,7 @@ def adamw_step_(
     num_threads: int | None = None,
     exp_avg_scales: Sequence[Tensor | None] | None = None,
     exp_avg_sq_scales: Sequence[Tensor | None] | None = None,
+    block_format: blocks.BlockFormat | None = None,
 ) -> None:
     """One AdamW update of CPU tensors in place, each read and written in its stored dtype.
 
@@ -597,6 +629,10 @@ def adamw_step_(
     loaded always one (GNU OpenMP's workers do not survive ``fork()``: a parallel region
     there never returns, torch's own included). Every operand is checked before anything is
     written. Raises ``RuntimeError`` when the kernel is unavailable (see :func:`status`).
+
+    With ``block_format`` every parameter's moments are block-scaled in that format
+    (:mod:`wrapped_optim._formats.blocks`): uint8 codes, and ``exp_avg_scales`` /
+    ``exp_avg_sq_scales`` one float32 scale per block, all updated in one pass over memory.
 
     Examples:
         >>> import torch
@@ -630,14 +666,14 @@ def adamw_step_(
         raise ValueError(f"num_threads must be at least 1, got {threads}")
     count = len(params)
     operands = zip(params, grads, exp_avgs, exp_avg_sqs, masters, m_scales, v_scales, strict=True)
-    described = [_describe(i, *ops) for i, ops in enumerate(operands)]
+    described = [_describe(i, *ops, block_format=block_format) for i, ops in enumerate(operands)]
     tensors = (_Tensor * max(count, 1))(*described)
     scaled: list[_Scaled] = [
         (tensors[i], prefix, storage.dtype, scale)
         for i in range(count)
         for storage, scale, prefix in ((exp_avgs[i], m_scales[i], "m"),
                                        (exp_avg_sqs[i], v_scales[i], "v"))
-        if scale is not None
+        if scale is not None and block_format is None
     ]  # fmt: skip
     _set_decode_multipliers(scaled)
     beta1, beta2 = float(betas[0]), float(betas[1])
@@ -653,6 +689,8 @@ def adamw_step_(
     # Written through raw pointers, so torch did not see it: tell autograd (and anything else
     # that watches version counters) as torch's own in-place ops would.
     written = [*params, *exp_avgs, *exp_avg_sqs, *(m for m in masters if m is not None)]
+    if block_format is not None:
+        written += [s for s in (*m_scales, *v_scales) if s is not None]
     increment_version(written)
 
 

@@ -1,0 +1,213 @@
+/*
+ * Part of _adamw_cpu.c (included there after the tile helpers; not a header of its own): the
+ * one-pass loop of block-scaled moments (wrapped_optim._formats.blocks has the format and the
+ * torch implementation this loop matches bit for bit).
+ *
+ * Both moments of a tensor are stored in one block format, each block of `qblock` values
+ * (from the tensor's start) with a power-of-two scale of its own: int8 (exp_avg signed
+ * linear, codes -127..127; exp_avg_sq as its square root, unsigned linear 0..255), FP8 E4M3
+ * (both moments, exp_avg_sq itself) or int4 (as int8 with -7..7 and 0..15, two codes a byte,
+ * the even element in the low nibble). A block's scale is 2^(floor(log2(amax)) - K) with K
+ * the format's headroom (6 / 7 for int8, 8 for FP8, 2 / 3 for int4), so the largest code of a
+ * stored block is always in the format's top binade and decode -> encode gives the same codes
+ * and scale (exact resume through FP32 checkpoints). A block whose amax is below 2^-50 is
+ * stored as zeros (scale 0); one holding inf or NaN as codes 0 with a NaN scale (it decodes to
+ * NaN). A positive exp_avg_sq never rounds to code 0 (it takes the smallest nonzero code), so
+ * a stored second moment is zero only where the true one is.
+ *
+ * Each block is updated from memory once: the new moments of its elements are computed into
+ * stack arrays (the parameter written as it goes), their amax gives the new scales, then the
+ * codes are written. A thread takes every block that starts in its range (a block may end past
+ * it: ranges split tensors at 64-element boundaries, blocks at qblock ones), so each block is
+ * updated whole by one thread. These loops are the portable C of the file: the AVX-512, AVX2
+ * and baseline clones of wo_update_range vectorize them (target_clones).
+ */
+#define WO_QBLOCK_MAX 2048
+
+enum { FMT_INT8 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
+
+static inline __attribute__((always_inline)) int block_fmt(int kind) {
+    return kind - KIND_INT8_BLOCK;
+}
+
+/* Round to nearest even of |y| < 2^22 (exact; the FP32 adder does the rounding). */
+static inline __attribute__((always_inline)) float rne(float y) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    return (y + magic) - magic;
+}
+
+/* The headroom K of a moment's code: its scale is 2^(floor(log2(amax)) - K). */
+static inline __attribute__((always_inline)) uint32_t block_headroom(int fmt, int second) {
+    if (fmt == FMT_FP8) return 8u;
+    if (fmt == FMT_INT8) return second ? 7u : 6u;
+    return second ? 3u : 2u;
+}
+
+/* A block's scale from the bits of its amax (non-negative, NaN above inf); *inv is 1/scale
+ * (exact, a power of two), 0 for a zero or NaN scale. */
+static inline __attribute__((always_inline)) float block_scale(uint32_t amax, uint32_t k,
+                                                              float *inv) {
+    if (amax >= 0x7F800000u) {
+        *inv = 0.0f;
+        return u2f(0x7FC00000u);
+    }
+    if (amax < (77u << 23)) { /* below 2^-50 */
+        *inv = 0.0f;
+        return 0.0f;
+    }
+    uint32_t e = amax >> 23;
+    *inv = u2f((254u + k - e) << 23);
+    return u2f((e - k) << 23);
+}
+
+/* The FP32 value of element i of a block (times its scale; squared for the integer formats'
+ * second moment): from the FP8 codes, or from the integer codes one per byte (int4 codes
+ * unpacked first, see block_moments). */
+static inline __attribute__((always_inline)) float block_decode(const uint8_t *codes,
+                                                               const int8_t *signed_codes,
+                                                               int64_t i, int fmt, int second,
+                                                               float scale) {
+    if (fmt == FMT_FP8) return e4m3_to_f32(codes[i]) * scale;
+    float c = second ? (float)codes[i] : (float)signed_codes[i];
+    float x = c * scale;
+    return second ? x * x : x;
+}
+
+/* The code of x (already multiplied by 1/scale) in a moment's format, as 0..255 (int8: the
+ * two's complement byte; int4: the nibble); `positive` (0 or 1) lifts a second moment's code
+ * 0 to 1. No branches (bitwise operators, selects): the loops vectorize. */
+static inline __attribute__((always_inline)) uint32_t block_code(float y, int fmt, int second,
+                                                                 uint32_t positive) {
+    uint32_t code;
+    if (fmt == FMT_FP8) {
+        y = y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y);
+        code = f32_to_e4m3(y);
+    } else {
+        float top = fmt == FMT_INT8 ? (second ? 255.0f : 127.0f) : (second ? 15.0f : 7.0f);
+        float r = rne(y);
+        r = r > top ? top : (r < -top ? -top : r);
+        code = (uint32_t)(int32_t)r & (fmt == FMT_INT8 ? 0xFFu : 0xFu);
+    }
+    if (!second) return code; /* known at compile time */
+    return code + (positive & (uint32_t)(code == 0));
+}
+
+/*
+ * One block of k <= qblock elements: p and g in FP32 (p updated in place), the codes of the
+ * block's first element (int4: its byte) and the block's two scales (read, then written).
+ */
+static inline __attribute__((always_inline)) void block_moments(
+    int64_t k, float *restrict p, const float *restrict g, uint8_t *restrict mc,
+    uint8_t *restrict vc, float *restrict ms, float *restrict vs, const wo_hyper *h,
+    const int adam_w_mode, const int fmt) {
+    const float lr = h->lr, b1 = h->beta1, omb1 = h->one_minus_beta1, b2 = h->beta2;
+    const float omb2 = h->one_minus_beta2, eps = h->eps, wd = h->weight_decay;
+    const float inv_bc1 = h->inv_bias_correction1, inv_bc2 = h->inv_bias_correction2;
+    const float m_old = *ms, v_old = *vs;
+    float M[WO_QBLOCK_MAX + 1], S[WO_QBLOCK_MAX + 1];
+    /* int4: the codes one per byte first (exp_avg sign-extended), a loop of its own, so the
+     * update loop reads every format element by element */
+    int8_t MQ[WO_QBLOCK_MAX + 1];
+    uint8_t VQ[WO_QBLOCK_MAX + 1];
+    const int8_t *mq = (const int8_t *)mc;
+    const uint8_t *vq = vc;
+    if (fmt == FMT_INT4) {
+        for (int64_t j = 0; j < (k + 1) / 2; ++j) {
+            uint8_t mb = mc[j], vb = vc[j];
+            MQ[2 * j] = (int8_t)((int8_t)(uint8_t)(mb << 4) >> 4);
+            MQ[2 * j + 1] = (int8_t)((int8_t)mb >> 4);
+            VQ[2 * j] = (uint8_t)(vb & 0xFu);
+            VQ[2 * j + 1] = (uint8_t)(vb >> 4);
+        }
+        mq = MQ;
+        vq = VQ;
+    }
+    uint32_t ma = 0, va = 0;
+    for (int64_t i = 0; i < k; ++i) {
+        float pi = p[i];
+        float gi = g[i];
+        if (!adam_w_mode) gi = gi + wd * pi;
+        float mi = b1 * block_decode(mc, mq, i, fmt, 0, m_old) + omb1 * gi;
+        float vi = b2 * block_decode(vq, NULL, i, fmt, 1, v_old) + omb2 * gi * gi;
+        float denom = __builtin_sqrtf(vi * inv_bc2) + eps;
+        float update = (mi * inv_bc1) / denom;
+        if (adam_w_mode) update = update + wd * pi;
+        p[i] = pi - lr * update;
+        /* what is stored of the second moment: itself (FP8) or its square root */
+        float si = fmt == FMT_FP8 ? vi : __builtin_sqrtf(vi);
+        M[i] = mi;
+        S[i] = si;
+        uint32_t mb = f2u(mi) & 0x7FFFFFFFu, sb = f2u(si) & 0x7FFFFFFFu;
+        ma = mb > ma ? mb : ma;
+        va = sb > va ? sb : va;
+    }
+    float m_inv, v_inv;
+    float m_new = block_scale(ma, block_headroom(fmt, 0), &m_inv);
+    float v_new = block_scale(va, block_headroom(fmt, 1), &v_inv);
+    *ms = m_new;
+    *vs = v_new;
+    /* A zero or NaN scale (inverse 0) stores codes 0 (a rare block: its own branch, so the
+     * loops below have no per-element condition); otherwise every value is finite. */
+    if (m_inv == 0.0f)
+        for (int64_t i = 0; i < k; ++i) M[i] = 0.0f;
+    if (v_inv == 0.0f)
+        for (int64_t i = 0; i < k; ++i) S[i] = 0.0f;
+    if (fmt == FMT_INT4) {
+        if (k & 1) { /* the odd last element's partner nibble is a zero */
+            M[k] = 0.0f;
+            S[k] = 0.0f;
+        }
+        for (int64_t j = 0; j < (k + 1) / 2; ++j) {
+            uint32_t m0 = block_code(M[2 * j] * m_inv, fmt, 0, 0);
+            uint32_t m1 = block_code(M[2 * j + 1] * m_inv, fmt, 0, 0);
+            uint32_t v0 = block_code(S[2 * j] * v_inv, fmt, 1, (uint32_t)(S[2 * j] > 0.0f));
+            uint32_t v1 =
+                block_code(S[2 * j + 1] * v_inv, fmt, 1, (uint32_t)(S[2 * j + 1] > 0.0f));
+            mc[j] = (uint8_t)(m0 | (m1 << 4));
+            vc[j] = (uint8_t)(v0 | (v1 << 4));
+        }
+        return;
+    }
+    for (int64_t i = 0; i < k; ++i) {
+        mc[i] = (uint8_t)block_code(M[i] * m_inv, fmt, 0, 0);
+        vc[i] = (uint8_t)block_code(S[i] * v_inv, fmt, 1, (uint32_t)(S[i] > 0.0f));
+    }
+}
+
+static inline __attribute__((always_inline)) void block_moments_any(
+    int64_t k, float *p, const float *g, uint8_t *mc, uint8_t *vc, float *ms, float *vs,
+    const wo_hyper *h, const int fmt) {
+    if (h->adam_w_mode)
+        block_moments(k, p, g, mc, vc, ms, vs, h, 1, fmt);
+    else
+        block_moments(k, p, g, mc, vc, ms, vs, h, 0, fmt);
+}
+
+/* The blocks of t that start in [begin, end): each updated whole (see the file's note). */
+static inline __attribute__((always_inline)) void block_range(wo_tensor *t, int64_t begin,
+                                                               int64_t end, const wo_hyper *h) {
+    float P[WO_QBLOCK_MAX], G[WO_QBLOCK_MAX];
+    const int64_t q = t->qblock;
+    const int fmt = block_fmt(t->m_kind);
+    int64_t first = (begin + q - 1) / q * q;
+    for (int64_t s = first; s < end; s += q) {
+        int64_t k = t->numel - s < q ? t->numel - s : q;
+        const float *g = tile_grad(t, s, k, G);
+        float *p = tile_param(t, s, k, P);
+        int64_t b = s / q;
+        int64_t byte = fmt == FMT_INT4 ? s / 2 : s;
+        uint8_t *mc = (uint8_t *)t->exp_avg + byte, *vc = (uint8_t *)t->exp_avg_sq + byte;
+        switch (fmt) {
+            case FMT_INT8:
+                block_moments_any(k, p, g, mc, vc, t->m_scales + b, t->v_scales + b, h, FMT_INT8);
+                break;
+            case FMT_FP8:
+                block_moments_any(k, p, g, mc, vc, t->m_scales + b, t->v_scales + b, h, FMT_FP8);
+                break;
+            default:
+                block_moments_any(k, p, g, mc, vc, t->m_scales + b, t->v_scales + b, h, FMT_INT4);
+                break;
+        }
+        tile_store_param(t, s, k, p);
+    }
+}
