@@ -1,0 +1,275 @@
+"""The converter's Megatron formats on checkpoints real megatron-core stacks write and resume.
+
+One launch of two gloo ranks trains the real CPU stacks (DistributedOptimizer with FP32
+params; HybridDeviceOptimizer offloading half, bf16 params) and saves them the way Bridge
+does; each rank also records its slice of every parameter's optimizer state in model space.
+The reader's canonical tensors equal that state bit for bit. The writer's ``fully_reshardable``
+output, from the reader and from an independent in-memory source, is resumed by real Megatron
+at DP 2 (fresh processes) and DP 1: the state after the load equals the source bitwise, and
+training continues exactly as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.dist_checkpointing")
+
+from tests.distributed.conftest import Launcher, mismatches, run_in_this_process
+from tests.megatron_real.dist_ckpt import (
+    metadata,
+    model_space_state,
+    route_optimizer,
+    save,
+    snapshot,
+    whole_model_space,
+)
+from tests.megatron_real.harness import build, megatron_session, train
+from wrapped_optim.checkpoint._convert._canonical import (
+    MASTER,
+    GroupRecord,
+    ParamRecord,
+    StateIndex,
+    TensorSpec,
+    iter_tensors,
+)
+from wrapped_optim.checkpoint._convert._megatron import (
+    FULLY_RESHARDABLE,
+    detect_megatron,
+    megatron_reader,
+    megatron_writer,
+)
+from wrapped_optim.checkpoint._convert._megatron_files import MegatronFormatError
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("megatron_real")]
+
+SAVE_AT, MORE = 3, 3
+CONFIGS = ("distributed", "offload_half")
+FORMATS = ("fully_reshardable", "dp_reshardable", "legacy")
+KEYS = {"param": MASTER, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+def _model_name(name: str) -> str:
+    return name.removeprefix("module.")  # DDP's wrapper; Megatron's sharded keys lack it
+
+
+def _save(rank: int, world: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with megatron_session():
+        for name in CONFIGS:
+            model, optimizer = build(name)
+            optimizer = route_optimizer(optimizer, "wrap")
+            train(model, optimizer, range(SAVE_AT), rank)
+            for fmt in FORMATS:
+                save(model, optimizer, Path(root, name, fmt), fmt)
+            space = model_space_state(model, optimizer)
+            train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE), rank)
+            out[name] = {"space": space, "snapshot": snapshot(model, optimizer)}
+    return out
+
+
+def _resume(rank: int, world: int, sources: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """A fresh build per entry: the model from the saved Megatron checkpoint, the optimizer
+    from the converted directory (fully_reshardable), then ``MORE`` steps."""
+    from megatron.core import dist_checkpointing
+
+    out: dict[str, Any] = {}
+    with megatron_session():
+        for label, (name, model_dir, optimizer_dir) in sources.items():
+            model, optimizer = build(name, seed=1)
+            optimizer = route_optimizer(optimizer, "wrap")
+            model_sd = model.module.sharded_state_dict()
+            # The saved common.pt also holds the offload optimizer's classes.
+            with torch.serialization.safe_globals([torch.optim.AdamW]):
+                loaded = dist_checkpointing.load({"model": model_sd}, model_dir)
+            model.module.load_state_dict(loaded["model"])
+            model_sd = model.module.sharded_state_dict()
+            request = optimizer.sharded_state_dict(
+                model_sd, True, metadata=metadata("fully_reshardable")
+            )
+            try:
+                state = dist_checkpointing.load({"optimizer": request}, optimizer_dir)
+                with torch.no_grad():
+                    optimizer.load_state_dict(state["optimizer"])
+            except Exception as error:  # reported to the tests, which decide
+                out[label] = {"error": f"{type(error).__name__}: {error}"}
+                continue
+            space = model_space_state(model, optimizer)
+            train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE), rank)
+            out[label] = {"space": space, "snapshot": snapshot(model, optimizer)}
+    return out
+
+
+class _DictReader:
+    """An in-memory canonical source, built from the live optimizer's state (not from any
+    checkpoint file): what a DCP or torch.save reader hands a writer."""
+
+    def __init__(self, index: StateIndex, tensors: dict[tuple[str, str], torch.Tensor]) -> None:
+        self._index, self._tensors = index, tensors
+
+    def index(self) -> StateIndex:
+        return self._index
+
+    def read(self, name: str, key: str) -> torch.Tensor:
+        return self._tensors[name, key].clone()
+
+    def close(self) -> None:
+        pass
+
+
+def _source_state(saved: list[dict[str, Any]], name: str) -> dict[str, torch.Tensor]:
+    """``"<param>/<key>"`` -> the whole tensor, put together from both ranks' slices."""
+    return whole_model_space([rank[name]["space"] for rank in saved])
+
+
+def _dict_reader(state: dict[str, torch.Tensor], like: StateIndex) -> _DictReader:
+    shapes = {param.name: param.shape for param in like.params}
+    tensors: dict[tuple[str, str], torch.Tensor] = {}
+    steps: dict[str, float] = {}
+    for path, value in state.items():
+        param, _, key = path.rpartition("/")
+        param = _model_name(param)
+        if key == "step":
+            steps[param] = float(value)
+        elif key in KEYS:
+            tensors[param, KEYS[key]] = value.reshape(shapes[param])
+    params = [
+        ParamRecord(
+            name=p.name,
+            group=p.group,
+            shape=p.shape,
+            state={k: TensorSpec(p.shape, tensors[p.name, k].dtype) for k in KEYS.values()},
+            step=steps[p.name],
+        )
+        for p in like.params
+    ]
+    groups = [GroupRecord(options=dict(g.options), names=g.names) for g in like.groups]
+    index = StateIndex(params=params, groups=groups, source="memory")
+    return _DictReader(index, tensors)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("convert_megatron")
+    launch = Launcher(root, cuda_shim=False, timeout_s=600)
+    ckpt = root / "ckpt"
+    saved = launch(_save, 2, str(ckpt))
+    converted: dict[str, tuple[str, str, str]] = {}
+    for name in CONFIGS:
+        source = ckpt / name / "fully_reshardable" / "dist"
+        reader = megatron_reader(source)
+        index = reader.index()
+        through = root / "out" / name / "from_reader"
+        megatron_writer(through).write(index, reader)
+        reader.close()
+        memory = root / "out" / name / "from_memory"
+        megatron_writer(memory).write(index, _dict_reader(_source_state(saved, name), index))
+        model_dir = str(ckpt / name / "fully_reshardable" / "dist")
+        converted[f"{name}/reader"] = (name, model_dir, str(through))
+        converted[f"{name}/memory"] = (name, model_dir, str(memory))
+    return {
+        "root": root,
+        "ckpt": ckpt,
+        "saved": saved,
+        "converted": converted,
+        "dp2": launch(_resume, 2, converted),  # fresh processes
+        "dp1": [run_in_this_process(_resume, root, converted)],
+    }
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fully_reshardable_reader_equals_the_live_optimizer_bitwise(
+    runs: dict[str, Any], name: str
+) -> None:
+    source = _source_state(runs["saved"], name)
+    reader = megatron_reader(runs["ckpt"] / name / "fully_reshardable" / "dist")
+    index = reader.index()
+    assert index.source == FULLY_RESHARDABLE
+    got: dict[str, torch.Tensor] = {}
+    for param, key, tensor in iter_tensors(index, reader):
+        stored = {v: k for k, v in KEYS.items()}[key]
+        got[f"module.{param}/{stored}"] = tensor.reshape(-1)
+    for param in index.params:
+        got[f"module.{param.name}/step"] = torch.tensor(param.step, dtype=torch.float32)
+    reader.close()
+    assert got.keys() == source.keys()
+    assert mismatches(source, got) == []
+    # Megatron's standard groups: weight decay on matrices, off on biases.
+    assert [sorted(g.names) for g in index.groups] == [
+        ["first.weight", "second.weight"],
+        ["first.bias", "second.bias"],
+    ]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fully_reshardable_round_trip_is_bit_identical(runs: dict[str, Any], name: str) -> None:
+    first = megatron_reader(runs["ckpt"] / name / "fully_reshardable" / "dist")
+    again = megatron_reader(runs["converted"][f"{name}/reader"][2])
+    assert again.index().params == first.index().params
+    assert [g.names for g in again.index().groups] == [g.names for g in first.index().groups]
+    for param, key, tensor in iter_tensors(first.index(), first):
+        assert mismatches({"t": tensor}, {"t": again.read(param, key)}) == [], (param, key)
+    first.close()
+    again.close()
+
+
+@pytest.mark.parametrize("ranks", ["dp1", "dp2"])
+@pytest.mark.parametrize("origin", ["reader", "memory"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_written_fully_reshardable_resumes_in_real_megatron_bitwise(
+    runs: dict[str, Any], name: str, origin: str, ranks: str
+) -> None:
+    cells = [rank[f"{name}/{origin}"] for rank in runs[ranks]]
+    for cell in cells:
+        assert "error" not in cell, cell.get("error")
+    source = _source_state(runs["saved"], name)
+    after = whole_model_space([cell["space"] for cell in cells])
+    assert after.keys() == source.keys()
+    assert mismatches(source, after) == []
+    if ranks == "dp2":  # the same world: the run continues exactly as the uninterrupted one
+        for rank, cell in enumerate(cells):
+            assert mismatches(runs["saved"][rank][name]["snapshot"], cell["snapshot"]) == []
+
+
+def test_detects_each_megatron_format(runs: dict[str, Any]) -> None:
+    ckpt = runs["ckpt"] / "distributed"
+    assert detect_megatron(ckpt / "fully_reshardable" / "dist") == FULLY_RESHARDABLE
+    assert detect_megatron(ckpt / "dp_reshardable" / "dist") == "megatron_dp_reshardable"
+    assert detect_megatron(ckpt / "legacy") == "megatron_legacy"
+    assert detect_megatron(ckpt / "legacy" / "model") is None  # model only
+
+
+def test_writer_refuses_state_megatron_cannot_hold(runs: dict[str, Any], tmp_path: Path) -> None:
+    reader = megatron_reader(runs["ckpt"] / "distributed" / "fully_reshardable" / "dist")
+    index = reader.index()
+    without_master = StateIndex(
+        params=[
+            ParamRecord(
+                p.name, p.group, p.shape, {k: v for k, v in p.state.items() if k != MASTER}, p.step
+            )
+            for p in index.params
+        ],
+        groups=index.groups,
+        source="test",
+    )
+    with pytest.raises(MegatronFormatError, match="no state 'master'"):
+        megatron_writer(tmp_path / "out").write(without_master, reader)
+    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []  # no staging directory left behind
+    plain_groups = StateIndex(
+        params=index.params,
+        groups=[GroupRecord(options={"lr": 0.1}, names=g.names) for g in index.groups],
+        source="test",
+    )
+    with pytest.raises(MegatronFormatError, match="wd_mult, lr_mult"):
+        megatron_writer(tmp_path / "out").write(plain_groups, reader)
+    reader.close()
+
+
+def _names(groups: Mapping[str, Any]) -> list[str]:
+    return sorted(groups)

@@ -1,0 +1,171 @@
+"""What every Megatron-Core optimizer checkpoint has on disk, read without Megatron.
+
+A ``dist_checkpointing`` directory (Core's default ``torch_dist`` backend) is a DCP directory
+plus ``metadata.json`` (the backends) and ``common.pt`` (everything that is not a sharded
+tensor: the optimizer's param groups, the sharding type, the grad scaler). The legacy
+``save_parameter_state`` files are plain ``torch.save`` files. Nothing here needs a GPU, a
+process group or megatron-core.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "COMMON_FILE",
+    "METADATA_FILE",
+    "DcpTensors",
+    "MegatronFormatError",
+    "load_common",
+    "optimizer_commons",
+    "read_backends",
+]
+
+COMMON_FILE = "common.pt"  # Core's COMMON_STATE_FNAME (0.16.1, 0.19.2)
+METADATA_FILE = "metadata.json"  # Core's CONFIG_FNAME
+
+
+class MegatronFormatError(ValueError):
+    """A Megatron checkpoint that cannot be read or written as asked; names what is wrong.
+
+    Example:
+        >>> isinstance(MegatronFormatError("ckpt/: no metadata.json"), ValueError)
+        True
+    """
+
+
+def read_backends(path: Path) -> dict[str, Any] | None:
+    """``metadata.json`` of a ``dist_checkpointing`` directory, or None if it is not one.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     read_backends(Path(d)) is None
+        True
+    """
+    file = path / METADATA_FILE
+    if not file.is_file():
+        return None
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) and "sharded_backend" in config else None
+
+
+def _optimizer_classes_named(file: Path) -> list[type]:
+    """The optimizer classes ``file`` pickles that this process has imported (a
+    HybridDeviceOptimizer keeps its sub-optimizer classes in its param groups)."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(file))
+    except Exception:  # unreadable: torch.load reports it
+        return []
+    classes: list[type] = []
+    for name in names:
+        module, _, attribute = name.rpartition(".")
+        value = getattr(sys.modules.get(module), attribute, None)
+        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
+            classes.append(value)
+    return classes
+
+
+def load_common(file: Path) -> Any:
+    """A ``torch.save`` file of Megatron's: weights-only, allowed the optimizer classes it
+    names (the only non-tensor objects Megatron's optimizer state pickles).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     torch.save({"cls": torch.optim.AdamW}, f"{d}/common.pt")
+        ...     load_common(Path(d, "common.pt"))["cls"].__name__
+        'AdamW'
+    """
+    if not file.is_file():
+        raise MegatronFormatError(f"{file}: no such file")
+    try:
+        with torch.serialization.safe_globals(list[Any](_optimizer_classes_named(file))):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise MegatronFormatError(
+            f"{file}: not readable as Megatron optimizer state ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''})"
+        ) from error
+
+
+def optimizer_commons(common: Any, key: str) -> list[dict[str, Any]]:
+    """The common state of each DistributedOptimizer under ``common[key]``: one entry for a
+    single optimizer, one per sub-optimizer (in index order) for a ChainedOptimizer."""
+    if not isinstance(common, Mapping) or key not in common:
+        found = sorted(map(str, common)) if isinstance(common, Mapping) else type(common).__name__
+        raise MegatronFormatError(f"no optimizer state under {key!r} (found {found})")
+    state = common[key]
+    if isinstance(state, Mapping) and "optimizer" in state:
+        return [dict(state)]
+    if isinstance(state, Mapping) and state and all(isinstance(k, int) for k in state):
+        subs = [state[index] for index in sorted(state)]
+        if all(isinstance(sub, Mapping) and "optimizer" in sub for sub in subs):
+            return [dict(sub) for sub in subs]
+    raise MegatronFormatError(
+        f"the state under {key!r} is not a Megatron DistributedOptimizer's (no 'optimizer' "
+        "entry with param groups)"
+    )
+
+
+class DcpTensors:
+    """One DCP directory, read one tensor at a time on the CPU, without a process group."""
+
+    def __init__(self, path: Path) -> None:
+        from wrapped_optim.checkpoint._snapshot import snapshot_reader
+
+        self.path = path
+        self._scopes = ExitStack()
+        try:
+            self._reader = self._scopes.enter_context(snapshot_reader(str(path), None))
+            metadata = self._reader.read_metadata()
+        except Exception as error:
+            self._scopes.close()
+            raise MegatronFormatError(f"{path}: unreadable DCP metadata ({error})") from error
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        for name, entry in metadata.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata):
+                self.specs[name] = (tuple(entry.size), entry.properties.dtype)
+                self.chunks[name] = [
+                    (tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in entry.chunks
+                ]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.specs)
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name``, whole."""
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        if name not in self.specs:
+            raise MegatronFormatError(f"{self.path}: no tensor {name!r} in the checkpoint")
+        shape, dtype = self.specs[name]
+        target = {name: torch.empty(shape, dtype=dtype)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no_dist's "no process group" notice
+            dcp.load(
+                target,
+                storage_reader=self._reader,
+                planner=DefaultLoadPlanner(flatten_state_dict=False),
+                no_dist=True,
+            )
+        return target[name]
+
+    def close(self) -> None:
+        self._scopes.close()
