@@ -10,11 +10,28 @@ tensor plus one chunk, whatever the checkpoint's size.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import attrs
 import torch
+
+
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(size) for size in value)
+
+
+def _params(value: Iterable[ParamRecord]) -> tuple[ParamRecord, ...]:
+    return tuple(value)
+
+
+def _groups(value: Iterable[GroupRecord]) -> tuple[GroupRecord, ...]:
+    return tuple(value)
+
+
+def _strs(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
 
 MASTER = "master"
 """The state key of a parameter's FP32 (or FP16) master copy, where the format keeps one."""
@@ -24,7 +41,7 @@ MASTER = "master"
 class TensorSpec:
     """What a state tensor is, without its values: shape and the dtype its values come in."""
 
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_ints)
     dtype: torch.dtype
 
     @property
@@ -46,7 +63,7 @@ class ParamRecord:
 
     name: str
     group: int
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_ints)
     state: Mapping[str, TensorSpec]
     step: float | None = None
 
@@ -64,7 +81,7 @@ class GroupRecord:
     """One param group: its hyper-parameters (``params`` excluded) and members, in order."""
 
     options: Mapping[str, Any]
-    names: tuple[str, ...] = attrs.field(converter=tuple)
+    names: tuple[str, ...] = attrs.field(converter=_strs)
 
 
 @attrs.frozen
@@ -75,8 +92,8 @@ class StateIndex:
     and the canonical form has no field for (e.g. the optimizer class a file was written by).
     """
 
-    params: tuple[ParamRecord, ...] = attrs.field(converter=tuple)
-    groups: tuple[GroupRecord, ...] = attrs.field(converter=tuple)
+    params: tuple[ParamRecord, ...] = attrs.field(converter=_params)
+    groups: tuple[GroupRecord, ...] = attrs.field(converter=_groups)
     source: str
     notes: Mapping[str, Any] = attrs.field(factory=dict)
 

@@ -1,0 +1,125 @@
+"""The formats the converter knows: name -> reader and writer factories, and detection.
+
+Adding a format is one entry: a module that defines ``FORMATS``, a tuple of ``Format``
+records, named in ``_FORMAT_MODULES`` below (imported on first use, so this module imports
+no format and no optional framework). For example, Megatron's formats live in a module that
+defines::
+
+    FORMATS = (
+        Format(
+            name="megatron-fully-reshardable",
+            summary="Megatron-Core dist_checkpointing, fully_reshardable",
+            reader=MegatronReader,          # (path, FormatOptions) -> StateReader
+            writer=MegatronWriter,          # (path, FormatOptions) -> StateWriter, or None
+            detect=is_fully_reshardable,    # (path) -> bool, cheap, never unpickles
+            directory=True,
+            priority=10,                    # tried before the plain DCP check
+        ),
+    )
+
+``register_format`` adds one at run time as well (a plug-in, a test). A writer factory
+receives ``FormatOptions``: ``dp_size`` is the DP size a sharded destination is written for;
+``names``/``shapes`` name index-keyed parameters.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from wrapped_optim.checkpoint._convert._canonical import StateReader, StateWriter
+from wrapped_optim.checkpoint._convert._errors import ConversionError
+from wrapped_optim.checkpoint._convert._options import FormatOptions
+
+__all__ = ["Format", "detect_format", "get_format", "known_formats", "register_format"]
+
+ReaderFactory = Callable[[Path, FormatOptions], StateReader]
+WriterFactory = Callable[[Path, FormatOptions], StateWriter]
+
+
+@attrs.frozen
+class Format:
+    """One checkpoint format the converter reads and/or writes.
+
+    Attributes:
+        name: what ``to=`` / ``--to`` and ``source_format=`` call it.
+        summary: one line for ``wrapped-optim convert --list`` and the docs.
+        reader: opens a path for reading, or None (write-only).
+        writer: builds a writer for a (staging) path, or None (read-only).
+        detect: tells whether a path is in this format without unpickling anything.
+        directory: the format is a directory (else one file).
+        priority: detection order, highest first (a DCP-based format more specific than
+            plain DCP sets a higher one).
+    """
+
+    name: str
+    summary: str
+    reader: ReaderFactory | None
+    writer: WriterFactory | None
+    detect: Callable[[Path], bool] | None
+    directory: bool
+    priority: int = 0
+
+
+_FORMAT_MODULES = (
+    "wrapped_optim.checkpoint._convert._torch_save_format",
+    "wrapped_optim.checkpoint._convert._dcp_format",
+)
+_REGISTRY: dict[str, Format] = {}
+_LOADED: list[bool] = []
+
+
+def _load() -> None:
+    if _LOADED:
+        return
+    _LOADED.append(True)
+    for module in _FORMAT_MODULES:
+        for fmt in importlib.import_module(module).FORMATS:
+            _REGISTRY.setdefault(fmt.name, fmt)
+
+
+def register_format(fmt: Format, *, replace: bool = False) -> None:
+    """Adds ``fmt`` (``replace`` to supersede one of the same name)."""
+    _load()
+    if fmt.name in _REGISTRY and not replace:
+        raise ValueError(f"a format named {fmt.name!r} is already registered")
+    _REGISTRY[fmt.name] = fmt
+
+
+def known_formats() -> tuple[Format, ...]:
+    """Every registered format, by name."""
+    _load()
+    return tuple(_REGISTRY[name] for name in sorted(_REGISTRY))
+
+
+def get_format(name: str) -> Format:
+    _load()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConversionError(
+            f"unknown format {name!r}; known: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def detect_format(path: str | os.PathLike[str]) -> Format:
+    """The readable format ``path`` is in (most specific first)."""
+    _load()
+    where = Path(path)
+    if not where.exists():
+        raise ConversionError(f"{where}: no such file or directory")
+    candidates = sorted(
+        (f for f in _REGISTRY.values() if f.reader is not None and f.detect is not None),
+        key=lambda f: -f.priority,
+    )
+    for fmt in candidates:
+        if fmt.detect is not None and fmt.detect(where):
+            return fmt
+    raise ConversionError(
+        f"{where}: not a checkpoint format the converter knows (tried "
+        f"{', '.join(f.name for f in candidates)}); name it with source_format= (CLI: --from)"
+    )
