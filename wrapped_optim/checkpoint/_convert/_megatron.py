@@ -55,10 +55,10 @@ __all__ = [
     "standard_group_of",
 ]
 
-FULLY_RESHARDABLE = "megatron_fully_reshardable"
-DP_RESHARDABLE = "megatron_dp_reshardable"
-DP_ZERO = "megatron_dp_zero_gather_scatter"
-LEGACY = "megatron_legacy"
+FULLY_RESHARDABLE = "megatron-fully-reshardable"
+DP_RESHARDABLE = "megatron-dp-reshardable"
+DP_ZERO = "megatron-dp-zero-gather-scatter"
+LEGACY = "megatron-legacy"
 _SHARDING = {
     "fully_reshardable": FULLY_RESHARDABLE,
     "dp_reshardable": DP_RESHARDABLE,
@@ -145,7 +145,13 @@ def standard_group_of(groups: Sequence[Mapping[str, Any]]) -> Callable[[str, tup
 
 
 def _group_options(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in group.items() if key not in ("params", "step")}
+    """A group's hyper-parameters; a class (HybridDeviceOptimizer's sub-optimizer classes) by
+    its qualified name, so that any format can hold it without pickled code."""
+    return {
+        key: f"{value.__module__}.{value.__qualname__}" if isinstance(value, type) else value
+        for key, value in group.items()
+        if key not in ("params", "step")
+    }
 
 
 class MegatronFullyReshardableReader:
@@ -428,7 +434,8 @@ class MegatronFullyReshardableWriter:
         self.param_groups = param_groups
 
     def write(self, index: StateIndex, reader: StateReader) -> None:
-        if self.path.exists():
+        in_place = self.path.is_dir() and not any(self.path.iterdir())  # a caller's staging
+        if self.path.exists() and not in_place:
             raise MegatronFormatError(
                 f"{self.path}: already exists; the writer makes a new directory"
             )
@@ -467,22 +474,35 @@ class MegatronFullyReshardableWriter:
         scaler = index.notes.get("megatron_grad_scaler")
         if isinstance(scaler, list) and len(scaler) == 1 and scaler[0] is not None:
             common[self.key]["grad_scaler"] = scaler[0]
+        if in_place:
+            _write_into(self.path, _LazyTensors(reader, where), specs, common)
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", dir=self.path.parent))
         try:
-            _save_lazily(_LazyTensors(reader, where), specs, staging)
-            torch.save(common, staging / COMMON_FILE)
-            backends = {
-                "sharded_backend": "torch_dist",
-                "sharded_backend_version": 1,
-                "common_backend": "torch",
-                "common_backend_version": 1,
-            }
-            (staging / METADATA_FILE).write_text(json.dumps(backends))
+            _write_into(staging, _LazyTensors(reader, where), specs, common)
             staging.rename(self.path)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+
+def _write_into(
+    directory: Path,
+    tensors: _LazyTensors,
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    common: Mapping[str, Any],
+) -> None:
+    """A dist_checkpointing directory's three parts: the DCP files, common.pt, metadata.json."""
+    _save_lazily(tensors, specs, directory)
+    torch.save(dict(common), directory / COMMON_FILE)
+    backends = {
+        "sharded_backend": "torch_dist",
+        "sharded_backend_version": 1,
+        "common_backend": "torch",
+        "common_backend_version": 1,
+    }
+    (directory / METADATA_FILE).write_text(json.dumps(backends))
 
 
 def megatron_writer(
