@@ -40,10 +40,10 @@ from wrapped_optim.checkpoint._convert._canonical import (
 from wrapped_optim.checkpoint._convert._megatron import (
     FULLY_RESHARDABLE,
     detect_megatron,
-    megatron_reader,
     megatron_writer,
 )
 from wrapped_optim.checkpoint._convert._megatron_files import MegatronFormatError
+from wrapped_optim.checkpoint._convert._megatron_readers import megatron_reader
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("megatron_real")]
 
@@ -158,6 +158,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     launch = Launcher(root, cuda_shim=False, timeout_s=600)
     ckpt = root / "ckpt"
     saved = launch(_save, 2, str(ckpt))
+    saved_dp1 = [run_in_this_process(_save, root, str(root / "ckpt_dp1"))]
     converted: dict[str, tuple[str, str, str]] = {}
     for name in CONFIGS:
         source = ckpt / name / "fully_reshardable" / "dist"
@@ -175,6 +176,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "root": root,
         "ckpt": ckpt,
         "saved": saved,
+        "saved_dp1": saved_dp1,
+        "ckpt_dp1": root / "ckpt_dp1",
         "converted": converted,
         "dp2": launch(_resume, 2, converted),  # fresh processes
         "dp1": [run_in_this_process(_resume, root, converted)],
@@ -316,3 +319,46 @@ def test_megatron_to_dcp_loads_into_a_real_torch_adamw_bitwise(
         assert mismatches({"t": tensor}, {"t": again.read(param, key)}) == [], (param, key)
     first.close()
     again.close()
+
+
+def _meta_model(name: str) -> torch.nn.Module:
+    """The harness's model on the meta device: names, shapes and dtypes, no memory."""
+    dtype = torch.bfloat16 if name == "offload_half" else torch.float32
+    with torch.device("meta"):
+        model = torch.nn.Sequential()
+        model.add_module("first", torch.nn.Linear(8, 8))
+        model.add_module("second", torch.nn.Linear(8, 4))
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["dp_reshardable", "legacy"])
+@pytest.mark.parametrize("saved", ["saved", "saved_dp1"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_bucket_space_readers_equal_the_live_optimizer_bitwise(
+    runs: dict[str, Any], name: str, saved: str, fmt: str
+) -> None:
+    source = _source_state(runs[saved], name)
+    ckpt = runs["ckpt" if saved == "saved" else "ckpt_dp1"] / name / fmt
+    path = ckpt / "dist" if fmt == "dp_reshardable" else ckpt
+    assert detect_megatron(path) == f"megatron-{fmt.replace('_', '-')}"
+    with pytest.raises(MegatronFormatError, match="pass model="):
+        megatron_reader(path)
+    reader = megatron_reader(path, model=_meta_model(name))
+    index = reader.index()
+    got: dict[str, torch.Tensor] = {}
+    for param, key, tensor in iter_tensors(index, reader):
+        stored = {v: k for k, v in KEYS.items()}[key]
+        got[f"module.{param}/{stored}"] = tensor.reshape(-1)
+    for param in index.params:
+        got[f"module.{param.name}/step"] = torch.tensor(param.step, dtype=torch.float32)
+    reader.close()
+    assert mismatches(source, got) == []
+
+
+def test_bucket_space_reader_refuses_another_model(runs: dict[str, Any]) -> None:
+    path = runs["ckpt"] / "distributed" / "dp_reshardable" / "dist"
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    with pytest.raises(MegatronFormatError, match="do not fit the checkpoint's buckets"):
+        megatron_reader(path, model=other)
+    with pytest.raises(MegatronFormatError, match="dtypes"):
+        megatron_reader(path, model=_meta_model("offload_half"))  # bf16 against FP32

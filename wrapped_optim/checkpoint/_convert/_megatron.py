@@ -50,7 +50,8 @@ __all__ = [
     "MegatronFullyReshardableReader",
     "MegatronFullyReshardableWriter",
     "detect_megatron",
-    "megatron_reader",
+    "group_options",
+    "group_rule",
     "megatron_writer",
     "standard_group_of",
 ]
@@ -144,7 +145,7 @@ def standard_group_of(groups: Sequence[Mapping[str, Any]]) -> Callable[[str, tup
     )
 
 
-def _group_options(group: Mapping[str, Any]) -> dict[str, Any]:
+def group_options(group: Mapping[str, Any]) -> dict[str, Any]:
     """A group's hyper-parameters; a class (HybridDeviceOptimizer's sub-optimizer classes) by
     its qualified name, so that any format can hold it without pickled code."""
     return {
@@ -152,6 +153,33 @@ def _group_options(group: Mapping[str, Any]) -> dict[str, Any]:
         for key, value in group.items()
         if key not in ("params", "step")
     }
+
+
+def group_rule(
+    path: Path, group_of: GroupOf | None, saved: Sequence[Mapping[str, Any]]
+) -> Callable[[str, tuple[int, ...]], int]:
+    """``group_of`` as a function (name, shape) -> group index; Megatron's standard rule
+    when None.
+
+    Example:
+        >>> group_rule(Path("ckpt"), {"w": 0}, [{}])("w", (2,))
+        0
+    """
+    if group_of is None:
+        try:
+            return standard_group_of(saved)
+        except MegatronFormatError as error:
+            raise MegatronFormatError(f"{path}: {error}") from None
+    if isinstance(group_of, Mapping):
+        mapping = group_of
+
+        def from_mapping(name: str, shape: tuple[int, ...]) -> int:
+            if name not in mapping:
+                raise MegatronFormatError(f"{path}: group_of has no entry for {name!r}")
+            return int(mapping[name])
+
+        return from_mapping
+    return group_of
 
 
 class MegatronFullyReshardableReader:
@@ -221,7 +249,7 @@ class MegatronFullyReshardableReader:
         for sub, common in enumerate(self._commons):
             saved = list(common["optimizer"]["param_groups"])
             members: list[list[str]] = [[] for _ in saved]
-            rule = self._rule(group_of, saved)
+            rule = group_rule(self.path, group_of, saved)
             for name, entry in found.items():
                 if entry["sub"] != sub:
                     continue
@@ -244,7 +272,7 @@ class MegatronFullyReshardableReader:
                     )
                 )
             for group, names in zip(saved, members, strict=True):
-                groups.append(GroupRecord(options=_group_options(group), names=names))
+                groups.append(GroupRecord(options=group_options(group), names=names))
             offset += len(saved)
         notes = {
             "megatron_sharding_type": "fully_reshardable",
@@ -261,25 +289,6 @@ class MegatronFullyReshardableReader:
         params.sort(key=lambda p: order[p.name])
         return StateIndex(params=params, groups=groups, source=FULLY_RESHARDABLE, notes=notes)
 
-    def _rule(
-        self, group_of: GroupOf | None, saved: Sequence[Mapping[str, Any]]
-    ) -> Callable[[str, tuple[int, ...]], int]:
-        if group_of is None:
-            try:
-                return standard_group_of(saved)
-            except MegatronFormatError as error:
-                raise MegatronFormatError(f"{self.path}: {error}") from None
-        if isinstance(group_of, Mapping):
-            mapping = group_of
-
-            def from_mapping(name: str, shape: tuple[int, ...]) -> int:
-                if name not in mapping:
-                    raise MegatronFormatError(f"{self.path}: group_of has no entry for {name!r}")
-                return int(mapping[name])
-
-            return from_mapping
-        return group_of
-
     def index(self) -> StateIndex:
         return self._index
 
@@ -291,30 +300,6 @@ class MegatronFullyReshardableReader:
 
     def close(self) -> None:
         self._tensors.close()
-
-
-def megatron_reader(
-    path: str | Path, *, key: str = "optimizer", group_of: GroupOf | None = None
-) -> StateReader:
-    """A Megatron optimizer checkpoint at ``path``, opened for reading in the canonical form.
-
-    ``key``: where the optimizer's state sits in the checkpoint (Megatron-LM and Bridge:
-    ``"optimizer"``). ``group_of``: which param group each parameter is in (a mapping or a
-    function of name and shape), where Megatron's standard grouping does not apply.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     try:
-        ...         megatron_reader(d)
-        ...     except MegatronFormatError as error:
-        ...         "not a Megatron" in str(error)
-        True
-    """
-    fmt = detect_megatron(path)
-    if fmt in (None, FULLY_RESHARDABLE):
-        return MegatronFullyReshardableReader(path, key=key, group_of=group_of)
-    raise MegatronFormatError(f"{path}: {fmt} checkpoints are not readable yet")
 
 
 # --------------------------------------------------------------------------------------
@@ -359,6 +344,16 @@ def _one_step(index: StateIndex) -> float | None:
     return steps.pop() if steps else None
 
 
+def _check_widening(name: str, key: str, dtype: torch.dtype) -> None:
+    """Megatron stores float32: a float of at most 32 bits widens exactly; anything else is
+    refused."""
+    if not dtype.is_floating_point or torch.finfo(dtype).bits > 32:
+        raise MegatronFormatError(
+            f"parameter {name!r}: state {key!r} is {dtype}; Megatron stores float32 and "
+            "narrowing it is lossy (cast it first, asking for the loss)"
+        )
+
+
 class _LazyTensors:
     """DCP ``SavePlanner`` source: meta placeholders whose values are read when DCP writes
     them, one at a time."""
@@ -371,11 +366,7 @@ class _LazyTensors:
         name, key = self.where[fqn]
         tensor = self.reader.read(name, key)
         if tensor.dtype != torch.float32:
-            if torch.finfo(tensor.dtype).bits > 32 if tensor.is_floating_point() else True:
-                raise MegatronFormatError(
-                    f"parameter {name!r}: state {key!r} is {tensor.dtype}; Megatron stores "
-                    "float32 and narrowing it is lossy (cast it first, asking for the loss)"
-                )
+            _check_widening(name, key, tensor.dtype)
             tensor = tensor.float()  # bf16/fp16 into float32: exact
         return tensor.detach().cpu().contiguous()
 
@@ -386,7 +377,6 @@ def _save_lazily(
     """``dcp.save`` of ``specs`` into ``path``, each value pulled when written."""
     import warnings
 
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class _Pulling(DefaultSavePlanner):
@@ -399,16 +389,25 @@ def _save_lazily(
     placeholders = {
         fqn: torch.empty(shape, dtype=dtype, device="meta") for fqn, (shape, dtype) in specs.items()
     }
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(
-            placeholders,
-            storage_writer=dcp.FileSystemWriter(
-                str(path), single_file_per_rank=True, thread_count=1
-            ),
-            planner=_Pulling(flatten_state_dict=False),
-            no_dist=True,
-        )
+        try:
+            _save(placeholders, path, _Pulling(flatten_state_dict=False))
+        except CheckpointException as error:  # DCP wraps what a read raised: hand that on
+            for failure in error.failures.values():
+                cause = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(cause, Exception):
+                    raise cause from None
+            raise
+
+
+def _save(placeholders: dict[str, torch.Tensor], path: Path, planner: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, thread_count=1)
+    dcp.save(placeholders, storage_writer=writer, planner=planner, no_dist=True)
 
 
 class MegatronFullyReshardableWriter:
@@ -459,6 +458,7 @@ class MegatronFullyReshardableWriter:
                         else ""
                     )
                     raise MegatronFormatError(f"parameter {param.name!r}: no state {key!r}{hint}")
+                _check_widening(param.name, key, param.state[key].dtype)
                 fqn = f"optimizer.state.{stored}.{param.name}"
                 where[fqn] = (param.name, key)
                 specs[fqn] = (param.shape, torch.float32)

@@ -167,5 +167,81 @@ class DcpTensors:
             )
         return target[name]
 
+    def read_slice(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the 1-D tensor ``name``, reading only the stored chunks
+        that overlap them."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import (
+            create_read_items_for_chunk_list,
+        )
+
+        if name not in self.specs or len(self.specs[name][0]) != 1:
+            raise MegatronFormatError(f"{self.path}: no flat tensor {name!r} in the checkpoint")
+        (size,), dtype = self.specs[name]
+        if not 0 <= start <= end <= size:
+            raise MegatronFormatError(
+                f"{self.path}: elements [{start}, {end}) are outside {name!r} ({size} elements)"
+            )
+        target = torch.empty(end - start, dtype=dtype)
+        if end == start:
+            return target
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        entry = self._reader.read_metadata().state_dict_metadata[name]
+        assert isinstance(entry, TensorStorageMetadata)
+        chunk = ChunkStorageMetadata(offsets=torch.Size([start]), sizes=torch.Size([end - start]))
+        items = create_read_items_for_chunk_list(name, entry, [chunk])
+
+        class _Slice(DefaultLoadPlanner):
+            def create_local_plan(self) -> LoadPlan:
+                return LoadPlan(items)
+
+            def lookup_tensor(self, index: Any) -> torch.Tensor:
+                return target
+
+        dcp.load({name: target}, storage_reader=self._reader, planner=_Slice(), no_dist=True)
+        return target
+
+    def read_object(self, name: str) -> Any:
+        """The object (a Megatron ``ShardedObject``) stored under ``name``, weights-only."""
+        import io
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        found: dict[str, Any] = {}
+
+        class _Objects(DefaultLoadPlanner):
+            def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+                data = value.read()
+                with torch.serialization.safe_globals(list[Any](_optimizer_classes_in(data))):
+                    found[name] = torch.load(io.BytesIO(data), weights_only=True)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(
+                {name: None},
+                storage_reader=self._reader,
+                planner=_Objects(flatten_state_dict=False),
+                no_dist=True,
+            )
+        if name not in found:
+            raise MegatronFormatError(f"{self.path}: no object {name!r} in the checkpoint")
+        return found[name]
+
     def close(self) -> None:
         self._scopes.close()
+
+
+def _optimizer_classes_in(data: bytes) -> list[type]:
+    """Imported optimizer classes a pickled blob names (see :func:`load_common`)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".pt") as file:
+        file.write(data)
+        file.flush()
+        return _optimizer_classes_named(Path(file.name))
