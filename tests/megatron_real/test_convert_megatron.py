@@ -152,6 +152,28 @@ def _dict_reader(state: dict[str, torch.Tensor], like: StateIndex) -> _DictReade
     return _DictReader(index, tensors)
 
 
+def _as_model_space(reader: Any) -> dict[str, torch.Tensor]:
+    """A reader's canonical tensors keyed as :func:`whole_model_space` keys the live state;
+    closes the reader."""
+    index = reader.index()
+    stored = {v: k for k, v in KEYS.items()}
+    got: dict[str, torch.Tensor] = {}
+    for param, key, tensor in iter_tensors(index, reader):
+        got[f"module.{param}/{stored[key]}"] = tensor.reshape(-1)
+    for param in index.params:
+        got[f"module.{param.name}/step"] = torch.tensor(param.step, dtype=torch.float32)
+    reader.close()
+    return got
+
+
+def _assert_same_tensors(first: Any, again: Any) -> None:
+    """Every state tensor of ``first`` is bit-identical in ``again``; closes both."""
+    for param, key, tensor in iter_tensors(first.index(), first):
+        assert mismatches({"t": tensor}, {"t": again.read(param, key)}) == [], (param, key)
+    first.close()
+    again.close()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("convert_megatron")
@@ -192,13 +214,7 @@ def test_fully_reshardable_reader_equals_the_live_optimizer_bitwise(
     reader = megatron_reader(runs["ckpt"] / name / "fully_reshardable" / "dist")
     index = reader.index()
     assert index.source == FULLY_RESHARDABLE
-    got: dict[str, torch.Tensor] = {}
-    for param, key, tensor in iter_tensors(index, reader):
-        stored = {v: k for k, v in KEYS.items()}[key]
-        got[f"module.{param}/{stored}"] = tensor.reshape(-1)
-    for param in index.params:
-        got[f"module.{param.name}/step"] = torch.tensor(param.step, dtype=torch.float32)
-    reader.close()
+    got = _as_model_space(reader)
     assert got.keys() == source.keys()
     assert mismatches(source, got) == []
     # Megatron's standard groups: weight decay on matrices, off on biases.
@@ -214,10 +230,7 @@ def test_fully_reshardable_round_trip_is_bit_identical(runs: dict[str, Any], nam
     again = megatron_reader(runs["converted"][f"{name}/reader"][2])
     assert again.index().params == first.index().params
     assert [g.names for g in again.index().groups] == [g.names for g in first.index().groups]
-    for param, key, tensor in iter_tensors(first.index(), first):
-        assert mismatches({"t": tensor}, {"t": again.read(param, key)}) == [], (param, key)
-    first.close()
-    again.close()
+    _assert_same_tensors(first, again)
 
 
 @pytest.mark.parametrize("ranks", ["dp1", "dp2"])
@@ -315,10 +328,7 @@ def test_megatron_to_dcp_loads_into_a_real_torch_adamw_bitwise(
     convert(tmp_path / "dcp", tmp_path / "back", to=FULLY_RESHARDABLE, verify=True)
     first, again = megatron_reader(src), megatron_reader(tmp_path / "back")
     assert again.index().params == first.index().params
-    for param, key, tensor in iter_tensors(first.index(), first):
-        assert mismatches({"t": tensor}, {"t": again.read(param, key)}) == [], (param, key)
-    first.close()
-    again.close()
+    _assert_same_tensors(first, again)
 
 
 def _meta_model(name: str) -> torch.nn.Module:
@@ -343,15 +353,7 @@ def test_bucket_space_readers_equal_the_live_optimizer_bitwise(
     assert detect_megatron(path) == f"megatron-{fmt.replace('_', '-')}"
     with pytest.raises(MegatronFormatError, match="pass model="):
         megatron_reader(path)
-    reader = megatron_reader(path, model=_meta_model(name))
-    index = reader.index()
-    got: dict[str, torch.Tensor] = {}
-    for param, key, tensor in iter_tensors(index, reader):
-        stored = {v: k for k, v in KEYS.items()}[key]
-        got[f"module.{param}/{stored}"] = tensor.reshape(-1)
-    for param in index.params:
-        got[f"module.{param.name}/step"] = torch.tensor(param.step, dtype=torch.float32)
-    reader.close()
+    got = _as_model_space(megatron_reader(path, model=_meta_model(name)))
     assert mismatches(source, got) == []
 
 

@@ -94,7 +94,27 @@ def _index(
     return StateIndex(params=params, groups=records_groups, source=source, notes=notes)
 
 
-class MegatronDpReshardableReader:
+class _Bucketed:
+    """What both bucket-space readers share: an index, and one fetch per state tensor."""
+
+    path: Path
+    _index: StateIndex
+    _fetch: dict[tuple[str, str], Callable[[], torch.Tensor]]
+
+    def index(self) -> StateIndex:
+        return self._index
+
+    def read(self, name: str, key: str) -> torch.Tensor:
+        fetch = self._fetch.get((name, key))
+        if fetch is None:
+            raise KeyError(f"{self.path}: no state {key!r} for parameter {name!r}")
+        return fetch().reshape(self._index.param(name).shape)
+
+    def close(self) -> None:
+        self._fetch.clear()
+
+
+class MegatronDpReshardableReader(_Bucketed):
     """A ``dp_reshardable`` dist checkpoint directory, opened in the canonical form.
 
     ``model``: the model the checkpoint was saved from (a module or Megatron's list of model
@@ -150,7 +170,7 @@ class MegatronDpReshardableReader:
                 f"{self.path}: {len(labels)} grad buffers in the checkpoint, {len(buffers)} by "
                 "the model (its parameters' dtypes; grad_reduce_in_fp32?)"
             )
-        self._where: dict[tuple[str, str], tuple[str, int, int]] = {}
+        self._fetch = {}
         slots: list[tuple[int, BucketSlot]] = []
         keys: list[str] = []
         for gbuf, buffer in enumerate(buffers):
@@ -167,38 +187,22 @@ class MegatronDpReshardableReader:
                 if unknown:
                     raise MegatronFormatError(f"{self.path}: unknown state {unknown} in bucket")
                 for key in keys:
-                    self._where[slot.name, _KEYS[key]] = (stored[key], slot.start, slot.end)
+                    self._fetch[slot.name, _KEYS[key]] = self._slice(stored[key], slot)
                 slots.append((gbuf, slot))
         self._index = _index(self.path, slots, keys, saved_groups, group_of, DP_RESHARDABLE)
 
     def _object(self, name: str) -> Any:
-        candidates = [fqn for fqn in self._all_objects() if fqn.startswith(f"{name}/shard_")]
+        candidates = [fqn for fqn in self._tensors.objects if fqn.startswith(f"{name}/shard_")]
         if len(candidates) != 1:
             raise MegatronFormatError(f"{self.path}: no single object {name!r} ({candidates})")
         value = self._tensors.read_object(candidates[0])
         return value[0] if isinstance(value, list) and len(value) == 1 else value
 
-    def _all_objects(self) -> list[str]:
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-        metadata = self._tensors._reader.read_metadata()
-        return [
-            fqn
-            for fqn, entry in metadata.state_dict_metadata.items()
-            if isinstance(entry, BytesStorageMetadata)
-        ]
-
-    def index(self) -> StateIndex:
-        return self._index
-
-    def read(self, name: str, key: str) -> torch.Tensor:
-        where = self._where.get((name, key))
-        if where is None:
-            raise KeyError(f"{self.path}: no state {key!r} for parameter {name!r}")
-        fqn, start, end = where
-        return self._tensors.read_slice(fqn, start, end).reshape(self._index.param(name).shape)
+    def _slice(self, fqn: str, slot: BucketSlot) -> Callable[[], torch.Tensor]:
+        return lambda: self._tensors.read_slice(fqn, slot.start, slot.end)
 
     def close(self) -> None:
+        super().close()
         self._tensors.close()
 
 
@@ -214,7 +218,7 @@ def _bucket_numels(per_bucket: Any, gbuf: int) -> list[int]:
         ) from None
 
 
-class MegatronLegacyReader:
+class MegatronLegacyReader(_Bucketed):
     """Megatron-LM's legacy optimizer files, opened in the canonical form: the directory
     holding ``optimizer_common.pt`` (param groups) and ``param_state.pt``
     (``DistributedOptimizer.save_parameter_state``).
@@ -262,7 +266,7 @@ class MegatronLegacyReader:
             raise MegatronFormatError(
                 f"{self.path / 'optimizer_common.pt'}: no optimizer param groups"
             ) from None
-        self._flat: dict[tuple[str, str], Callable[[], torch.Tensor]] = {}
+        self._fetch = {}
         slots: list[tuple[int, BucketSlot]] = []
         keys: list[str] = []
         for gbuf, buffer in enumerate(buffers_of(model, grad_reduce_in_fp32=grad_reduce_in_fp32)):
@@ -284,23 +288,11 @@ class MegatronLegacyReader:
             for slot in buffer_slots:
                 base = offsets[slot.bucket]
                 for key in keys:
-                    self._flat[slot.name, _KEYS[key]] = _slicer(
+                    self._fetch[slot.name, _KEYS[key]] = _slicer(
                         world[key], base + slot.start, base + slot.end
                     )
                 slots.append((gbuf, slot))
         self._index = _index(self.path, slots, keys, saved_groups, group_of, LEGACY)
-
-    def index(self) -> StateIndex:
-        return self._index
-
-    def read(self, name: str, key: str) -> torch.Tensor:
-        slicer = self._flat.get((name, key))
-        if slicer is None:
-            raise KeyError(f"{self.path}: no state {key!r} for parameter {name!r}")
-        return slicer().reshape(self._index.param(name).shape)
-
-    def close(self) -> None:
-        self._flat.clear()
 
 
 def _slicer(flat: torch.Tensor, start: int, end: int) -> Callable[[], torch.Tensor]:

@@ -10,13 +10,14 @@ process group or megatron-core.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from wrapped_optim._formats.pickled_classes import optimizer_classes_named_in
 
 __all__ = [
     "COMMON_FILE",
@@ -60,22 +61,6 @@ def read_backends(path: Path) -> dict[str, Any] | None:
     return config if isinstance(config, dict) and "sharded_backend" in config else None
 
 
-def _optimizer_classes_named(file: Path) -> list[type]:
-    """The optimizer classes ``file`` pickles that this process has imported (a
-    HybridDeviceOptimizer keeps its sub-optimizer classes in its param groups)."""
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(file))
-    except Exception:  # unreadable: torch.load reports it
-        return []
-    classes: list[type] = []
-    for name in names:
-        module, _, attribute = name.rpartition(".")
-        value = getattr(sys.modules.get(module), attribute, None)
-        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
-            classes.append(value)
-    return classes
-
-
 def load_common(file: Path) -> Any:
     """A ``torch.save`` file of Megatron's: weights-only, allowed the optimizer classes it
     names (the only non-tensor objects Megatron's optimizer state pickles).
@@ -90,7 +75,7 @@ def load_common(file: Path) -> Any:
     if not file.is_file():
         raise MegatronFormatError(f"{file}: no such file")
     try:
-        with torch.serialization.safe_globals(list[Any](_optimizer_classes_named(file))):
+        with torch.serialization.safe_globals(list[Any](optimizer_classes_named_in(file))):
             return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:
         raise MegatronFormatError(
@@ -134,6 +119,11 @@ class DcpTensors:
             raise MegatronFormatError(f"{path}: unreadable DCP metadata ({error})") from error
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        self.objects = [
+            name
+            for name, entry in metadata.state_dict_metadata.items()
+            if not isinstance(entry, TensorStorageMetadata)
+        ]
         self.specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self.chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
         for name, entry in metadata.state_dict_metadata.items():
@@ -244,4 +234,4 @@ def _optimizer_classes_in(data: bytes) -> list[type]:
     with tempfile.NamedTemporaryFile(suffix=".pt") as file:
         file.write(data)
         file.flush()
-        return _optimizer_classes_named(Path(file.name))
+        return optimizer_classes_named_in(file.name)
