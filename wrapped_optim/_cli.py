@@ -1,6 +1,6 @@
 """The ``wrapped-optim`` command (also ``python -m wrapped_optim``): ``demo``, ``bench``,
-``inspect`` and ``env``. Building the command line imports no torch, so ``--version`` and
-``--help`` answer at once."""
+``inspect``, ``convert``, ``names`` and ``env``. Building the command line imports no torch,
+so ``--version`` and ``--help`` answer at once."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "run_demo", "run_env", "run_inspect"]
+__all__ = ["main", "run_convert", "run_demo", "run_env", "run_inspect", "run_names"]
 
 _DESCRIPTION = (
     "Composable wrappers that make large-model optimizers cheap to checkpoint, offload and "
     "shard. Commands: demo (a one-minute tour that checks every claim), bench (the "
-    "benchmarks), inspect (what an optimizer checkpoint holds), env (versions and the CPU "
-    "kernel's status, for bug reports)."
+    "benchmarks), inspect (what an optimizer checkpoint holds), convert (carry an optimizer "
+    "checkpoint to another runtime's format), names (a model's parameter names, for convert), "
+    "env (versions and the CPU kernel's status, for bug reports)."
 )
 
 
@@ -69,6 +70,103 @@ def run_inspect(path: str, *, per_param: bool = True, trusted: bool = False) -> 
         )
         return 2
     print(text)
+    print(f"convert reads it as: {_convert_format(path)}")
+    return 0
+
+
+def _convert_format(path: str) -> str:
+    """The format ``wrapped-optim convert`` would detect, or why none."""
+    from wrapped_optim.checkpoint._convert._formats import detect_format
+
+    try:
+        return detect_format(path).name
+    except Exception as error:  # detection never unpickles; any failure is reported
+        return f"no known format ({str(error).splitlines()[0][:200]})"
+
+
+def _error(command: str, error: BaseException) -> int:
+    first = (str(error).strip().splitlines() or [""])[0][:500]
+    print(f"wrapped-optim {command}: error: {first}", file=sys.stderr)
+    return 2
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """``wrapped-optim convert SRC DST --to FORMAT``: 0 on success, 2 with a one-line reason.
+
+    Example:
+        >>> import argparse
+        >>> from wrapped_optim._cli import run_convert
+        >>> run_convert(argparse.Namespace(list=False, src="/no/such", dst="/tmp/x", to="dcp"))
+        2
+    """
+    from wrapped_optim.checkpoint import OptimizerCheckpointError, convert
+    from wrapped_optim.checkpoint._convert._formats import known_formats
+    from wrapped_optim.checkpoint._convert._names import load_model_spec
+
+    if args.list:
+        for fmt in known_formats():
+            modes = "".join(["r" if fmt.reader else "-", "w" if fmt.writer else "-"])
+            print(
+                textwrap.fill(
+                    fmt.summary,
+                    100,
+                    initial_indent=f"{fmt.name:<28} {modes}  ",
+                    subsequent_indent=" " * 33,
+                )
+            )
+        return 0
+    if not args.src or not args.dst or not args.to:
+        return _error("convert", ValueError("SRC, DST and --to FORMAT are required"))
+    try:
+        model = load_model_spec(args.model) if getattr(args, "model", None) else None
+        report = convert(
+            args.src,
+            args.dst,
+            to=args.to,
+            model=model,
+            names=getattr(args, "names", None),
+            dp=getattr(args, "dp", None),
+            moments=getattr(args, "moments", None),
+            master=getattr(args, "master", None),
+            layout=getattr(args, "layout", None),
+            source_format=getattr(args, "source_format", None),
+            location=getattr(args, "location", None),
+            under=getattr(args, "under", None),
+            allow_lossy=getattr(args, "allow_lossy", False),
+            verify=getattr(args, "verify", False),
+            trusted=getattr(args, "trust", False),
+            progress=not getattr(args, "no_progress", True),
+        )
+    except (OptimizerCheckpointError, OSError, TypeError) as error:
+        return _error("convert", error)
+    verified = ", verified" if report.verified else ""
+    print(
+        f"{report.source_format} -> {report.target_format}: {report.tensors} tensors, "
+        f"{report.bytes / 2**20:,.1f} MiB in {report.seconds:.2f} s{verified}: {args.dst}"
+    )
+    for tensor, largest in report.lossy.items():
+        print(f"  lossy {tensor}: largest error {largest:.3g}")
+    return 0
+
+
+def run_names(spec: str, out: str) -> int:
+    """``wrapped-optim names MODULE:CALLABLE OUT``: writes the model's parameter names.
+
+    Example:
+        >>> from wrapped_optim._cli import run_names
+        >>> run_names("no_such_module:build", "/tmp/names.json")
+        2
+    """
+    from wrapped_optim.checkpoint import OptimizerCheckpointError, names_from_model, save_names
+    from wrapped_optim.checkpoint._convert._names import load_model_spec
+
+    try:
+        model, optimizer = load_model_spec(spec)
+        names = names_from_model(model, optimizer)
+        save_names(names, out)
+    except (OptimizerCheckpointError, OSError) as error:
+        return _error("names", error)
+    print(f"{len(names.names)} parameter names written to {out}")
     return 0
 
 
@@ -128,6 +226,54 @@ def _add_inspect_command(commands: Any) -> None:
     )
 
 
+_MODEL_HELP = (
+    "MODULE:CALLABLE (or FILE.py:CALLABLE): a function taking no argument that builds the "
+    "model on the CPU, or a (model, optimizer) pair when the optimizer orders its "
+    "parameters otherwise (e.g. transformers' Trainer groups)"
+)
+
+
+def _add_convert_command(commands: Any) -> None:
+    convert = commands.add_parser(
+        "convert",
+        help="carry an optimizer checkpoint to another format (torch.save, DCP, ...)",
+        description="Reads an optimizer checkpoint (its format detected, or --from) and writes "
+        "it in --to's format, one tensor at a time, into a staging path renamed into place "
+        "when complete. --list shows the formats.",
+    )
+    convert.add_argument("src", metavar="SRC", nargs="?", help="the checkpoint to read")
+    convert.add_argument(
+        "dst", metavar="DST", nargs="?", help="the new checkpoint (must not exist)"
+    )
+    convert.add_argument("--to", metavar="FORMAT", help="the destination format")
+    convert.add_argument("--from", dest="source_format", metavar="FORMAT", help="the source format")
+    convert.add_argument("--list", action="store_true", help="list the formats and exit")
+    convert.add_argument("--model", metavar="MODULE:CALLABLE", help=_MODEL_HELP)
+    convert.add_argument("--names", metavar="FILE", help="a names file (wrapped-optim names)")
+    convert.add_argument("--dp", type=int, metavar="N", help="DP size of a sharded destination")
+    convert.add_argument("--moments", choices=["fp32", "bf16", "fp16", "fp8"])
+    convert.add_argument("--master", choices=["fp32", "fp16", "none"])
+    convert.add_argument(
+        "--layout",
+        choices=["torch", "precision-aware"],
+        help="state-dict layout of the destination (default: the source's)",
+    )
+    convert.add_argument("--location", help="which optimizer, where the source holds several")
+    convert.add_argument("--under", help="DCP destination: the key to put the state under")
+    convert.add_argument("--allow-lossy", action="store_true", help="convert lossy changes too")
+    convert.add_argument("--verify", action="store_true", help="read back and compare")
+    convert.add_argument("--trust", action="store_true", help="unpickle objects in SRC")
+    convert.add_argument("--no-progress", action="store_true", help="no progress line")
+    names = commands.add_parser(
+        "names",
+        help="write a model's parameter names (what convert's --names reads)",
+        description="Builds the model MODULE:CALLABLE on the CPU and writes its parameter "
+        "names and shapes, in the optimizer's order, to OUT (JSON).",
+    )
+    names.add_argument("model", metavar="MODULE:CALLABLE", help=_MODEL_HELP)
+    names.add_argument("out", metavar="OUT", help="the names file to write")
+
+
 def main(argv: Sequence[str] | None = None, *, prog: str = "wrapped-optim") -> int:
     """Entry point of the ``wrapped-optim`` command (``prog`` names it in help and errors).
 
@@ -157,6 +303,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "wrapped-optim") -> i
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_bench_command(commands)
     _add_inspect_command(commands)
+    _add_convert_command(commands)
     commands.add_parser(
         "env",
         help="print versions and the CPU kernel's status (for bug reports)",
@@ -184,6 +331,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "wrapped-optim") -> i
         return run_from_args(args)
     if args.command == "inspect":
         return run_inspect(args.path, per_param=not args.summary, trusted=args.trust)
+    if args.command == "convert":
+        return run_convert(args)
+    if args.command == "names":
+        return run_names(args.model, args.out)
     if args.command == "env":
         return run_env()
     parser.error(f"unknown command {args.command!r}")

@@ -162,6 +162,7 @@ def convert(
     layout: Literal["torch", "precision-aware"] | None = None,
     source_format: str | None = None,
     location: str | None = None,
+    under: str | None = None,
     allow_lossy: bool = False,
     verify: bool = False,
     trusted: bool = False,
@@ -191,7 +192,9 @@ def convert(
             ``PrecisionAwareAdamW``'s); default: the source's.
         source_format: the source's format, when detection should not decide.
         location: which optimizer, in a checkpoint holding several (as ``inspect`` names
-            them); for a DCP destination, the key to put the state under.
+            them).
+        under: for a DCP destination, the key to put the state under (e.g. ``"optim"``
+            for a ``{"model": ..., "optim": ...}`` checkpoint); default: the top level.
         allow_lossy: convert even when a change loses information (narrower moments, fp8,
             a dropped master); the report gives each lossy tensor's largest error.
         verify: read the result back and compare it with the source, tensor by tensor.
@@ -229,6 +232,11 @@ def convert(
         raise ConversionError(
             f"the converter cannot {'read' if which == source.name else 'write'} {which}"
         )
+    if dp is not None and not target.sharded:
+        raise ConversionError(
+            f"dp={dp}: {target.name} holds whole tensors, which load at any data-parallel "
+            "size; dp applies to formats sharded by DP rank"
+        )
     options = _options(names, model, dp, trusted, location, layout)
     reader = source.reader(Path(src), attrs.evolve(options, location=location))
     try:
@@ -239,7 +247,7 @@ def convert(
         shown = _stderr_progress() if progress is True else (progress or None)
         counting = _Counting(transformed, index, shown)
         destination = resolve_checkpoint_path(dst)
-        write_options = attrs.evolve(options, location=location if target.directory else None)
+        write_options = attrs.evolve(options, location=under)
         with _staged(destination, target.directory) as staging:
             target.writer(staging, write_options).write(index, counting)
         transformed.dropped_errors()

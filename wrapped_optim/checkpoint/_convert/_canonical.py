@@ -121,7 +121,11 @@ class StateReader(Protocol):
 
     def read(self, name: str, key: str) -> torch.Tensor:
         """Parameter ``name``'s state ``key``: whole, in model space, on the CPU, in the dtype
-        ``index()`` gives it."""
+        ``index()`` gives it.
+
+        The tensor is handed over: a writer may free its storage once written. A reader
+        that keeps the values (a cache, a file mapping) returns a view of them
+        (``tensor.view(tensor.shape)``), which writers never free."""
         ...
 
     def close(self) -> None: ...

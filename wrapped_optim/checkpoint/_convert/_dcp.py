@@ -29,6 +29,7 @@ import attrs
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
@@ -146,9 +147,10 @@ def _tree(metadata: Any) -> dict[Any, Any]:
 
 
 def _is_nested(node: Any) -> bool:
+    """``state`` and ``param_groups`` (an optimizer with no state yet saves no ``state``)."""
     return (
         isinstance(node, Mapping)
-        and isinstance(node.get("state"), Mapping)
+        and isinstance(node.get("state", {}), Mapping)
         and ("param_groups" in node)
     )
 
@@ -157,8 +159,8 @@ def _is_flat(node: Any) -> bool:
     if not isinstance(node, Mapping):
         return False
     keys = [k for k in node if isinstance(k, str)]
-    return any(k.startswith("state.") for k in keys) and any(
-        k.startswith("param_groups.") for k in keys
+    return any(k.startswith("param_groups.") for k in keys) and all(
+        k.startswith(("state.", "param_groups.")) for k in keys
     )
 
 
@@ -204,7 +206,7 @@ class DcpReader:
         osd = (
             _unflatten(node)
             if flat
-            else {"state": node["state"], "param_groups": node["param_groups"]}
+            else {"state": node.get("state", {}), "param_groups": node["param_groups"]}
         )
         osd = self._resolved(osd)
         if flat:
@@ -231,8 +233,9 @@ class DcpReader:
         groups = _substitute(groups, values)
         if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
             raise ConversionError(f"{self.path}: param_groups is not a list of mappings")
+        by_index = any(isinstance(k, int) for g in groups for k in g.get("params", []))
         state = {
-            key: {
+            _index_key(key) if by_index else key: {
                 name: values[v.key] if name == "step" and isinstance(v, _Leaf) else v
                 for name, v in entries.items()
             }
@@ -253,6 +256,11 @@ class DcpReader:
 
     def close(self) -> None:
         self._leaves = {}
+
+
+def _index_key(key: Any) -> Any:
+    """DCP routes keep a mapping's int keys as strings: parameter indices back to ints."""
+    return int(key) if isinstance(key, str) and key.isdigit() else key
 
 
 def _spec_of(value: Any) -> TensorSpec | None:
@@ -306,6 +314,18 @@ class _PullingPlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
         self.reader = reader
         self.sources = sources
+        self.previous: torch.Tensor | None = None
+
+    def release_previous(self) -> None:
+        """Frees the last tensor handed to DCP (written by now: its serial loader asks for
+        the next item only after writing this one), which DCP's file writer would otherwise
+        keep referenced until the file ends. Only a whole tensor the reader handed over is
+        freed; a view (of a reader's cache, of a file mapping) is left alone."""
+        previous, self.previous = self.previous, None
+        if previous is not None and previous._base is None:
+            storage = previous.untyped_storage()
+            if storage.resizable():
+                storage.resize_(0)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if write_item.type == WriteItemType.BYTE_IO:
@@ -314,13 +334,16 @@ class _PullingPlanner(DefaultSavePlanner):
         source = self.sources.get(id(obj))
         if source is None:
             return super().resolve_data(write_item)
+        self.release_previous()
         tensor = self.reader.read(*source)
         if tensor.dtype != obj.dtype or tensor.shape != obj.shape:
             raise ConversionError(
                 f"parameter {source[0]!r}: state {source[1]!r} came as {tensor.dtype} "
                 f"{tuple(tensor.shape)}, its index says {obj.dtype} {tuple(obj.shape)}"
             )
-        return tensor.contiguous()
+        tensor = tensor.contiguous()
+        self.previous = tensor
+        return tensor
 
 
 class DcpWriter:
@@ -353,7 +376,21 @@ class DcpWriter:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             planner = _PullingPlanner(reader, sources)
-            dcp.save(tree, storage_writer=writer, planner=planner, no_dist=True)
+            try:
+                dcp.save(tree, storage_writer=writer, planner=planner, no_dist=True)
+            except CheckpointException as error:
+                raise _first_failure(error) from error
+            finally:
+                planner.release_previous()
+
+
+def _first_failure(error: CheckpointException) -> BaseException:
+    """The failure itself (a reader's ConversionError, an OSError) rather than DCP's wrapper."""
+    for failure in error.failures.values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, BaseException):
+            return cause
+    return error
 
 
 def _flatten(osd: Mapping[str, Any]) -> dict[str, Any]:

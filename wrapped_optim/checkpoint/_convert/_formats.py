@@ -14,6 +14,7 @@ defines::
             detect=is_fully_reshardable,    # (path) -> bool, cheap, never unpickles
             directory=True,
             priority=10,                    # tried before the plain DCP check
+            sharded=True,                   # its writer takes FormatOptions.dp_size
         ),
     )
 
@@ -54,6 +55,8 @@ class Format:
         directory: the format is a directory (else one file).
         priority: detection order, highest first (a DCP-based format more specific than
             plain DCP sets a higher one).
+        sharded: the writer lays state out for a data-parallel size (``dp_size`` /
+            ``--dp``); a format of whole tensors loads at any DP size and refuses ``dp``.
     """
 
     name: str
@@ -63,6 +66,7 @@ class Format:
     detect: Callable[[Path], bool] | None
     directory: bool
     priority: int = 0
+    sharded: bool = False
 
 
 _FORMAT_MODULES = (

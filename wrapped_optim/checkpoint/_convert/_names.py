@@ -98,9 +98,7 @@ def read_names(path: str | os.PathLike[str]) -> ParameterNames:
     except (OSError, ValueError) as error:
         raise ConversionError(f"{path}: not a readable names file ({error})") from error
     if isinstance(payload, list) and all(isinstance(n, str) for n in payload):
-        raise ConversionError(
-            f"{path}: a bare list of names has no shapes; write it with save_names"
-        )
+        return ParameterNames(names=payload)  # names only: shapes are not checked
     if not isinstance(payload, dict) or payload.get("format") != NAMES_FORMAT:
         raise ConversionError(f"{path}: not a names file ({NAMES_FORMAT})")
     names, shapes = payload.get("names"), payload.get("shapes")

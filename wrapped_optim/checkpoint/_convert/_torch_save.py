@@ -16,6 +16,7 @@ it as any torch.save file.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -130,7 +131,7 @@ class TorchSaveReader:
             value = self._leaves[(name, key)]
         except KeyError:
             raise ConversionError(f"{self.path}: no state {key!r} for parameter {name!r}") from None
-        return value.detach()  # a new tensor object over the file's mapping: no copy
+        return value.detach().view(value.shape)  # a view: the file mapping stays ours
 
     def close(self) -> None:
         self._leaves = {}
@@ -152,6 +153,15 @@ _STORAGE_TYPES = {
     torch.uint8: "ByteStorage",
     torch.bool: "BoolStorage",
 }
+
+
+def _crc32() -> bool:
+    """Whether torch.save computes zip CRC32s here (its ``compute_crc32`` setting)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return True
+    return bool(getattr(config.save, "compute_crc32", True))
 
 
 class _Slot:
@@ -237,12 +247,32 @@ class TorchSaveWriter:
         )
         buffer = io.BytesIO()
         _Pickler(buffer, slots).dump(osd)
-        with self.path.open("wb") as stream:
-            _write_archive(stream, buffer.getvalue(), slots, reader)
+        if str(self.path).isascii():  # torch's own file writer: no Python call per block
+            _write_archive(str(self.path), buffer.getvalue(), slots, reader)
+        else:
+            with self.path.open("wb") as stream:
+                _write_archive(stream, buffer.getvalue(), slots, reader)
 
 
-def _write_archive(stream: IO[bytes], data: bytes, slots: list[_Slot], reader: StateReader) -> None:
-    archive = PyTorchFileWriter(stream, True, 64)
+def _write_archive(
+    stream: IO[bytes] | str, data: bytes, slots: list[_Slot], reader: StateReader
+) -> None:
+    archive = PyTorchFileWriter(stream, _crc32(), 64)
+    try:
+        _write_records(archive, data, slots, reader)
+    except BaseException:
+        # The archive must be ended while its stream is open (its destructor would write
+        # into a closed stream and abort the process); the caller removes the file.
+        with contextlib.suppress(Exception):
+            archive.write_end_of_file()
+        raise
+    finally:
+        del archive
+
+
+def _write_records(
+    archive: PyTorchFileWriter, data: bytes, slots: list[_Slot], reader: StateReader
+) -> None:
     archive.write_record("data.pkl", data, len(data))
     archive.write_record(".format_version", b"1", 1)
     archive.write_record(".storage_alignment", b"64", 2)
@@ -256,6 +286,9 @@ def _write_archive(stream: IO[bytes], data: bytes, slots: list[_Slot], reader: S
             )
         tensor = tensor.contiguous()  # a view of a mapping or a fresh tensor: no copy
         nbytes = tensor.numel() * tensor.element_size()
-        archive.write_record(f"data/{slot.key}", tensor.data_ptr() if nbytes else b"", nbytes)
-        del tensor
+        if tensor.storage_offset() or tensor.untyped_storage().nbytes() != nbytes:
+            tensor = tensor.clone()  # a view into a larger storage: its own bytes only
+        storage = tensor.untyped_storage()
+        archive.write_record(f"data/{slot.key}", storage, nbytes)  # type: ignore[arg-type]
+        del tensor, storage
     archive.write_end_of_file()
