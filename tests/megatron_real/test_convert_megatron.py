@@ -364,3 +364,21 @@ def test_bucket_space_reader_refuses_another_model(runs: dict[str, Any]) -> None
         megatron_reader(path, model=other)
     with pytest.raises(MegatronFormatError, match="dtypes"):
         megatron_reader(path, model=_meta_model("offload_half"))  # bf16 against FP32
+
+
+@pytest.mark.parametrize("fmt", ["dp_reshardable", "legacy"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_convert_from_bucket_space_equals_megatrons_own_fully_reshardable(
+    runs: dict[str, Any], name: str, fmt: str, tmp_path: Path
+) -> None:
+    # convert(model=...) takes only names and shapes; the checkpoint gives the dtypes.
+    from wrapped_optim.checkpoint import convert
+
+    ckpt = runs["ckpt"] / name
+    src = ckpt / fmt / "dist" if fmt == "dp_reshardable" else ckpt / fmt
+    report = convert(src, tmp_path / "out", to=FULLY_RESHARDABLE, model=_meta_model(name))
+    assert report.source_format == f"megatron-{fmt.replace('_', '-')}" and report.lossy == {}
+    own = megatron_reader(ckpt / "fully_reshardable" / "dist")
+    converted = megatron_reader(tmp_path / "out")
+    assert converted.index().params == own.index().params
+    _assert_same_tensors(own, converted)

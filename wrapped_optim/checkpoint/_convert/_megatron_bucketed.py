@@ -34,6 +34,7 @@ from wrapped_optim.checkpoint._convert._megatron import (
 from wrapped_optim.checkpoint._convert._megatron_buckets import (
     BucketSlot,
     Buffer,
+    ParamList,
     buffers_of,
     lay_out,
 )
@@ -52,6 +53,15 @@ _BUCKET_KEY = re.compile(
     r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+)\)"
     r"\.bucket_idx_(\d+)\.(\w+)$"
 )
+
+
+def _dtypes(label: str) -> tuple[torch.dtype, torch.dtype]:
+    """``(param dtype, grad dtype)`` from Core's key part ``torch.bfloat16, torch.float32``."""
+    found = [getattr(torch, part.strip().removeprefix("torch."), None) for part in label.split(",")]
+    dtypes = [d for d in found if isinstance(d, torch.dtype)]
+    if len(found) != 2 or len(dtypes) != 2:
+        raise MegatronFormatError(f"unknown grad buffer dtypes ({label})")
+    return dtypes[0], dtypes[1]
 
 
 def _dtype_label(buffer: Buffer) -> str:
@@ -164,7 +174,15 @@ class MegatronDpReshardableReader(_Bucketed):
         prefix = "optimizer.distributed.dp_group_idx_0"
         saved_groups = self._object(f"{prefix}.optimizer")["param_groups"]
         per_bucket = self._object(f"{prefix}.per_bucket_numel_unpadded")
-        buffers = buffers_of(model, grad_reduce_in_fp32=grad_reduce_in_fp32)
+        if isinstance(model, ParamList):
+            if len(labels) != 1:
+                raise MegatronFormatError(
+                    f"{self.path}: {len(labels)} grad buffers (parameters of several dtypes): "
+                    "names and shapes alone do not place them; pass the model itself"
+                )
+            buffers = [model.buffer(*_dtypes(labels[min(labels)]))]
+        else:
+            buffers = buffers_of(model, grad_reduce_in_fp32=grad_reduce_in_fp32)
         if len(buffers) != len(labels):
             raise MegatronFormatError(
                 f"{self.path}: {len(labels)} grad buffers in the checkpoint, {len(buffers)} by "
@@ -269,7 +287,17 @@ class MegatronLegacyReader(_Bucketed):
         self._fetch = {}
         slots: list[tuple[int, BucketSlot]] = []
         keys: list[str] = []
-        for gbuf, buffer in enumerate(buffers_of(model, grad_reduce_in_fp32=grad_reduce_in_fp32)):
+        if isinstance(model, ParamList):
+            dtypes = [key for key in state.get(0, {}) if isinstance(key, tuple)]
+            if len([k for k in state if isinstance(k, int)]) != 1 or len(dtypes) != 1:
+                raise MegatronFormatError(
+                    f"{file}: several grad buffers (parameters of several dtypes): names and "
+                    "shapes alone do not place them; pass the model itself"
+                )
+            buffers = [model.buffer(*dtypes[0])]
+        else:
+            buffers = buffers_of(model, grad_reduce_in_fp32=grad_reduce_in_fp32)
+        for gbuf, buffer in enumerate(buffers):
             per_dtype = state.get(gbuf)
             world = per_dtype.get((buffer.param_dtype, buffer.grad_dtype)) if per_dtype else None
             if world is None:

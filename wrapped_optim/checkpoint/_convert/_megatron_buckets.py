@@ -23,7 +23,7 @@ import torch
 
 from wrapped_optim.checkpoint._convert._megatron_files import MegatronFormatError
 
-__all__ = ["BucketSlot", "Buffer", "buffers_of", "lay_out"]
+__all__ = ["BucketSlot", "Buffer", "ParamList", "buffers_of", "lay_out"]
 
 _ALIGN = 64  # Core's param start alignment under the distributed optimizer (0.16.1, 0.19.2)
 
@@ -46,6 +46,28 @@ class Buffer:
     param_dtype: torch.dtype
     grad_dtype: torch.dtype
     params: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+@attrs.frozen
+class ParamList:
+    """A model given by its trainable parameters' names and shapes alone (in
+    ``model.parameters()`` order, as ``wrapped-optim names`` writes them): enough to place
+    them when they share one dtype, which the checkpoint then says.
+
+    Example:
+        >>> ParamList(("w",), ((2, 3),)).buffer(torch.float32, torch.float32).params
+        (('w', (2, 3)),)
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    def buffer(self, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> Buffer:
+        if len(self.names) != len(self.shapes):
+            raise MegatronFormatError("names and shapes differ in length")
+        pairs = zip(self.names, self.shapes, strict=True)
+        params = tuple((name.removeprefix("module."), tuple(shape)) for name, shape in pairs)
+        return Buffer(param_dtype, grad_dtype, params)
 
 
 def _modules(model: Any) -> list[torch.nn.Module]:
