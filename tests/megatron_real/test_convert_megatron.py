@@ -11,13 +11,17 @@ training continues exactly as the uninterrupted run.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-pytest.importorskip("megatron.core.dist_checkpointing")
+# Not importorskip: importing megatron.core binds its FusedAdam before the precision-aware
+# launch's TE stand-in (tests/megatron_real/precision_aware.py), in the spawned workers too.
+if importlib.util.find_spec("megatron") is None:  # pragma: no cover - Megatron is optional
+    pytest.skip("megatron-core is not installed", allow_module_level=True)
 
 from tests.distributed.conftest import Launcher, mismatches, run_in_this_process
 from tests.megatron_real.dist_ckpt import (
@@ -382,3 +386,56 @@ def test_convert_from_bucket_space_equals_megatrons_own_fully_reshardable(
     converted = megatron_reader(tmp_path / "out")
     assert converted.index().params == own.index().params
     _assert_same_tensors(own, converted)
+
+
+# --------------------------------------------------------------------------------------
+# Megatron's precision-aware DistributedOptimizer (bf16 moments, FP32 master kept as bf16
+# weights plus int16 remainders): its own launch, since the TE stand-in must come first.
+# --------------------------------------------------------------------------------------
+def _save_precision(rank: int, world: int, root: str) -> dict[str, Any]:
+    from tests.megatron_real.precision_aware import build_precision_aware, install_te_stand_in
+
+    install_te_stand_in()
+    with megatron_session():
+        model, optimizer = build_precision_aware("bf16_remainders")
+        optimizer = route_optimizer(optimizer, "wrap")
+        train(model, optimizer, range(SAVE_AT), rank)
+        save(model, optimizer, Path(root), "fully_reshardable")
+        return {
+            "space": model_space_state(model, optimizer),
+            "weights": {_model_name(n): p.detach().clone() for n, p in model.named_parameters()},
+        }
+
+
+@pytest.fixture(scope="module")
+def precision(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("convert_precision")
+    launch = Launcher(root, cuda_shim=False, timeout_s=600)
+    return {"saved": launch(_save_precision, 2, str(root / "ckpt")), "ckpt": root / "ckpt"}
+
+
+def test_precision_aware_remainders_rebuild_the_fp32_master_bitwise(
+    precision: dict[str, Any],
+) -> None:
+    from wrapped_optim._formats.remainders import join_master
+
+    saved = precision["saved"]
+    live = whole_model_space([rank["space"] for rank in saved])
+    weights = saved[0]["weights"]  # the same on every rank
+    reader = megatron_reader(precision["ckpt"] / "dist", param_remainders=True)
+    for param in reader.index().params:
+        remainder = live[f"module.{param.name}/param"]
+        assert remainder.dtype == torch.int16  # what the live optimizer keeps
+        master = join_master(weights[param.name].reshape(-1), remainder)
+        got = reader.read(param.name, MASTER)
+        assert got.dtype == torch.float32
+        assert mismatches({"m": master}, {"m": got.reshape(-1)}) == [], param.name
+        for key in ("exp_avg", "exp_avg_sq"):  # bf16 moments, stored as their FP32 expansion
+            want = live[f"module.{param.name}/{key}"]
+            assert mismatches({"t": want}, {"t": reader.read(param.name, key).reshape(-1)}) == []
+    # Without the flag the remainder is handed on as stored (float32 integers), not a master.
+    plain = megatron_reader(precision["ckpt"] / "dist")
+    name = plain.index().params[0].name
+    assert torch.equal(plain.read(name, MASTER).reshape(-1), live[f"module.{name}/param"].float())
+    plain.close()
+    reader.close()

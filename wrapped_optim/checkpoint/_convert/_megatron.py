@@ -199,9 +199,15 @@ class MegatronFullyReshardableReader:
     """
 
     def __init__(
-        self, path: str | Path, *, key: str = "optimizer", group_of: GroupOf | None = None
+        self,
+        path: str | Path,
+        *,
+        key: str = "optimizer",
+        group_of: GroupOf | None = None,
+        param_remainders: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.param_remainders = param_remainders
         if read_backends(self.path) is None:
             raise MegatronFormatError(
                 f"{self.path}: not a Megatron dist_checkpointing directory (no {METADATA_FILE})"
@@ -296,7 +302,31 @@ class MegatronFullyReshardableReader:
         tensor_key = self._where.get((name, key))
         if tensor_key is None:
             raise KeyError(f"{self.path}: no state {key!r} for parameter {name!r}")
-        return self._tensors.read(tensor_key)
+        tensor = self._tensors.read(tensor_key)
+        if key == MASTER and self.param_remainders:
+            return self._joined(name, tensor)
+        return tensor
+
+    def _joined(self, name: str, stored: torch.Tensor) -> torch.Tensor:
+        """The FP32 master of a precision-aware run that kept it as bf16 weights plus int16
+        remainders: Megatron writes the remainder (as float32) under ``param``, the bf16 high
+        half is the model weight saved beside it."""
+        from wrapped_optim._formats.remainders import join_master
+
+        if name not in self._tensors.specs or self._tensors.specs[name][1] != torch.bfloat16:
+            raise MegatronFormatError(
+                f"{self.path}: parameter {name!r}: param_remainders needs its bf16 model weight "
+                "in the same checkpoint (saved with the model)"
+            )
+        remainder = stored.to(torch.int16)
+        if not torch.equal(remainder.float(), stored):
+            raise MegatronFormatError(
+                f"{self.path}: parameter {name!r}: its stored main param is not an int16 "
+                "remainder; open it without param_remainders"
+            )
+        return join_master(self._tensors.read(name).reshape(-1), remainder.reshape(-1)).reshape(
+            stored.shape
+        )
 
     def close(self) -> None:
         self._tensors.close()

@@ -30,6 +30,7 @@ def megatron_reader(
     key: str = "optimizer",
     group_of: GroupOf | None = None,
     bucket_size: int | None = None,
+    param_remainders: bool = False,
 ) -> StateReader:
     """A Megatron optimizer checkpoint at ``path``, opened for reading in the canonical form.
 
@@ -38,7 +39,10 @@ def megatron_reader(
     saved from; the meta device will do), the legacy files also the run's DDP
     ``bucket_size`` when it had several buckets. ``key``: where the optimizer's state sits
     (``"optimizer"`` in Megatron-LM and Bridge). ``group_of``: which param group each
-    parameter is in, where Megatron's standard grouping does not apply.
+    parameter is in, where Megatron's standard grouping does not apply. ``param_remainders``:
+    a ``fully_reshardable`` checkpoint of a precision-aware run with ``store_param_remainders``
+    (Core's default there) holds int16 remainders where the FP32 main param would be; the
+    master is then rebuilt from them and the bf16 model weights saved beside them.
 
     Example:
         >>> import tempfile
@@ -51,7 +55,9 @@ def megatron_reader(
     """
     fmt = detect_megatron(path)
     if fmt in (None, FULLY_RESHARDABLE):
-        return MegatronFullyReshardableReader(path, key=key, group_of=group_of)
+        return MegatronFullyReshardableReader(
+            path, key=key, group_of=group_of, param_remainders=param_remainders
+        )
     if model is None:
         raise MegatronFormatError(
             f"{path}: a {fmt} checkpoint stores the optimizer in bucket space; pass model= "
