@@ -410,11 +410,22 @@ def _save_lazily(
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class _Pulling(DefaultSavePlanner):
+        previous: torch.Tensor | None = None
+
         def resolve_data(self, write_item: Any) -> Any:
             fqn = write_item.index.fqn
-            if fqn in tensors.where:
-                return tensors.value(fqn)
-            return super().resolve_data(write_item)
+            if fqn not in tensors.where:
+                return super().resolve_data(write_item)
+            # DCP's file writer keeps the tensors it wrote referenced until the file ends; its
+            # serial loader asks for the next one only once the previous is written, so that
+            # one's memory is released here (a whole tensor handed over, never a view).
+            previous, self.previous = self.previous, None
+            if previous is not None and previous._base is None:
+                storage = previous.untyped_storage()
+                if storage.resizable():
+                    storage.resize_(0)
+            self.previous = tensors.value(fqn)
+            return self.previous
 
     placeholders = {
         fqn: torch.empty(shape, dtype=dtype, device="meta") for fqn, (shape, dtype) in specs.items()
