@@ -550,3 +550,48 @@ def test_registry_lists_and_detects_the_formats(tmp_path: Path) -> None:
         register_format(get_format("dcp"))
     with pytest.raises(ConversionError, match="unknown format 'nope'"):
         get_format("nope")
+
+
+def test_master_narrowed_then_widened(tmp_path: Path) -> None:
+    model = Model([(6,)], torch.bfloat16)
+    opt = make_optimizer("precision_aware", model, 1)
+    train(model, opt, 1, seed=3)
+    torch.save(opt.state_dict(), tmp_path / "a.pt")
+    with pytest.raises(ConversionError, match=r"'master' would be torch.float32 -> torch.float16"):
+        convert(tmp_path / "a.pt", tmp_path / "b.pt", to="torch-save", master="fp16")
+    narrowed = convert(
+        tmp_path / "a.pt", tmp_path / "b.pt", to="torch-save", master="fp16", allow_lossy=True
+    )
+    widened = convert(tmp_path / "b.pt", tmp_path / "c.pt", to="torch-save", master="fp32")
+    source = opt.state_dict()["state"][0]["master_param"]
+    half = torch.load(tmp_path / "b.pt")["state"][0]["master_param"]
+    back = torch.load(tmp_path / "c.pt")["state"][0]["master_param"]
+    assert half.dtype == torch.float16 and bits_equal(half, source.half())
+    assert widened.lossy == {} and bits_equal(back, half.float())
+    assert narrowed.lossy["0:master"] == float((half.double() - source.double()).abs().max())
+
+
+@settings(max_examples=8, deadline=None)
+@given(shapes=shapes_st, via=st.sampled_from(["torch-save", "dcp"]))
+def test_widened_moments_narrow_back_bit_identically(
+    tmp_path_factory: pytest.TempPathFactory, shapes: list[tuple[int, ...]], via: str
+) -> None:
+    """bf16 moments -> fp32 (lossless) -> bf16: every bit back, the narrowing's reported
+    error zero (it is declared lossy, so it still needs allow_lossy)."""
+    tmp = tmp_path_factory.mktemp("widen")
+    model = Model(shapes, torch.bfloat16)
+    opt = make_optimizer("adamw", model, 1)
+    train(model, opt, 2, seed=6)
+    torch.save(opt.state_dict(), tmp / "a.pt")
+    names = names_from_model(model)
+    wide = convert(tmp / "a.pt", target(tmp, via), to=via, names=names, moments="fp32")
+    narrow = convert(
+        target(tmp, via),
+        tmp / "b.pt",
+        to="torch-save",
+        names=names,
+        moments="bf16",
+        allow_lossy=True,
+    )
+    assert wide.lossy == {} and set(narrow.lossy.values()) <= {0.0}
+    assert same_state_dict(opt.state_dict(), torch.load(tmp / "b.pt", weights_only=True)) == []

@@ -68,7 +68,7 @@ def _write_sources(root: Path, params: int) -> tuple[int, int]:
              no_dist=True)  # fmt: skip
     (root / "names.json").write_text(json.dumps(names))
     total = sum(2 * 4 * _numel(s) for s in shapes)
-    return total, 4 * ROWS * COLS
+    return total, sum(_numel(s) for s in shapes)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -159,7 +159,8 @@ def _run_child(root: Path, case: str) -> dict[str, Any]:
 def _collect(params: int, rounds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("WRAPPED_OPTIM_BENCH_DIR")) as tmp:
         root = Path(tmp)
-        state_bytes, largest = _write_sources(root, params)
+        state_bytes, params = _write_sources(root, params)
+        largest = 4 * ROWS * COLS
         rows = []
         for src, dst in CASES:
             best: dict[str, dict[str, Any]] = {}

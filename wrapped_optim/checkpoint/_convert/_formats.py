@@ -20,7 +20,9 @@ defines::
 
 ``register_format`` adds one at run time as well (a plug-in, a test). A writer factory
 receives ``FormatOptions``: ``dp_size`` is the DP size a sharded destination is written for;
-``names``/``shapes`` name index-keyed parameters.
+``names``/``shapes`` name index-keyed parameters. A format module imports its optional
+framework (megatron-core, deepspeed) inside its readers and writers, never at module level:
+every command that lists or detects formats imports every format module.
 """
 
 from __future__ import annotations
@@ -82,10 +84,10 @@ _LOADED: list[bool] = []
 def _load() -> None:
     if _LOADED:
         return
-    _LOADED.append(True)
     for module in _FORMAT_MODULES:
         for fmt in importlib.import_module(module).FORMATS:
             _REGISTRY.setdefault(fmt.name, fmt)
+    _LOADED.append(True)
 
 
 def register_format(fmt: Format, *, replace: bool = False) -> None:
