@@ -9,7 +9,6 @@ import functools
 import logging
 import os
 import pickle
-import sys
 import tempfile
 import threading
 import weakref
@@ -24,6 +23,7 @@ from wrapped_optim._adapters.hybrid import is_megatron_hdo
 from wrapped_optim._adapters.megatron import unshare_steps
 from wrapped_optim._adapters.megatron_precision import precision_setter_repairs
 from wrapped_optim._adapters.walk import LeafContext, walk_leaves
+from wrapped_optim._formats.pickled_classes import optimizer_classes_named_in
 from wrapped_optim.patching import patch_attribute
 
 __all__ = [
@@ -268,20 +268,7 @@ def _common_loader() -> Any:
 def _optimizer_classes_named_in(checkpoint_dir: Any) -> list[Any]:
     """The optimizer classes the checkpoint's common state names that this process has
     imported already (nothing is imported; other globals stay refused)."""
-    path = os.path.join(str(checkpoint_dir), _COMMON_FILE)
-    if not os.path.isfile(path):
-        return []
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception:  # unreadable: Core's own read reports it
-        return []
-    classes = []
-    for name in names:
-        module, _, attribute = name.rpartition(".")
-        value = getattr(sys.modules.get(module), attribute, None)
-        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
-            classes.append(value)
-    return classes
+    return optimizer_classes_named_in(os.path.join(str(checkpoint_dir), _COMMON_FILE))
 
 
 class _CommonReadAllowance:

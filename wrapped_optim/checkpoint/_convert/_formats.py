@@ -74,6 +74,8 @@ class Format:
 _FORMAT_MODULES = (
     "wrapped_optim.checkpoint._convert._torch_save_format",
     "wrapped_optim.checkpoint._convert._dcp_format",
+    "wrapped_optim.checkpoint._convert._megatron_format",
+    "wrapped_optim.checkpoint._convert._deepspeed_format",
 )
 _REGISTRY: dict[str, Format] = {}
 _LOADED: list[bool] = []

@@ -1,0 +1,90 @@
+"""The Megatron formats' registry entries."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from wrapped_optim.checkpoint._convert._formats import Format, ReaderFactory
+from wrapped_optim.checkpoint._convert._megatron import (
+    DP_RESHARDABLE,
+    FULLY_RESHARDABLE,
+    LEGACY,
+    MegatronFullyReshardableReader,
+    MegatronFullyReshardableWriter,
+    detect_megatron,
+)
+from wrapped_optim.checkpoint._convert._megatron_bucketed import (
+    MegatronDpReshardableReader,
+    MegatronLegacyReader,
+)
+from wrapped_optim.checkpoint._convert._megatron_buckets import ParamList
+from wrapped_optim.checkpoint._convert._megatron_files import MegatronFormatError
+from wrapped_optim.checkpoint._convert._options import FormatOptions
+
+__all__ = ["FORMATS"]
+
+
+def _reader(path: Path, options: FormatOptions) -> MegatronFullyReshardableReader:
+    return MegatronFullyReshardableReader(path, key=options.location or "optimizer")
+
+
+def _writer(path: Path, options: FormatOptions) -> MegatronFullyReshardableWriter:
+    return MegatronFullyReshardableWriter(path, key=options.location or "optimizer")
+
+
+def _params(path: Path, options: FormatOptions) -> ParamList:
+    if options.names is None or options.shapes is None:
+        raise MegatronFormatError(
+            f"{path}: a bucket-space Megatron checkpoint; name the model it was saved from "
+            "(model= / --model, or names= / --names)"
+        )
+    return ParamList(options.names, options.shapes)
+
+
+def _dp_reader(path: Path, options: FormatOptions) -> MegatronDpReshardableReader:
+    return MegatronDpReshardableReader(path, model=_params(path, options))
+
+
+def _legacy_reader(path: Path, options: FormatOptions) -> MegatronLegacyReader:
+    return MegatronLegacyReader(path, model=_params(path, options))
+
+
+def _detects(name: str) -> Callable[[Path], bool]:
+    return lambda path: path.is_dir() and detect_megatron(path) == name
+
+
+def _format(name: str, summary: str, reader: ReaderFactory, writer: Any = None) -> Format:
+    return Format(
+        name=name,
+        summary=summary,
+        reader=reader,
+        writer=writer,
+        detect=_detects(name),
+        directory=True,
+        priority=10,  # before the plain DCP check
+    )
+
+
+FORMATS = (
+    _format(
+        FULLY_RESHARDABLE,
+        "Megatron-Core dist_checkpointing, fully_reshardable (model space, any DP size; names "
+        "are the model's sharded keys)",
+        _reader,
+        _writer,
+    ),
+    _format(
+        DP_RESHARDABLE,
+        "Megatron-Core dist_checkpointing, dp_reshardable (bucket space; reading, with the "
+        "model's names: --model or --names)",
+        _dp_reader,
+    ),
+    _format(
+        LEGACY,
+        "Megatron-LM's legacy optimizer files (optimizer_common.pt + param_state.pt, one bucket "
+        "per buffer; reading, with --model or --names)",
+        _legacy_reader,
+    ),
+)
