@@ -177,6 +177,22 @@ def test_dcp_round_trip_keeps_the_checkpoint_bit_identical(tmp_path: Path) -> No
         assert same_state_dict(fresh.state_dict(), opt.state_dict()) == []
 
 
+def test_verify_reads_an_index_keyed_result_of_a_named_source_by_those_names(
+    tmp_path: Path,
+) -> None:
+    model = Model([(4, 3), (3,)], torch.float32)
+    opt = make_optimizer("adamw", model, 1)
+    train(model, opt, 2, seed=1)
+    dcp.save(
+        {"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=tmp_path / "a", no_dist=True
+    )
+    report = convert(tmp_path / "a", tmp_path / "b.pt", to="torch-save", verify=True)
+    assert report.verified
+    fresh = make_optimizer("adamw", model, 1)
+    fresh.load_state_dict(torch.load(tmp_path / "b.pt", weights_only=True))
+    assert same_state_dict(fresh.state_dict(), opt.state_dict()) == []
+
+
 def test_streaming_layout_loads_with_load_optimizer_and_back(tmp_path: Path) -> None:
     model = Model([(5, 2), (2,), (3,)], torch.bfloat16)
     opt = make_optimizer("precision_aware", model, 2)
