@@ -58,7 +58,6 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         [
             "tests/test_rollback.py",
             "tests/test_rollback_mutants.py",
-            "tests/test_transfers.py",
             "tests/test_load_rollback_options.py",
         ],
     ),
@@ -95,7 +94,6 @@ def _workdir(module: str) -> Path:
 
 def _configure(work: Path, mutate: list[str], tests: list[str]) -> None:
     section = {
-        "paths_to_mutate": mutate,
         "source_paths": ["wrapped_optim"],
         "only_mutate": mutate,
         "pytest_add_cli_args": PYTEST_ARGS,
@@ -121,20 +119,20 @@ def main() -> int:
     mutate, tests = MODULES[args.module]
     work = _workdir(args.module)
     _configure(work, mutate, tests)
-    mutmut = str(Path(sys.executable).with_name("mutmut"))
+    mutmut = [sys.executable, "-m", "mutmut"]
     env = dict(os.environ)
     env.setdefault("WRAPPED_OPTIM_KERNEL_CACHE", str(ROOT / ".mutation" / "kernel"))
     run = subprocess.run(
-        [mutmut, "run", "--max-children", str(args.max_children)], cwd=work, env=env
+        [*mutmut, "run", "--max-children", str(args.max_children)], cwd=work, env=env
     )
-    subprocess.run([mutmut, "export-cicd-stats"], cwd=work, env=env, check=False)
+    subprocess.run([*mutmut, "export-cicd-stats"], cwd=work, env=env, check=False)
     stats_file = work / "mutants" / "mutmut-cicd-stats.json"
     if stats_file.exists():
         stats = json.loads(stats_file.read_text())
         killed, total = stats.get("killed", 0), stats.get("total", 0)
         score = f"{100 * killed / total:.1f}%" if total else "n/a"
         print(f"{args.module}: {killed}/{total} mutants killed ({score}); {json.dumps(stats)}")
-    subprocess.run([mutmut, "results"], cwd=work, env=env, check=False)
+    subprocess.run([*mutmut, "results"], cwd=work, env=env, check=False)
     return run.returncode
 
 
