@@ -26,7 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # module -> (the files mutmut mutates, the tests that cover them)
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     "wrapper": (["wrapped_optim/wrapper.py"], ["tests/test_wrapper.py", "tests/test_stack.py"]),
-    "staged": (["wrapped_optim/staged.py"], ["tests/test_staged.py"]),
+    "staged": (
+        ["wrapped_optim/staged.py"],
+        ["tests/test_staged.py", "tests/test_staged_megatron_calls.py"],
+    ),
     "hybrid": (
         ["wrapped_optim/hybrid.py"],
         ["tests/test_hybrid_sync.py", "tests/test_stale_copies.py"],
