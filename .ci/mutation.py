@@ -32,7 +32,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "hybrid": (
         ["wrapped_optim/hybrid.py"],
-        ["tests/test_hybrid_sync.py", "tests/test_stale_copies.py"],
+        ["tests/test_hybrid_sync.py", "tests/test_stale_copies.py", "tests/test_stale_watch.py"],
     ),
     "fsdp": (["wrapped_optim/fsdp.py"], ["tests/test_fsdp.py"]),
     "stack": (
@@ -78,7 +78,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "_adapters.hybrid": (
         ["wrapped_optim/_adapters/hybrid.py"],
-        ["tests/test_hybrid_sync.py", "tests/test_stale_copies.py"],
+        ["tests/test_hybrid_sync.py", "tests/test_stale_copies.py", "tests/test_stale_watch.py"],
     ),
     "_rollback": (
         ["wrapped_optim/_rollback.py"],
