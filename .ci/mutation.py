@@ -32,7 +32,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "hybrid": (
         ["wrapped_optim/hybrid.py"],
-        ["tests/test_hybrid_sync.py", "tests/test_stale_copies.py", "tests/test_stale_watch.py"],
+        [
+            "tests/test_hybrid_sync.py",
+            "tests/test_hybrid_sync_calls.py",
+            "tests/test_stale_copies.py",
+            "tests/test_stale_watch.py",
+        ],
     ),
     "fsdp": (["wrapped_optim/fsdp.py"], ["tests/test_fsdp.py"]),
     "stack": (
