@@ -58,7 +58,11 @@ def test_a_stack_with_nothing_to_sync_is_refused_with_the_remedies() -> None:
     sgd = torch.optim.SGD([torch.ones(1)], lr=1)
     with pytest.raises(ValueError, match=f"^{re.escape(message.format('SGD'))}$"):
         HybridSyncOptimizer(sgd)
-    empty = SimpleNamespace(chained_optimizers=[], step=lambda: None, state_dict=lambda: {})
+    adam = torch.optim.Adam([torch.ones(1)])
+    chained = SimpleNamespace(chained_optimizers=[sgd, adam, sgd], step=print, state_dict=dict)
+    with pytest.raises(ValueError, match=f"^{re.escape(message.format('Adam, SGD'))}$"):
+        HybridSyncOptimizer(chained)
+    empty = SimpleNamespace(chained_optimizers=[], step=print, state_dict=dict)
     with pytest.raises(ValueError, match=f"^{re.escape(message.format('none'))}$"):
         HybridSyncOptimizer(empty)
 
@@ -98,7 +102,12 @@ def test_reload_model_params_reloads_through_the_megatron_optimizer_first() -> N
     assert inner.calls == [("reload_model_params",), ("reload_model_params", {"model": 1})]
     assert opt.stale_masters() == [] and opt.guard_armed is False
     bare = HybridSyncOptimizer(HybridOffloadOptimizer([torch.nn.Parameter(torch.ones(2))]))
-    with pytest.raises(ValueError, match=r"^reload_model_params\(state_dict\) reloads main "):
+    message = (
+        "reload_model_params(state_dict) reloads main params from a model checkpoint through a "
+        "Megatron optimizer; this stack has none — load the weights into the model and call "
+        "reload_model_params()"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         bare.reload_model_params({"model": 1})
 
 
@@ -149,3 +158,30 @@ def test_a_loading_scaffold_arms_the_common_read_until_the_load_or_the_next_step
         "sharded_state_dict": lambda: opt.sharded_state_dict({}),  # a save after it
     }[ends_it]()
     assert load_common() == original
+
+
+def test_a_push_that_fails_after_a_load_is_retried_before_the_next_step() -> None:
+    """A committed load makes the masters the truth: when pushing them fails (twice: once and
+    at the immediate retry) the load raises, and the next step pushes them before stepping."""
+
+    class Flaky(HybridSyncOptimizer):
+        failures = 2
+        pushes = 0
+
+        def sync_from_masters(self) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError("push failed")
+            self.pushes += 1
+            super().sync_from_masters()
+
+    opt = Flaky(Recording())
+    with pytest.raises(RuntimeError, match="push failed"):
+        opt.load_state_dict(opt.state_dict())
+    assert opt.pushes == 0
+    for p in _params(opt):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.pushes == 1
+    opt.step()
+    assert opt.pushes == 1  # pushed once, not before every step
