@@ -83,7 +83,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "_adapters.hybrid": (
         ["wrapped_optim/_adapters/hybrid.py"],
-        ["tests/test_hybrid_sync.py", "tests/test_stale_copies.py", "tests/test_stale_watch.py"],
+        [
+            "tests/test_hybrid_sync.py",
+            "tests/test_hybrid_sync_calls.py",
+            "tests/test_stale_copies.py",
+            "tests/test_stale_watch.py",
+        ],
     ),
     "_rollback": (
         ["wrapped_optim/_rollback.py"],
