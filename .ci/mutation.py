@@ -26,13 +26,38 @@ ROOT = Path(__file__).resolve().parents[1]
 # module -> (the files mutmut mutates, the tests that cover them)
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     "wrapper": (["wrapped_optim/wrapper.py"], ["tests/test_wrapper.py", "tests/test_stack.py"]),
-    "staged": (["wrapped_optim/staged.py"], ["tests/test_staged.py"]),
+    "staged": (
+        ["wrapped_optim/staged.py"],
+        ["tests/test_staged.py", "tests/test_staged_megatron_calls.py"],
+    ),
     "hybrid": (
         ["wrapped_optim/hybrid.py"],
-        ["tests/test_hybrid_sync.py", "tests/test_stale_copies.py"],
+        [
+            "tests/test_hybrid_sync.py",
+            "tests/test_hybrid_sync_calls.py",
+            "tests/test_stale_copies.py",
+            "tests/test_stale_watch.py",
+        ],
     ),
     "fsdp": (["wrapped_optim/fsdp.py"], ["tests/test_fsdp.py"]),
-    "stack": (["wrapped_optim/stack.py"], ["tests/test_stack.py", "tests/test_wrapper.py"]),
+    "stack": (
+        ["wrapped_optim/stack.py"],
+        [
+            "tests/test_stack.py",
+            "tests/test_wrapper.py",
+            *(
+                f"tests/test_factory.py::test_{name}"
+                for name in (
+                    "wrap_plain_optimizer_is_identity",
+                    "wrap_builds_canonical_order_with_options",
+                    "wrap_refuses_a_hybrid_layer_with_nothing_to_sync",
+                    "wrap_derives_from_the_optimizer",
+                    "wrap_derives_inside_megatron_containers",
+                    "rewrap_never_doubles_and_keeps_options",
+                )
+            ),
+        ],
+    ),
     "checkpoint": (
         ["wrapped_optim/checkpoint/*.py"],
         [
@@ -49,16 +74,28 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["wrapped_optim/_staging/*.py"],
         ["tests/test_staged.py", "tests/test_staged_host_chunks.py", "tests/test_transfers.py"],
     ),
+    "_staging.ledger": (
+        ["wrapped_optim/_staging/ledger.py"],
+        [
+            "tests/test_staged.py::test_probe_counts_only_its_own_block",
+            "tests/test_device_ledger.py",
+        ],
+    ),
     "_adapters.hybrid": (
         ["wrapped_optim/_adapters/hybrid.py"],
-        ["tests/test_hybrid_sync.py", "tests/test_stale_copies.py"],
+        [
+            "tests/test_hybrid_payloads.py",
+            "tests/test_hybrid_sync.py",
+            "tests/test_hybrid_sync_calls.py",
+            "tests/test_stale_copies.py",
+            "tests/test_stale_watch.py",
+        ],
     ),
     "_rollback": (
         ["wrapped_optim/_rollback.py"],
         [
             "tests/test_rollback.py",
             "tests/test_rollback_mutants.py",
-            "tests/test_transfers.py",
             "tests/test_load_rollback_options.py",
         ],
     ),
@@ -83,10 +120,17 @@ def _workdir(module: str) -> Path:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
+    # Tracked files and new ones not yet committed (a test being written), never ignored ones.
     files = subprocess.run(
-        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     for name in files:
+        if not (ROOT / name).is_file():  # deleted in the work tree, not yet committed
+            continue
         target = work / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, target)
@@ -95,7 +139,6 @@ def _workdir(module: str) -> Path:
 
 def _configure(work: Path, mutate: list[str], tests: list[str]) -> None:
     section = {
-        "paths_to_mutate": mutate,
         "source_paths": ["wrapped_optim"],
         "only_mutate": mutate,
         "pytest_add_cli_args": PYTEST_ARGS,
@@ -121,20 +164,20 @@ def main() -> int:
     mutate, tests = MODULES[args.module]
     work = _workdir(args.module)
     _configure(work, mutate, tests)
-    mutmut = str(Path(sys.executable).with_name("mutmut"))
+    mutmut = [sys.executable, "-m", "mutmut"]
     env = dict(os.environ)
     env.setdefault("WRAPPED_OPTIM_KERNEL_CACHE", str(ROOT / ".mutation" / "kernel"))
     run = subprocess.run(
-        [mutmut, "run", "--max-children", str(args.max_children)], cwd=work, env=env
+        [*mutmut, "run", "--max-children", str(args.max_children)], cwd=work, env=env
     )
-    subprocess.run([mutmut, "export-cicd-stats"], cwd=work, env=env, check=False)
+    subprocess.run([*mutmut, "export-cicd-stats"], cwd=work, env=env, check=False)
     stats_file = work / "mutants" / "mutmut-cicd-stats.json"
-    if stats_file.exists():
+    if run.returncode == 0 and stats_file.exists():
         stats = json.loads(stats_file.read_text())
         killed, total = stats.get("killed", 0), stats.get("total", 0)
         score = f"{100 * killed / total:.1f}%" if total else "n/a"
         print(f"{args.module}: {killed}/{total} mutants killed ({score}); {json.dumps(stats)}")
-    subprocess.run([mutmut, "results"], cwd=work, env=env, check=False)
+    subprocess.run([*mutmut, "results"], cwd=work, env=env, check=False)
     return run.returncode
 
 

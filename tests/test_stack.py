@@ -217,3 +217,46 @@ def test_wrap_refuses_a_megatron_optimizer_built_precision_aware_with_cpu_offloa
         use_precision_aware_optimizer=False, optimizer_cpu_offload=True
     )
     assert wrap(container) is not None
+
+
+# ----------------------------------------------------------------------------------------
+# Errors, buried layers and derivations that mutation testing found unchecked
+# ----------------------------------------------------------------------------------------
+def test_errors_name_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match=r"'x'; the layers are fsdp, hybrid, staged$"):
+        layer_spec("x")
+    with pytest.raises(TypeError, match="config must be a StackConfig, a mapping or None, got 3"):
+        wrap(_sgd(), 3)  # type: ignore[arg-type]
+    foreign = OptimizerWrapper(StagedCheckpointOptimizer(_sgd()))
+    with pytest.raises(ConfigError, match=r"^staged: is false but .* below a foreign wrapper; un"):
+        wrap(foreign, {"staged": False})
+
+
+def test_a_layer_buried_below_a_foreign_wrapper_leaves_the_others_to_the_config() -> None:
+    """FSDP sits below a user's wrapper: it stays there, and the sections after it in the
+    table are still decided (staging goes on top)."""
+    foreign = OptimizerWrapper(FSDPAwareOptimizer(_sgd()))
+    stack = wrap(foreign, {"staged": True})
+    assert [type(layer) for layer in layers(stack)][:3] == [
+        StagedCheckpointOptimizer,
+        OptimizerWrapper,
+        FSDPAwareOptimizer,
+    ]
+    assert stack.inner is foreign
+
+
+@pytest.mark.parametrize("precision_aware", [False, True])
+def test_derived_fsdp_layer_follows_the_megatron_precision_aware_flag(
+    precision_aware: bool,
+) -> None:
+    """Grads in another dtype than their params derive the FSDP layer; whether it casts them
+    is the container's ``use_precision_aware_optimizer`` (a precision-aware optimizer
+    consumes them as they are)."""
+    from tests.doubles.distributed import DistributedOptimizerDouble, ddp_config, megatron_config
+
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad_dtype = torch.bfloat16
+    config = megatron_config(precision_aware=precision_aware)
+    container = DistributedOptimizerDouble(torch.optim.AdamW([param]), config, ddp_config())
+    fsdp = find_layer(wrap(container, {"staged": False}), FSDPAwareOptimizer)
+    assert fsdp is not None and fsdp.precision_aware is precision_aware

@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 from typing import Any
 
 import pytest
@@ -279,3 +280,129 @@ def test_a_layer_of_the_package_stacked_twice_by_hand_is_refused() -> None:
     assert find_layer(staged, StagedCheckpointOptimizer) is staged
     # the pass-through base may repeat (users' own wrappers too)
     assert layers(OptimizerWrapper(OptimizerWrapper(sgd)))[-1] is sgd
+
+
+# ----------------------------------------------------------------------------------------
+# Behaviour mutation testing found unchecked (docs/contributing/mutation.md)
+# ----------------------------------------------------------------------------------------
+def test_errors_name_the_wrapper_and_what_it_was_given() -> None:
+    class StepOnly:
+        def step(self) -> None:
+            pass
+
+    with pytest.raises(TypeError, match=r"^Tagged needs an optimizer to wrap, got None$"):
+        Tagged(None)
+    with pytest.raises(TypeError, match=r"^Tagged wraps optimizers \(objects with step and "):
+        Tagged(StepOnly())  # a step is not enough: a checkpoint needs state_dict too
+    sgd = torch.optim.SGD(make_params(), lr=0.1)
+    from wrapped_optim import StagedCheckpointOptimizer
+
+    hint = (
+        "wrap it once. wrapped_optim.wrap(optimizer, config) builds or updates a stack without "
+        "doubling a layer, and find_layer(optimizer, StagedCheckpointOptimizer) returns the one "
+        "there"
+    )
+    with pytest.raises(ValueError, match=re.escape(hint) + "$"):
+        StagedCheckpointOptimizer(StagedCheckpointOptimizer(sgd))
+
+
+def test_dunder_lookups_are_never_forwarded() -> None:
+    """Protocol lookups (copy's ``__deepcopy__``, pickle's ``__getnewargs_ex__``...) must see
+    the wrapper, not the inner optimizer's, or a copy of the stack would be a copy of its leaf."""
+    inner = torch.optim.SGD(make_params(), lr=0.1)
+    inner.__deepcopy__ = lambda memo: "the leaf's copy"  # type: ignore[method-assign]
+    opt = OptimizerWrapper(inner)
+    with pytest.raises(AttributeError, match=r"^OptimizerWrapper has no attribute '__deepcopy__'$"):
+        _ = opt.__deepcopy__
+    assert isinstance(copy.deepcopy(opt), OptimizerWrapper)
+
+
+def test_step_hooks_get_torchs_arguments_and_may_pass_the_closure_by_keyword() -> None:
+    params = make_params()
+    opt = OptimizerWrapper(torch.optim.SGD(params, lr=0.1))
+    seen: list[tuple[str, Any, Any]] = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append(("pre", a, k)))
+    opt.register_step_post_hook(lambda o, a, k: seen.append(("post", a, k)))
+    set_grads(params, 0)
+    opt.step()
+
+    def closure() -> torch.Tensor:
+        return torch.tensor(1.0)
+
+    opt.step(closure)
+    assert seen == [("pre", (), {}), ("post", (), {}), ("pre", (closure,), {}),
+                    ("post", (closure,), {})]  # fmt: skip
+    opt.register_step_pre_hook(lambda o, a, k: ((), {"closure": lambda: torch.tensor(5.0)}))
+    assert opt.step(closure).item() == 5.0
+
+
+def test_repr_of_a_foreign_leaf_without_param_groups() -> None:
+    class Foreign:
+        def step(self) -> None:
+            pass
+
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+    assert repr(Tagged(Foreign(), "f")).splitlines() == [
+        "Tagged(tag='f')",
+        "└─ Foreign(param_groups=?)",
+    ]
+
+
+def test_grad_scaler_attributes_live_on_the_leaf() -> None:
+    inner = torch.optim.SGD(make_params(), lr=0.1)
+    opt = Tagged(OptimizerWrapper(inner))
+    scale, found = torch.tensor(4.0), torch.tensor(0.0)
+    opt.grad_scale, opt.found_inf = scale, found
+    assert inner.grad_scale is scale and inner.found_inf is found  # type: ignore[attr-defined]
+    assert opt.grad_scale is scale and opt.found_inf is found
+    assert "grad_scale" not in vars(opt) and "found_inf" not in vars(opt)
+    del opt.grad_scale, opt.found_inf
+    assert not hasattr(inner, "grad_scale") and not hasattr(inner, "found_inf")
+
+
+def test_grad_scaler_steps_a_fused_leaf_through_a_wrapper_like_the_bare_leaf() -> None:
+    """GradScaler hands a fused leaf its scale and inf flag through the wrapper: the wrapped
+    run matches the bare one bit for bit, including the skipped step of an inf grad."""
+
+    def run(wrapped: bool) -> list[torch.Tensor]:
+        params = make_params()
+        leaf = torch.optim.AdamW(params, lr=0.1, fused=True)
+        opt: Any = Tagged(leaf) if wrapped else leaf
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for step in range(3):
+            loss = sum((p * (step + 1)).sum() for p in params)
+            scaler.scale(loss).backward()
+            if step == 1:
+                params[0].grad[0, 0] = float("inf")  # type: ignore[index]
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert not hasattr(leaf, "grad_scale") and not hasattr(leaf, "found_inf")
+        return [p.detach().clone() for p in params]
+
+    bare, wrapped = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(bare, wrapped, strict=True))
+    assert not torch.equal(bare[0], make_params()[0])  # the finite steps moved the params
+
+
+def test_a_pickled_wrapper_is_new_to_a_new_scheduler_like_a_pickled_leaf() -> None:
+    """An LR scheduler marks the optimizer it patched as stepped; a pickled copy, like a
+    pickled torch optimizer, is unstepped for a scheduler built on it."""
+
+    def warnings_of(wrapped: bool) -> list[str]:
+        params = make_params()
+        opt: Any = torch.optim.SGD(params, lr=0.1)
+        opt = OptimizerWrapper(opt) if wrapped else opt
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5)
+        set_grads(params, 0)
+        opt.step()
+        restored = pickle.loads(pickle.dumps(opt))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(restored, lambda epoch: 0.5)
+        with pytest.warns(UserWarning) as caught:
+            scheduler.step()
+        return [str(w.message)[:40] for w in caught]
+
+    assert warnings_of(True) == warnings_of(False)
+    assert warnings_of(True) == ["Detected call of `lr_scheduler.step()` b"]

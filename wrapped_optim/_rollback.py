@@ -224,15 +224,14 @@ def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """
     if not pairs:
         return
-    kept = [target.detach().clone() for target, _ in pairs]
-    done = 0
+    kept = [(target, target.detach().clone()) for target, _ in pairs]
     try:
         with torch.no_grad():
             for target, source in pairs:
                 target.copy_(source.reshape(target.shape))
-                done += 1
     except BaseException:
+        # Every target goes back, written or not: one not yet written gets its own value.
         with torch.no_grad():
-            for (target, _), old in zip(pairs[: done + 1], kept, strict=False):
+            for target, old in kept:
                 target.copy_(old)
         raise

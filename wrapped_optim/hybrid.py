@@ -140,9 +140,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
             raise ValueError(f"on_stale must be one of {_ON_STALE}, got {on_stale!r}")
         _check_something_to_sync(inner)
         self.on_stale: OnStale = on_stale
-        self._guard_armed = True
-        self._push_pending = False
-        self._load_begun = False
+        self._guard_armed = True  # _push_pending and _load_begun: the class's False
         self._watch = WeightWatch()  # the weights as the optimizer's own last write left them
 
     @property

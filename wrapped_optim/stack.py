@@ -105,11 +105,10 @@ class LayerSpec:
             >>> layer_spec("hybrid").options_of(HybridSyncOptimizer(hybrid, on_stale="raise"))
             {'on_stale': 'raise'}
         """
-        defaults = attrs.asdict(self.config())
-        options = {name: getattr(layer, name, default) for name, default in defaults.items()}
+        options = {name: getattr(layer, name) for name in attrs.asdict(self.config())}
         for name in self.carried:
-            if getattr(layer, name, None) is not None:
-                options[name] = getattr(layer, name)
+            if (value := getattr(layer, name)) is not None:
+                options[name] = value
         return options
 
 
@@ -272,11 +271,12 @@ def wrap(optimizer: Any, config: StackConfig | Mapping[str, Any] | None = None) 
             options.update({k: current[k] for k in spec.carried if k in current})
         wanted[section] = options
 
-    unchanged = all(wanted.get(s) is layer for s, layer in existing.items()) and all(
-        not isinstance(v, dict) for v in wanted.values()
+    # The same sections, each the layer already there (so none to build), in canonical order.
+    unchanged = set(wanted) == set(existing) and all(
+        wanted[s] is layer for s, layer in existing.items()
     )
     canonical = [s.section for s in LAYERS if s.section in existing] == list(existing)
-    if unchanged and canonical and set(wanted) == set(existing):
+    if unchanged and canonical:
         return optimizer
 
     stack = base

@@ -30,21 +30,6 @@ _HOOK_DICTS = (
 )
 
 
-def _forwarded_to_inner(name: str, doc: str) -> property:
-    """A property whose reads, writes and deletions all go to ``self.inner``."""
-
-    def get(self: OptimizerWrapper) -> Any:
-        return getattr(self.inner, name)
-
-    def set_(self: OptimizerWrapper, value: Any) -> None:
-        setattr(self.inner, name, value)
-
-    def delete(self: OptimizerWrapper) -> None:
-        delattr(self.inner, name)
-
-    return property(get, set_, delete, doc)
-
-
 class OptimizerWrapper(torch.optim.Optimizer):
     """Decorates an optimizer while remaining one.
 
@@ -131,14 +116,32 @@ class OptimizerWrapper(torch.optim.Optimizer):
     # (``_step_supports_amp_scaling``, read through to the leaf) by setting ``grad_scale`` and
     # ``found_inf`` on the object it steps, then deleting them; the leaf reads them from
     # itself. Kept on a wrapper, they would never reach it: the leaf would step on scaled
-    # grads and ignore infs.
-    grad_scale = _forwarded_to_inner(
-        "grad_scale", "The GradScaler's scale for a fused leaf's step, kept on the inner optimizer."
-    )
-    found_inf = _forwarded_to_inner(
-        "found_inf",
-        "The GradScaler's inf flag for a fused leaf's step, kept on the inner optimizer.",
-    )
+    # grads and ignore infs. So reads, writes and deletions all go to the inner optimizer.
+    @property
+    def grad_scale(self) -> Any:
+        """The GradScaler's scale for a fused leaf's step, kept on the inner optimizer."""
+        return self.inner.grad_scale
+
+    @grad_scale.setter
+    def grad_scale(self, value: Any) -> None:
+        self.inner.grad_scale = value
+
+    @grad_scale.deleter
+    def grad_scale(self) -> None:
+        del self.inner.grad_scale
+
+    @property
+    def found_inf(self) -> Any:
+        """The GradScaler's inf flag for a fused leaf's step, kept on the inner optimizer."""
+        return self.inner.found_inf
+
+    @found_inf.setter
+    def found_inf(self, value: Any) -> None:
+        self.inner.found_inf = value
+
+    @found_inf.deleter
+    def found_inf(self) -> None:
+        del self.inner.found_inf
 
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails. Never forward dunders or lookups made before
@@ -258,7 +261,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
         return state_dict_with_hooks(self, self._state_dict)
 
     def _state_dict(self) -> dict[str, Any]:
-        return cast(dict[str, Any], self.inner.state_dict())
+        state: dict[str, Any] = self.inner.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict written by this stack, another stack or the bare optimizer.

@@ -484,9 +484,8 @@ def restore_omitted_state(state_dict: Any, *, per_param_step: bool = True) -> An
             and index in group_step
             and group_step[index] is not None
         ):
-            step = group_step[index]
-            value = step.item() if isinstance(step, torch.Tensor) else step
-            fixed["step"] = torch.tensor(float(value), dtype=torch.float32)
+            # float() reads a number and a one-element tensor alike.
+            fixed["step"] = torch.tensor(float(group_step[index]), dtype=torch.float32)
         if "master_param" not in fixed and isinstance(fixed.get("fp32_param"), torch.Tensor):
             fixed["master_param"] = fixed.pop("fp32_param")
         restored[index] = fixed
