@@ -14,9 +14,15 @@ Retargeting (upstream's assertions untouched):
 * ``megatron.bridge.training.optim`` is a stand-in module holding wrapped_optim.compat's
   helpers, ``torch`` and ``_get_te_fused_adam_class`` (which the tests patch; compat does not
   consult it, see UPSTREAM_EXPECTED), so upstream's imports and ``patch`` targets resolve.
-* ``megatron.bridge.peft.lora`` and ``megatron.bridge.training.config`` are stand-ins: the
-  tests that use them exercise Bridge's setup_optimizer / LoRA+, which compat does not
-  re-implement (they are listed as not retargeted).
+* The same stand-in holds ``wrapped_optim.integrations.bridge``'s ``setup_optimizer`` and
+  ``OptimizerConfigOverrideProvider``, and ``megatron.bridge.training.config`` its
+  ``SchedulerConfig``, so ``TestSetupOptimizerMuP`` runs against the port; ``EDITS`` point its
+  ``patch`` targets where the port looks the names up.
+* ``megatron.bridge.peft.lora`` is a stand-in: Bridge's LoRA+ overrides
+  (``get_lora_plus_config_overrides``) are not re-implemented here, so their tests are listed
+  as not retargeted.
+
+Cases (51): 29 pass, 8 expected differences, 14 not run (12 LoRA+, 2 need TE on a GPU).
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import attrs  # noqa: F401 (the edited upstream code runs in this namespace)
 import pytest
 import torch
 
-from tests.upstream._harness import Expectation, checkout, load_into, substituted
+from tests.upstream._harness import Edit, Expectation, checkout, load_into, substituted
 from wrapped_optim import compat
+from wrapped_optim.integrations import bridge
 
 
 def _not_retargeted(*args: Any, **kwargs: Any) -> Any:
@@ -48,15 +56,60 @@ MODULES: dict[str, dict[str, Any]] = {
         "sync_hybrid_device_optimizer_fp32_master_copies": (
             compat.sync_hybrid_device_optimizer_fp32_master_copies
         ),
-        "setup_optimizer": _not_retargeted,
-        "get_megatron_optimizer": _not_retargeted,
-        "get_model_config": _not_retargeted,
-        "_get_scheduler": _not_retargeted,
-        "get_mup_config_overrides": _not_retargeted,
+        "setup_optimizer": bridge.setup_optimizer,
+        "OptimizerConfigOverrideProvider": bridge.OptimizerConfigOverrideProvider,
     },
-    "megatron.bridge.training.config": {"SchedulerConfig": _not_retargeted},
+    "megatron.bridge.training.config": {"SchedulerConfig": bridge.SchedulerConfig},
     "megatron.bridge.peft.lora": {"get_lora_plus_config_overrides": _not_retargeted},
 }
+
+_PORT = "the port looks it up"
+_DDP = (
+    "the port derives its stack from the chunks' ddp_config (Bridge ignores it) and refuses "
+    "non-bool flags; a bare MagicMock's auto attribute is no DDP config, so the chunks have none"
+)
+EDITS = [
+    Edit(
+        '@patch("megatron.bridge.training.optim._get_scheduler")',
+        '@patch("wrapped_optim.integrations.bridge._megatron_scheduler")',
+        "the port builds the scheduler in its _megatron_scheduler (same arguments)",
+        count=4,
+    ),
+    Edit(
+        '@patch("megatron.bridge.training.optim.get_megatron_optimizer")',
+        '@patch("megatron.core.optimizer.get_megatron_optimizer")',
+        f"{_PORT} on megatron.core.optimizer at call time",
+        count=4,
+    ),
+    Edit(
+        '@patch("megatron.bridge.training.optim.get_model_config")',
+        '@patch("megatron.core.utils.get_model_config")',
+        f"{_PORT} on megatron.core.utils at call time",
+        count=4,
+    ),
+    Edit(
+        '"megatron.bridge.training.optim.get_mup_config_overrides"',
+        '"megatron.core.optimizer.get_mup_config_overrides", create=True',
+        f"{_PORT} on megatron.core.optimizer at call time; create=True as megatron-core "
+        "before muP (0.16) has no such name",
+        count=3,
+    ),
+    Edit(
+        """        cfg.lr_warmup_steps = 0
+        cfg.lr_decay_steps = 1000
+        cfg.wsd_decay_steps = None
+""",
+        """        cfg = attrs.evolve(cfg, lr_warmup_steps=0)
+        cfg = attrs.evolve(cfg, lr_decay_steps=1000)
+        cfg = attrs.evolve(cfg, wsd_decay_steps=None)
+""",
+        "the port's SchedulerConfig is frozen: the same step counts, set by attrs.evolve",
+    ),
+    *(
+        Edit(f"{name} = MagicMock()\n", f"{name} = MagicMock(ddp_config=None)\n", _DDP)
+        for name in ("        model", "        model2")
+    ),
+]
 
 _STRUCTURE = (
     "deliberate: eligibility is decided by an optimizer's structure, not by class or TE "
@@ -68,8 +121,10 @@ _TE_ABSENT = (
     "deliberate: without TE, compat still serves PrecisionAwareAdamW (the portable stand-in "
     "for TE's FusedAdam), which a user without TE wants staged and loaded without copies"
 )
-_SETUP = "not retargeted: Bridge's setup_optimizer (muP) is not a compat function"
-_LORA = "not retargeted: LoRA+ overrides are not a compat function"
+_LORA = (
+    "not retargeted: Bridge's LoRA+ overrides (get_lora_plus_config_overrides) are not "
+    "re-implemented here"
+)
 
 UPSTREAM_EXPECTED: dict[str, Expectation] = {}
 
@@ -95,12 +150,6 @@ _expect("xfail", _TE_ABSENT, _STAGING + "test_te_unavailable_and_none_optimizer_
 _expect("xfail", _FAKE_HDO, _SYNC + "test_skips_none_shard_main_param")
 _expect("xfail", _FAKE_HDO, _SYNC + "test_walks_all_three_fp32_levels")
 _expect("xfail", _FAKE_HDO, _SYNC + "test_chained_optimizer_walks_each_sub_opt")
-_expect("skip", _SETUP, *(f"TestSetupOptimizerMuP::{n}" for n in (
-    "test_mup_disabled_skips_overrides",
-    "test_mup_enabled_calls_overrides",
-    "test_mup_overrides_merged_with_existing",
-    "test_mup_model_list_uses_first_chunk",
-)))  # fmt: skip
 _LORA_TESTS = (
     *(f"test_non_positive_ratio_raises[{r}]" for r in ("0", "-1", "-0.5")),
     "test_a_keeps_base_lr",
@@ -122,7 +171,7 @@ if _PATH is None:
         "tests; tests/test_compat_contracts.py checks the same contracts"
     )
 else:
-    load_into(globals(), _PATH, [], MODULES)
+    load_into(globals(), _PATH, EDITS, MODULES)
 
 
 @pytest.fixture(autouse=True)
