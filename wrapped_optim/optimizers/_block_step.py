@@ -162,7 +162,7 @@ def triton_update(
     if p.device.type == "cuda":  # no contraction into FMA, no flush-to-zero: the CPU bits
         options = {"num_warps": 4, "enable_fp_fusion": False, "enable_reflect_ftz": False}
     args = (p, p if master is None else master, g, state["exp_avg"], state["exp_avg_sq"],
-            scales["exp_avg"], scales["exp_avg_sq"], n,
+            scales["exp_avg"], scales["exp_avg_sq"], blocks.int4_tables(p.device), n,
             *(_f32(x) for x in (lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, wd,
                                 inv_bc1, inv_bc2)))  # fmt: skip
     constexprs = {"FMT": _FORMAT_CODES[fmt.name], "HALF": fmt.block_size // 2,
