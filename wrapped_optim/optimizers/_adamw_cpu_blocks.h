@@ -63,17 +63,12 @@ static inline __attribute__((always_inline)) float block_scale(uint32_t amax, ui
 
 /* int4 tables (wrapped_optim._formats.blocks has them and says why): the midpoints between
  * the exp_avg magnitudes (a code is the sign and the count of midpoints |y| is above), the
- * exp_avg magnitudes by code, the exp_avg_sq square roots by code and their midpoints. */
+ * exp_avg magnitudes by code. */
 static const float INT4_MAG_MIDS[7] = {3 / 128.0f, 11 / 128.0f, 23 / 128.0f, 39 / 128.0f,
                                        60 / 128.0f, 86 / 128.0f, 114 / 128.0f};
 static const float INT4_MAGS[8] = {0.0f, 6 / 128.0f, 16 / 128.0f, 30 / 128.0f,
                                   48 / 128.0f, 72 / 128.0f, 100 / 128.0f, 1.0f};
-static const float INT4_ROOTS[16] = {1 / 16.0f, 2 / 16.0f, 3 / 16.0f, 4 / 16.0f, 5 / 16.0f, 6 / 16.0f,
-    7 / 16.0f, 8 / 16.0f, 9 / 16.0f, 10 / 16.0f, 11 / 16.0f, 12 / 16.0f, 13 / 16.0f, 14 / 16.0f,
-    15 / 16.0f, 1.0f};
-static const float INT4_ROOT_MIDS[15] = {3 / 32.0f, 5 / 32.0f, 7 / 32.0f, 9 / 32.0f, 11 / 32.0f,
-    13 / 32.0f, 15 / 32.0f, 17 / 32.0f, 19 / 32.0f, 21 / 32.0f, 23 / 32.0f, 25 / 32.0f,
-    27 / 32.0f, 29 / 32.0f, 31 / 32.0f};
+/* exp_avg_sq's square roots are k/16 (k = 1..16): computed, not looked up. */
 
 /* int4's scale: the amax itself (the top table value decodes to it exactly); *inv its
  * float32 reciprocal; 0 and 0 below 2^-50, NaN and 0 for inf or NaN. */
@@ -93,9 +88,11 @@ static inline __attribute__((always_inline)) float int4_scale(uint32_t amax, flo
 /* int4 codes of y (x times 1/scale): exp_avg's signed nibble, exp_avg_sq's index. */
 static inline __attribute__((always_inline)) uint32_t int4_code(float y, int second) {
     uint32_t n = 0;
-    if (second) {
-        for (int t = 0; t < 15; ++t) n += (uint32_t)(y > INT4_ROOT_MIDS[t]);
-        return n;
+    if (second) { /* the roots are k/16 (k = 1..16): the count of midpoints (2t + 3)/32
+                     below y is ceil(16y - 1.5) in 0..15 (16y and the difference are exact) */
+        float c = __builtin_ceilf(16.0f * y - 1.5f);
+        c = c < 0.0f ? 0.0f : (c > 15.0f ? 15.0f : c);
+        return (uint32_t)(int32_t)c;
     }
     float a = __builtin_fabsf(y);
     for (int t = 0; t < 7; ++t) n += (uint32_t)(a > INT4_MAG_MIDS[t]);
@@ -151,20 +148,25 @@ static inline __attribute__((always_inline)) void block_moments(
      * block's 16-value tables: code value times scale, squared for exp_avg_sq), so the
      * update loop reads every format element by element */
     const int8_t *mq = (const int8_t *)mc;
+    /* int4 codes one per byte (unit-stride loops vectorize; nibble pairs do not) */
+    int32_t QM[WO_QBLOCK_MAX + 2], QV[WO_QBLOCK_MAX + 2];
     if (fmt == FMT_INT4) {
-        float LM[16], LS[16];
+        float LM[16];
         for (int t = 0; t < 16; ++t) {
             float mag = INT4_MAGS[t < 8 ? t : (t == 8 ? 7 : 16 - t)];
             LM[t] = (t < 8 ? mag : -mag) * m_old;
-            float r = INT4_ROOTS[t] * v_old;
-            LS[t] = r * r;
         }
         for (int64_t j = 0; j < (k + 1) / 2; ++j) {
-            uint8_t mb = mc[j], vb = vc[j];
-            M[2 * j] = LM[mb & 0xFu];
-            M[2 * j + 1] = LM[mb >> 4];
-            S[2 * j] = LS[vb & 0xFu];
-            S[2 * j + 1] = LS[vb >> 4];
+            uint32_t mb = mc[j], vb = vc[j];
+            QM[2 * j] = (int32_t)(mb & 0xFu);
+            QM[2 * j + 1] = (int32_t)(mb >> 4);
+            QV[2 * j] = (int32_t)(vb & 0xFu);
+            QV[2 * j + 1] = (int32_t)(vb >> 4);
+        }
+        for (int64_t i = 0; i < k; ++i) {
+            M[i] = LM[QM[i]];
+            float r = ((float)(QV[i] + 1) * 0.0625f) * v_old; /* INT4_ROOTS[QV[i]] * v_old */
+            S[i] = r * r;
         }
     }
     uint32_t ma = 0, va = 0;
@@ -209,13 +211,14 @@ static inline __attribute__((always_inline)) void block_moments(
             M[k] = 0.0f;
             S[k] = 0.0f;
         }
-        for (int64_t j = 0; j < (k + 1) / 2; ++j) {
-            uint32_t m0 = int4_code(M[2 * j] * m_inv, 0);
-            uint32_t m1 = int4_code(M[2 * j + 1] * m_inv, 0);
-            uint32_t v0 = int4_code(S[2 * j] * v_inv, 1);
-            uint32_t v1 = int4_code(S[2 * j + 1] * v_inv, 1);
-            mc[j] = (uint8_t)(m0 | (m1 << 4));
-            vc[j] = (uint8_t)(v0 | (v1 << 4));
+        const int64_t even = (k + 1) & ~(int64_t)1;
+        for (int64_t i = 0; i < even; ++i) {
+            QM[i] = (int32_t)int4_code(M[i] * m_inv, 0);
+            QV[i] = (int32_t)int4_code(S[i] * v_inv, 1);
+        }
+        for (int64_t j = 0; j < even / 2; ++j) {
+            mc[j] = (uint8_t)((uint32_t)QM[2 * j] | ((uint32_t)QM[2 * j + 1] << 4));
+            vc[j] = (uint8_t)((uint32_t)QV[2 * j] | ((uint32_t)QV[2 * j + 1] << 4));
         }
         return;
     }
