@@ -275,7 +275,8 @@ def _fit(**options: Any) -> float:
 
 
 #: Final loss as a multiple of FP32 AdamW's that each format stays within (measured: int8
-#: 0.998, fp8 0.993, int4 0.82; TE's per-tensor FP8 1.006).
+#: 0.998, fp8 0.993, int4 1.00 with its tables, 0.82 with the former linear codes; TE's
+#: per-tensor FP8 1.006).
 LOSS_TOLERANCE = {"fp8": 1.05, "int8": 1.05, "int4": 1.15}
 
 
@@ -284,6 +285,17 @@ def test_training_loss_stays_near_fp32(name: str) -> None:
     reference = _fit()
     loss = _fit(block_moments=name)
     assert loss <= reference * LOSS_TOLERANCE[name], (loss, reference)
+
+
+def test_int4_tables_train_the_bench_problem_near_fp32() -> None:
+    """On the benchmarks' quality problem (full-batch, where rounding a slowly moving first
+    moment hurts most) int4 blocks of 128 stay within 1.3x FP32 AdamW's loss (measured 1.21;
+    the former linear codes 3.5x, torchao's AdamW4bit 2.07)."""
+    from wrapped_optim.bench._adam_peers import quality_loss
+
+    reference = quality_loss(lambda ps: torch.optim.AdamW(ps, foreach=False), torch.float32)
+    loss = quality_loss(lambda ps: PrecisionAwareAdamW(ps, block_moments="int4"), torch.float32)
+    assert loss <= reference * 1.3, (loss, reference)
 
 
 def test_bad_block_options_are_rejected_with_what_is_wrong() -> None:

@@ -10,19 +10,23 @@ format     ``exp_avg``                            ``exp_avg_sq``
 =========  =====================================  ===========================================
 ``int8``   signed linear, codes -127..127         its square root, unsigned linear, 0..255
 ``fp8``    FP8 E4M3 (saturated at 448)            FP8 E4M3 of the value itself
-``int4``   signed linear, -7..7, two a byte       its square root, unsigned linear, 0..15
+``int4``   signed 16-value table, two a byte       its square root, 16-value table
 =========  =====================================  ===========================================
 
 Codes live in a flat ``torch.uint8`` tensor (int8: two's complement bytes; int4: element
 ``2i`` in the low nibble of byte ``i``); scales in a flat float32 tensor, one per block.
 
-A block's scale is ``2 ** (floor(log2(amax)) - K)``, ``K`` the code's headroom (int8: 6 and 7,
-FP8: 8, int4: 2 and 3), so its largest code lies in the code's top binade: decoding and
+For int8 and FP8 a block's scale is ``2 ** (floor(log2(amax)) - K)``, ``K`` the code's
+headroom (int8: 6 and 7, FP8: 8), so its largest code lies in the code's top binade. int4 is
+too coarse for linear codes (the first moment of most elements of a block would round to 0 or
+to one step): its codes index tables (:data:`INT4_MAGNITUDES`, about geometric near zero,
+with the value's sign; :data:`INT4_ROOTS`, linear and zero-free) under a scale that is the
+block's amax itself, so the top code decodes to the amax exactly. Either way decoding and
 encoding again gives the same codes and scale, and a checkpoint in FP32 resumes exactly. A
 block whose amax is below ``2**-50`` is stored as zeros (scale 0); one holding inf or NaN as
-codes 0 under a NaN scale (it decodes to NaN). A positive second moment never rounds to code
-0 (it takes the smallest nonzero code): a stored second moment is zero only where the true
-one is, so no update divides by a second moment rounded away.
+codes 0 under a NaN scale (it decodes to NaN). A positive second moment never decodes to zero
+(int8, FP8: it takes the smallest nonzero code; int4's table has no zero): no update divides
+by a second moment rounded away.
 
 The compiled CPU kernel (``_adamw_cpu_blocks.h``) implements the same arithmetic bit for bit;
 :func:`step_blocks` is the torch implementation of that one-pass step.
@@ -38,6 +42,8 @@ Example:
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import torch
 from torch import Tensor
@@ -49,6 +55,7 @@ __all__ = [
     "decode_into",
     "encode",
     "encode_into",
+    "int4_tables",
     "step_blocks",
 ]
 
@@ -62,6 +69,24 @@ _HEADROOM = {("int8", False): 6, ("int8", True): 7, ("fp8", False): 8, ("fp8", T
 _TOP = {("int8", False): 127.0, ("int8", True): 255.0, ("int4", False): 7.0,
         ("int4", True): 15.0}  # fmt: skip
 _E4M3 = torch.float8_e4m3fn
+#: int4 ``exp_avg``: the magnitudes of codes 0..7 (a value's code is its sign and the index of
+#: the nearest magnitude; nibbles 8..15 are the negatives, 8 never written). Close to zero
+#: they grow about geometrically (a dynamic-exponent code), near the top about linearly.
+INT4_MAGNITUDES = tuple(k / 128 for k in (0, 6, 16, 30, 48, 72, 100, 128))
+#: int4 ``exp_avg_sq``: the square root's values of codes 0..15 (no zero: a second moment
+#: never decodes to zero in a live block, so no update divides by a moment rounded away).
+INT4_ROOTS = tuple((i + 1) / 16 for i in range(16))
+
+
+def _midpoints(values: tuple[float, ...]) -> tuple[float, ...]:
+    """The float32 midpoints between neighbouring table values: a value's code counts the
+    midpoints it is above."""
+    pairs = itertools.pairwise(values)
+    return tuple(float(torch.tensor((a + b) / 2, dtype=torch.float32)) for a, b in pairs)
+
+
+_MAG_MIDS = _midpoints(INT4_MAGNITUDES)
+_ROOT_MIDS = _midpoints(INT4_ROOTS)
 
 
 @attrs.frozen
@@ -123,13 +148,16 @@ def _scales_of(stored: Tensor, fmt: BlockFormat, second: bool) -> tuple[Tensor, 
     """(scale, inverse) per block of the FP32 values ``stored`` (what the codes represent):
     powers of two from the amax's exponent; 0 and 0 below 2**-50; NaN and 0 for inf/NaN."""
     amax = _padded(stored, fmt.block_size).abs().amax(dim=1)
+    finite = torch.isfinite(amax)
+    live = finite & (amax >= _FLUSH)
+    if fmt.name == "int4":  # the amax itself: the table's top value decodes to it exactly
+        scale = torch.where(live, amax, torch.where(finite, 0.0, float("nan")))
+        return scale, torch.where(live, 1.0 / torch.where(live, amax, 1.0), 0.0)
     bits = amax.view(torch.int32)
     exponent = torch.bitwise_right_shift(bits, 23)
     k = _HEADROOM[fmt.name, second]
     scale = torch.bitwise_left_shift(exponent - k, 23).view(torch.float32)
     inverse = torch.bitwise_left_shift(254 + k - exponent, 23).view(torch.float32)
-    finite = torch.isfinite(amax)
-    live = finite & (amax >= _FLUSH)
     scale = torch.where(live, scale, torch.where(finite, 0.0, float("nan")))
     inverse = torch.where(live, inverse, 0.0)
     return scale, inverse
@@ -139,6 +167,11 @@ def _codes(y: Tensor, fmt: BlockFormat, second: bool, positive: Tensor) -> Tenso
     """Codes (0..255 in int32) of the already scaled values ``y`` (finite)."""
     if fmt.name == "fp8":
         code = y.clamp(-448.0, 448.0).to(_E4M3).view(torch.uint8).to(torch.int32)
+    elif fmt.name == "int4":  # the nearest table value's index (ties: the smaller magnitude)
+        if second:
+            return torch.bucketize(y, torch.tensor(_ROOT_MIDS, device=y.device)).to(torch.int32)
+        index = torch.bucketize(y.abs(), torch.tensor(_MAG_MIDS, device=y.device))
+        return torch.where(y < 0, -index, index).to(torch.int32) & 0xF
     else:
         top = _TOP[fmt.name, second]
         code = torch.round(y).clamp_(-top, top).to(torch.int32)
@@ -216,8 +249,8 @@ def encode_into(
         >>> fmt = BlockFormat("int4", 32)
         >>> codes, scales = torch.empty(32, dtype=torch.uint8), torch.empty(2)
         >>> encode_into(torch.ones(32), codes, scales, fmt, "exp_avg", start=32)
-        >>> codes[16:].tolist() == [0x44] * 16, scales[1].item()
-        (True, 0.25)
+        >>> codes[16:].tolist() == [0x77] * 16, scales[1].item()
+        (True, 1.0)
     """
     block = fmt.block_size
     if start % block:
@@ -228,10 +261,35 @@ def encode_into(
     scales.view(-1)[start // block : start // block + new.numel()].copy_(new)
 
 
+def _table(second: bool, device: torch.device) -> Tensor:
+    """The 16 float32 values of int4 codes, by nibble."""
+    if second:
+        return torch.tensor(INT4_ROOTS, dtype=torch.float32, device=device)
+    signed = INT4_MAGNITUDES + tuple(-m for m in INT4_MAGNITUDES[:0:-1])
+    return torch.tensor((*signed[:8], -1.0, *signed[8:]), dtype=torch.float32, device=device)
+
+
+def int4_tables(device: torch.device | str = "cpu") -> Tensor:
+    """The int4 tables as one float32 tensor (what the Triton kernel reads): ``exp_avg``'s
+    values by nibble (0..15), ``exp_avg_sq``'s square roots by code (16..31), the
+    midpoints of the ``exp_avg`` magnitudes (32..38) and of the square roots (39..53).
+
+    Example:
+        >>> t = int4_tables()
+        >>> t.numel(), t[7].item(), t[9].item(), t[16].item()
+        (54, 1.0, -1.0, 0.0625)
+    """
+    values = torch.cat([_table(False, torch.device("cpu")), _table(True, torch.device("cpu")),
+                        torch.tensor(_MAG_MIDS + _ROOT_MIDS, dtype=torch.float32)])  # fmt: skip
+    return values.to(device)
+
+
 def _decode_codes(c: Tensor, scale: Tensor, fmt: BlockFormat, second: bool) -> Tensor:
     """Values of int32 codes ``c`` (rows of one block) under per-row ``scale``."""
     if fmt.name == "fp8":
         value = c.to(torch.uint8).view(_E4M3).to(torch.float32)
+    elif fmt.name == "int4":
+        value = _table(second, c.device)[c.long()]
     elif second:
         value = c.to(torch.float32)
     else:

@@ -4,16 +4,18 @@
  * torch implementation this loop matches bit for bit).
  *
  * Both moments of a tensor are stored in one block format, each block of `qblock` values
- * (from the tensor's start) with a power-of-two scale of its own: int8 (exp_avg signed
- * linear, codes -127..127; exp_avg_sq as its square root, unsigned linear 0..255), FP8 E4M3
- * (both moments, exp_avg_sq itself) or int4 (as int8 with -7..7 and 0..15, two codes a byte,
- * the even element in the low nibble). A block's scale is 2^(floor(log2(amax)) - K) with K
- * the format's headroom (6 / 7 for int8, 8 for FP8, 2 / 3 for int4), so the largest code of a
- * stored block is always in the format's top binade and decode -> encode gives the same codes
- * and scale (exact resume through FP32 checkpoints). A block whose amax is below 2^-50 is
- * stored as zeros (scale 0); one holding inf or NaN as codes 0 with a NaN scale (it decodes to
- * NaN). A positive exp_avg_sq never rounds to code 0 (it takes the smallest nonzero code), so
- * a stored second moment is zero only where the true one is.
+ * (from the tensor's start) with a scale of its own: int8 (exp_avg signed linear, codes
+ * -127..127; exp_avg_sq as its square root, unsigned linear 0..255) and FP8 E4M3 (both
+ * moments, exp_avg_sq itself) under a power-of-two scale 2^(floor(log2(amax)) - K), K the
+ * format's headroom (6 / 7 for int8, 8 for FP8), so the largest code of a stored block is
+ * always in the format's top binade; int4 (two codes a byte, the even element in the low
+ * nibble) as 16-value tables under the block's amax: exp_avg a signed, near zero about
+ * geometric table, exp_avg_sq's square root a zero-free linear one (k/16, k = 1..16). Either
+ * way decode -> encode gives the same codes and scale (exact resume through FP32
+ * checkpoints). A block whose amax is below 2^-50 is stored as zeros (scale 0); one holding
+ * inf or NaN as codes 0 with a NaN scale (it decodes to NaN). A positive exp_avg_sq never
+ * rounds to zero (int8 and FP8: it takes the smallest nonzero code), so a stored second
+ * moment is zero only where the true one is (int4: only in a block of zeros).
  *
  * Each block is updated from memory once: the new moments of its elements are computed into
  * stack arrays (the parameter written as it goes), their amax gives the new scales, then the
@@ -39,8 +41,7 @@ static inline __attribute__((always_inline)) float rne(float y) {
 /* The headroom K of a moment's code: its scale is 2^(floor(log2(amax)) - K). */
 static inline __attribute__((always_inline)) uint32_t block_headroom(int fmt, int second) {
     if (fmt == FMT_FP8) return 8u;
-    if (fmt == FMT_INT8) return second ? 7u : 6u;
-    return second ? 3u : 2u;
+    return second ? 7u : 6u; /* int8 (int4 scales by the amax itself: int4_scale) */
 }
 
 /* A block's scale from the bits of its amax (non-negative, NaN above inf); *inv is 1/scale
@@ -58,6 +59,44 @@ static inline __attribute__((always_inline)) float block_scale(uint32_t amax, ui
     uint32_t e = amax >> 23;
     *inv = u2f((254u + k - e) << 23);
     return u2f((e - k) << 23);
+}
+
+/* int4 tables (wrapped_optim._formats.blocks has them and says why): the midpoints between
+ * the exp_avg magnitudes (a code is the sign and the count of midpoints |y| is above), the
+ * exp_avg magnitudes by code. */
+static const float INT4_MAG_MIDS[7] = {3 / 128.0f, 11 / 128.0f, 23 / 128.0f, 39 / 128.0f,
+                                       60 / 128.0f, 86 / 128.0f, 114 / 128.0f};
+static const float INT4_MAGS[8] = {0.0f, 6 / 128.0f, 16 / 128.0f, 30 / 128.0f,
+                                  48 / 128.0f, 72 / 128.0f, 100 / 128.0f, 1.0f};
+/* exp_avg_sq's square roots are k/16 (k = 1..16): computed, not looked up. */
+
+/* int4's scale: the amax itself (the top table value decodes to it exactly); *inv its
+ * float32 reciprocal; 0 and 0 below 2^-50, NaN and 0 for inf or NaN. */
+static inline __attribute__((always_inline)) float int4_scale(uint32_t amax, float *inv) {
+    if (amax >= 0x7F800000u) {
+        *inv = 0.0f;
+        return u2f(0x7FC00000u);
+    }
+    if (amax < (77u << 23)) {
+        *inv = 0.0f;
+        return 0.0f;
+    }
+    *inv = 1.0f / u2f(amax);
+    return u2f(amax);
+}
+
+/* int4 codes of y (x times 1/scale): exp_avg's signed nibble, exp_avg_sq's index. */
+static inline __attribute__((always_inline)) uint32_t int4_code(float y, int second) {
+    uint32_t n = 0;
+    if (second) { /* the roots are k/16 (k = 1..16): the count of midpoints (2t + 3)/32
+                     below y is ceil(16y - 1.5) in 0..15 (16y and the difference are exact) */
+        float c = __builtin_ceilf(16.0f * y - 1.5f);
+        c = c < 0.0f ? 0.0f : (c > 15.0f ? 15.0f : c);
+        return (uint32_t)(int32_t)c;
+    }
+    float a = __builtin_fabsf(y);
+    for (int t = 0; t < 7; ++t) n += (uint32_t)(a > INT4_MAG_MIDS[t]);
+    return (y < 0.0f ? 0u - n : n) & 0xFu;
 }
 
 /* The FP32 value of element i of a block (times its scale; squared for the integer formats'
@@ -83,10 +122,10 @@ static inline __attribute__((always_inline)) uint32_t block_code(float y, int fm
         y = y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y);
         code = f32_to_e4m3(y);
     } else {
-        float top = fmt == FMT_INT8 ? (second ? 255.0f : 127.0f) : (second ? 15.0f : 7.0f);
+        float top = second ? 255.0f : 127.0f; /* int8 (int4: int4_code) */
         float r = rne(y);
         r = r > top ? top : (r < -top ? -top : r);
-        code = (uint32_t)(int32_t)r & (fmt == FMT_INT8 ? 0xFFu : 0xFu);
+        code = (uint32_t)(int32_t)r & 0xFFu;
     }
     if (!second) return code; /* known at compile time */
     return code + (positive & (uint32_t)(code == 0));
@@ -105,30 +144,40 @@ static inline __attribute__((always_inline)) void block_moments(
     const float inv_bc1 = h->inv_bias_correction1, inv_bc2 = h->inv_bias_correction2;
     const float m_old = *ms, v_old = *vs;
     float M[WO_QBLOCK_MAX + 1], S[WO_QBLOCK_MAX + 1];
-    /* int4: the codes one per byte first (exp_avg sign-extended), a loop of its own, so the
+    /* int4: the old moments decoded into M and S first (a loop of its own, through the
+     * block's 16-value tables: code value times scale, squared for exp_avg_sq), so the
      * update loop reads every format element by element */
-    int8_t MQ[WO_QBLOCK_MAX + 1];
-    uint8_t VQ[WO_QBLOCK_MAX + 1];
     const int8_t *mq = (const int8_t *)mc;
-    const uint8_t *vq = vc;
+    /* int4 codes one per byte (unit-stride loops vectorize; nibble pairs do not) */
+    int32_t QM[WO_QBLOCK_MAX + 2], QV[WO_QBLOCK_MAX + 2];
     if (fmt == FMT_INT4) {
-        for (int64_t j = 0; j < (k + 1) / 2; ++j) {
-            uint8_t mb = mc[j], vb = vc[j];
-            MQ[2 * j] = (int8_t)((int8_t)(uint8_t)(mb << 4) >> 4);
-            MQ[2 * j + 1] = (int8_t)((int8_t)mb >> 4);
-            VQ[2 * j] = (uint8_t)(vb & 0xFu);
-            VQ[2 * j + 1] = (uint8_t)(vb >> 4);
+        float LM[16];
+        for (int t = 0; t < 16; ++t) {
+            float mag = INT4_MAGS[t < 8 ? t : (t == 8 ? 7 : 16 - t)];
+            LM[t] = (t < 8 ? mag : -mag) * m_old;
         }
-        mq = MQ;
-        vq = VQ;
+        for (int64_t j = 0; j < (k + 1) / 2; ++j) {
+            uint32_t mb = mc[j], vb = vc[j];
+            QM[2 * j] = (int32_t)(mb & 0xFu);
+            QM[2 * j + 1] = (int32_t)(mb >> 4);
+            QV[2 * j] = (int32_t)(vb & 0xFu);
+            QV[2 * j + 1] = (int32_t)(vb >> 4);
+        }
+        for (int64_t i = 0; i < k; ++i) {
+            M[i] = LM[QM[i]];
+            float r = ((float)(QV[i] + 1) * 0.0625f) * v_old; /* INT4_ROOTS[QV[i]] * v_old */
+            S[i] = r * r;
+        }
     }
     uint32_t ma = 0, va = 0;
     for (int64_t i = 0; i < k; ++i) {
         float pi = p[i];
         float gi = g[i];
         if (!adam_w_mode) gi = gi + wd * pi;
-        float mi = b1 * block_decode(mc, mq, i, fmt, 0, m_old) + omb1 * gi;
-        float vi = b2 * block_decode(vq, NULL, i, fmt, 1, v_old) + omb2 * gi * gi;
+        float m_dec = fmt == FMT_INT4 ? M[i] : block_decode(mc, mq, i, fmt, 0, m_old);
+        float v_dec = fmt == FMT_INT4 ? S[i] : block_decode(vc, NULL, i, fmt, 1, v_old);
+        float mi = b1 * m_dec + omb1 * gi;
+        float vi = b2 * v_dec + omb2 * gi * gi;
         float denom = __builtin_sqrtf(vi * inv_bc2) + eps;
         float update = (mi * inv_bc1) / denom;
         if (adam_w_mode) update = update + wd * pi;
@@ -141,9 +190,14 @@ static inline __attribute__((always_inline)) void block_moments(
         ma = mb > ma ? mb : ma;
         va = sb > va ? sb : va;
     }
-    float m_inv, v_inv;
-    float m_new = block_scale(ma, block_headroom(fmt, 0), &m_inv);
-    float v_new = block_scale(va, block_headroom(fmt, 1), &v_inv);
+    float m_inv, v_inv, m_new, v_new;
+    if (fmt == FMT_INT4) {
+        m_new = int4_scale(ma, &m_inv);
+        v_new = int4_scale(va, &v_inv);
+    } else {
+        m_new = block_scale(ma, block_headroom(fmt, 0), &m_inv);
+        v_new = block_scale(va, block_headroom(fmt, 1), &v_inv);
+    }
     *ms = m_new;
     *vs = v_new;
     /* A zero or NaN scale (inverse 0) stores codes 0 (a rare block: its own branch, so the
@@ -157,14 +211,14 @@ static inline __attribute__((always_inline)) void block_moments(
             M[k] = 0.0f;
             S[k] = 0.0f;
         }
-        for (int64_t j = 0; j < (k + 1) / 2; ++j) {
-            uint32_t m0 = block_code(M[2 * j] * m_inv, fmt, 0, 0);
-            uint32_t m1 = block_code(M[2 * j + 1] * m_inv, fmt, 0, 0);
-            uint32_t v0 = block_code(S[2 * j] * v_inv, fmt, 1, (uint32_t)(S[2 * j] > 0.0f));
-            uint32_t v1 =
-                block_code(S[2 * j + 1] * v_inv, fmt, 1, (uint32_t)(S[2 * j + 1] > 0.0f));
-            mc[j] = (uint8_t)(m0 | (m1 << 4));
-            vc[j] = (uint8_t)(v0 | (v1 << 4));
+        const int64_t even = (k + 1) & ~(int64_t)1;
+        for (int64_t i = 0; i < even; ++i) {
+            QM[i] = (int32_t)int4_code(M[i] * m_inv, 0);
+            QV[i] = (int32_t)int4_code(S[i] * v_inv, 1);
+        }
+        for (int64_t j = 0; j < even / 2; ++j) {
+            mc[j] = (uint8_t)((uint32_t)QM[2 * j] | ((uint32_t)QM[2 * j + 1] << 4));
+            vc[j] = (uint8_t)((uint32_t)QV[2 * j] | ((uint32_t)QV[2 * j + 1] << 4));
         }
         return;
     }

@@ -12,6 +12,7 @@ parameter joined with its int16 remainder) and writes the parameter back from it
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Mapping
@@ -33,6 +34,8 @@ _KERNEL_MODULE = "wrapped_optim.optimizers._fused_gpu_kernel"  # the fused step'
 # Triton's interpreter runs the same kernel on host tensors).
 _DEVICE_TYPES = {"cuda"}
 _FORMAT_CODES = {"int8": 0, "fp8": 1, "int4": 2}
+# The int4 tables on each device the kernel has run on (54 floats: made once, not per launch).
+_int4_tables = functools.cache(blocks.int4_tables)
 
 
 def group_hyper(group: Mapping[str, Any]) -> tuple[float, float, float, float, float, float, float]:
@@ -162,7 +165,7 @@ def triton_update(
     if p.device.type == "cuda":  # no contraction into FMA, no flush-to-zero: the CPU bits
         options = {"num_warps": 4, "enable_fp_fusion": False, "enable_reflect_ftz": False}
     args = (p, p if master is None else master, g, state["exp_avg"], state["exp_avg_sq"],
-            scales["exp_avg"], scales["exp_avg_sq"], n,
+            scales["exp_avg"], scales["exp_avg_sq"], _int4_tables(p.device), n,
             *(_f32(x) for x in (lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, wd,
                                 inv_bc1, inv_bc2)))  # fmt: skip
     constexprs = {"FMT": _FORMAT_CODES[fmt.name], "HALF": fmt.block_size // 2,

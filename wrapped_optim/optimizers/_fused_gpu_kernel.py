@@ -474,17 +474,29 @@ def convert_kernel(src, dst, n, OP: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _decode(codes, b, j, odd: tl.constexpr, mask, scale, FMT: tl.constexpr,
+def _int4_code(y, tables, SECOND: tl.constexpr):
+    """int4 codes of y (x times 1/scale): the count of table midpoints below it (exp_avg: of
+    |y|, with y's sign, as a nibble); ``tables`` as blocks.int4_tables lays them out."""
+    n = tl.zeros(y.shape, tl.int32)
+    if SECOND:
+        for t in tl.static_range(15):
+            n += tl.where(y > tl.load(tables + 39 + t), 1, 0)
+        return n.to(tl.uint32, bitcast=True)
+    a = tl.abs(y)
+    for t in tl.static_range(7):
+        n += tl.where(a > tl.load(tables + 32 + t), 1, 0)
+    return tl.where(y < 0.0, -n, n).to(tl.uint32, bitcast=True) & 0xF
+
+
+@triton.jit
+def _decode(codes, tables, b, j, odd: tl.constexpr, mask, scale, FMT: tl.constexpr,
             SECOND: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
     """Values of the block's elements ``2j + odd`` (times the block's scale; squared for
     the integer formats' second moment)."""
     if FMT == 2:
         byte = tl.load(codes + b * HALF + j, mask=mask, other=0).to(tl.uint32)
         nib = (byte >> (4 * odd)) & 0xF
-        if SECOND:
-            c = nib.to(tl.float32)
-        else:
-            c = ((nib << 28).to(tl.int32, bitcast=True) >> 28).to(tl.float32)
+        c = tl.load(tables + nib + (16 if SECOND else 0))
     else:
         byte = tl.load(codes + b * 2 * HALF + 2 * j + odd, mask=mask, other=0)
         if FMT == 1:
@@ -511,12 +523,15 @@ def _scale(amax, FMT: tl.constexpr, SECOND: tl.constexpr):
         else:
             k = 6
     else:
-        if SECOND:  # noqa: SIM108 - as above
-            k = 3
-        else:
-            k = 2
+        k = 0  # int4 scales by the amax itself (below)
     e = (amax >> 23).to(tl.int32)
     live = (amax < 0x7F800000) & (amax >= (77 << 23))
+    if FMT == 2:
+        a = _float(amax.to(tl.uint32, bitcast=True))
+        scale = tl.where(live, a, 0.0)
+        scale = tl.where(amax >= 0x7F800000, _float(tl.full((), 0x7FC00000, tl.uint32)), scale)
+        inverse = tl.where(live, tl.div_rn(1.0, tl.where(live, a, 1.0)), 0.0)
+        return scale, inverse
     scale = tl.where(live, _float(((e - k) << 23).to(tl.uint32, bitcast=True)), 0.0)
     scale = tl.where(amax >= 0x7F800000, _float(tl.full((), 0x7FC00000, tl.uint32)), scale)
     inverse = tl.where(live, _float(((254 + k - e) << 23).to(tl.uint32, bitcast=True)), 0.0)
@@ -524,7 +539,7 @@ def _scale(amax, FMT: tl.constexpr, SECOND: tl.constexpr):
 
 
 @triton.jit
-def _code(x, inverse, FMT: tl.constexpr, SECOND: tl.constexpr):
+def _code(x, inverse, tables, FMT: tl.constexpr, SECOND: tl.constexpr):
     """The code (0..255, or a nibble) of x under 1/scale; 0 for a dead block."""
     live = inverse != 0.0
     y = tl.where(live, x * inverse, 0.0)
@@ -539,11 +554,7 @@ def _code(x, inverse, FMT: tl.constexpr, SECOND: tl.constexpr):
                 r = tl.minimum(tl.maximum(r, -127.0), 127.0)
             code = r.to(tl.int32).to(tl.uint32, bitcast=True) & 0xFF
         else:
-            if SECOND:
-                r = tl.minimum(tl.maximum(r, -15.0), 15.0)
-            else:
-                r = tl.minimum(tl.maximum(r, -7.0), 7.0)
-            code = r.to(tl.int32).to(tl.uint32, bitcast=True) & 0xF
+            return _int4_code(y, tables, SECOND)
     if SECOND:
         floor = tl.where(x > 0.0, tl.where(live, 1, 0), 0).to(tl.uint32)
         code = tl.where(code == 0, floor, code)
@@ -582,7 +593,7 @@ def _value_out(param, master, offs, mask, p, MASTER: tl.constexpr, P_BF16: tl.co
 
 
 @triton.jit
-def _half(param, master, grad, m_codes, v_codes, b, j, odd: tl.constexpr, mask, m_scale,
+def _half(param, master, grad, m_codes, v_codes, tables, b, j, odd: tl.constexpr, mask, m_scale,
           v_scale, lr, beta1, omb1, beta2, omb2, eps, wd, inv_bc1, inv_bc2,
           FMT: tl.constexpr, HALF: tl.constexpr, ADAM_W: tl.constexpr, MASTER: tl.constexpr,
           P_BF16: tl.constexpr):  # fmt: skip
@@ -592,8 +603,8 @@ def _half(param, master, grad, m_codes, v_codes, b, j, odd: tl.constexpr, mask, 
     g = tl.load(grad + offs, mask=mask, other=0.0).to(tl.float32)
     if not ADAM_W:
         g = g + wd * p
-    m = beta1 * _decode(m_codes, b, j, odd, mask, m_scale, FMT, False, HALF) + omb1 * g
-    v = beta2 * _decode(v_codes, b, j, odd, mask, v_scale, FMT, True, HALF) + omb2 * g * g
+    m = beta1 * _decode(m_codes, tables, b, j, odd, mask, m_scale, FMT, False, HALF) + omb1 * g
+    v = beta2 * _decode(v_codes, tables, b, j, odd, mask, v_scale, FMT, True, HALF) + omb2 * g * g
     denom = tl.sqrt_rn(v * inv_bc2) + eps
     update = tl.div_rn(m * inv_bc1, denom)
     if ADAM_W:
@@ -607,8 +618,8 @@ def _half(param, master, grad, m_codes, v_codes, b, j, odd: tl.constexpr, mask, 
 
 
 @triton.jit
-def adamw_block_kernel(param, master, grad, m_codes, v_codes, m_scales, v_scales, n, lr, beta1,
-                       omb1, beta2, omb2, eps, wd, inv_bc1, inv_bc2, FMT: tl.constexpr,
+def adamw_block_kernel(param, master, grad, m_codes, v_codes, m_scales, v_scales, tables, n, lr,
+                       beta1, omb1, beta2, omb2, eps, wd, inv_bc1, inv_bc2, FMT: tl.constexpr,
                        HALF: tl.constexpr, ADAM_W: tl.constexpr, MASTER: tl.constexpr,
                        P_BF16: tl.constexpr):  # fmt: skip
     """One block (program ``b``) of one tensor of ``n`` elements."""
@@ -618,10 +629,10 @@ def adamw_block_kernel(param, master, grad, m_codes, v_codes, m_scales, v_scales
     odd = b * 2 * HALF + 2 * j + 1 < n
     m_old = tl.load(m_scales + b)
     v_old = tl.load(v_scales + b)
-    m0, s0 = _half(param, master, grad, m_codes, v_codes, b, j, 0, even, m_old, v_old, lr,
+    m0, s0 = _half(param, master, grad, m_codes, v_codes, tables, b, j, 0, even, m_old, v_old, lr,
                    beta1, omb1, beta2, omb2, eps, wd, inv_bc1, inv_bc2, FMT, HALF, ADAM_W,
                    MASTER, P_BF16)  # fmt: skip
-    m1, s1 = _half(param, master, grad, m_codes, v_codes, b, j, 1, odd, m_old, v_old, lr,
+    m1, s1 = _half(param, master, grad, m_codes, v_codes, tables, b, j, 1, odd, m_old, v_old, lr,
                    beta1, omb1, beta2, omb2, eps, wd, inv_bc1, inv_bc2, FMT, HALF, ADAM_W,
                    MASTER, P_BF16)  # fmt: skip
     m_amax = tl.maximum(tl.max(_bits(m0) & 0x7FFFFFFF, 0), tl.max(_bits(m1) & 0x7FFFFFFF, 0))
@@ -630,8 +641,8 @@ def adamw_block_kernel(param, master, grad, m_codes, v_codes, m_scales, v_scales
     v_scale, v_inv = _scale(v_amax, FMT, True)
     tl.store(m_scales + b, m_scale)
     tl.store(v_scales + b, v_scale)
-    mc0, mc1 = _code(m0, m_inv, FMT, False), _code(m1, m_inv, FMT, False)
-    vc0, vc1 = _code(s0, v_inv, FMT, True), _code(s1, v_inv, FMT, True)
+    mc0, mc1 = _code(m0, m_inv, tables, FMT, False), _code(m1, m_inv, tables, FMT, False)
+    vc0, vc1 = _code(s0, v_inv, tables, FMT, True), _code(s1, v_inv, tables, FMT, True)
     if FMT == 2:
         tl.store(m_codes + b * HALF + j, (mc0 | (mc1 << 4)).to(tl.uint8), mask=even)
         tl.store(v_codes + b * HALF + j, (vc0 | (vc1 << 4)).to(tl.uint8), mask=even)

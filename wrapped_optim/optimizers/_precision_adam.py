@@ -74,7 +74,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         differentiable: must be False (autograd through the step is not supported).
         block_moments: store both moments block-scaled instead of in ``exp_avg_dtype`` /
             ``exp_avg_sq_dtype`` (which then stay FP32): ``"int8"``, ``"fp8"`` (E4M3) or
-            ``"int4"`` codes with one power-of-two scale per block (see
+            ``"int4"`` (16-value tables) codes with one scale per block (see
             docs/precision_adam.md). A step stores each block as it computes it (one pass
             over memory); ``state_dict()`` is the same portable FP32 form.
         block_size: values per block (a power of two from 32 to 2048); default 256 for the
