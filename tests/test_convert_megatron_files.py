@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wrapped_optim.checkpoint._convert._canonical import (
@@ -167,3 +167,43 @@ def test_buffers_split_by_dtype_in_order_of_first_appearance() -> None:
         (torch.float32, ["0.weight"]),
         (torch.bfloat16, ["1.weight", "1.bias"]),
     ]
+
+
+@settings(max_examples=5)
+@given(states())
+def test_inspect_shows_a_megatron_checkpoint_through_the_converter(state: _Memory) -> None:
+    import contextlib
+    import io
+    import tempfile
+
+    from wrapped_optim._cli import run_inspect
+
+    with tempfile.TemporaryDirectory() as root, contextlib.redirect_stdout(io.StringIO()) as text:
+        megatron_writer(Path(root, "optim")).write(state.index(), state)
+        assert run_inspect(str(Path(root, "optim")), per_param=True) == 0
+    out = text.getvalue()
+    assert f"format: {FULLY_RESHARDABLE} (read by the converter)" in out
+    for param in state.index().params:
+        assert f"  {param.name} {tuple(param.shape)} group {param.group} step" in out
+
+
+def test_classes_of_torch_and_this_package_are_allowed_in_a_fresh_process(
+    tmp_path: Path,
+) -> None:
+    """A Megatron checkpoint of a HybridDeviceOptimizer pickles its sub-optimizer classes; a
+    process that has not imported them yet (the CLI) still reads it, and nothing else."""
+    import subprocess
+    import sys
+
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    torch.save({"gpu": PrecisionAwareAdamW, "cpu": torch.optim.AdamW}, tmp_path / "common.pt")
+    probe = (
+        "import sys; from wrapped_optim._formats.pickled_classes import "
+        "optimizer_classes_named_in as f; "
+        f"print(sorted(c.__name__ for c in f({str(tmp_path / 'common.pt')!r})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert out.strip() == "['AdamW', 'PrecisionAwareAdamW']"

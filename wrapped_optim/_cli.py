@@ -59,8 +59,12 @@ def run_inspect(path: str, *, per_param: bool = True, trusted: bool = False) -> 
         report = inspect_checkpoint(path, trusted=trusted)
         text = format_report(report, per_param=per_param)
     except InspectError as error:
-        print(f"wrapped-optim inspect: error: {error}", file=sys.stderr)
-        return 2
+        described, why = _described_by_converter(path, per_param=per_param, trusted=trusted)
+        if described is None:
+            print(f"wrapped-optim inspect: error: {why or error}", file=sys.stderr)
+            return 2
+        print(described)
+        return 0
     except (Exception, RecursionError) as error:  # any other failure: one line, no traceback
         first = (str(error).strip().splitlines() or [""])[0][:300]
         print(
@@ -72,6 +76,38 @@ def run_inspect(path: str, *, per_param: bool = True, trusted: bool = False) -> 
     print(text)
     print(f"convert reads it as: {_convert_format(path)}")
     return 0
+
+
+_INSPECTED_FORMATS = ("torch-save", "dcp", "dcp-flat", "dcp-streaming")
+"""Formats inspection reads itself; its error stands for them."""
+
+
+def _described_by_converter(
+    path: str, *, per_param: bool, trusted: bool
+) -> tuple[str | None, str | None]:
+    """What the converter reads of ``path`` when it is in a format only the converter knows
+    (Megatron's, DeepSpeed's), or why it cannot; ``(None, None)`` for any other path."""
+    from pathlib import Path
+
+    from wrapped_optim.checkpoint._convert._describe import describe_index
+    from wrapped_optim.checkpoint._convert._formats import detect_format
+    from wrapped_optim.checkpoint._convert._options import FormatOptions
+
+    try:
+        fmt = detect_format(path)
+    except Exception:  # no format the converter knows: inspection's own error is the answer
+        return None, None
+    if fmt.name in _INSPECTED_FORMATS or fmt.reader is None:
+        return None, None
+    try:
+        reader = fmt.reader(Path(path), FormatOptions(trusted=trusted))
+        try:
+            return describe_index(reader.index(), fmt.name, per_param=per_param), None
+        finally:
+            reader.close()
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        return None, f"{path}: a {fmt.name} checkpoint, which the converter reads ({first})"
 
 
 def _convert_format(path: str) -> str:
