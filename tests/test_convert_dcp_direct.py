@@ -1,4 +1,4 @@
-"""DCP tensors read straight into their destination: the same bits as DCP's own reader, the
+"""DCP tensors read from their file's mapping: the same bits as DCP's own reader, the
 general path kept for what is not stored whole and contiguous, and a clear error for a
 truncated data file."""
 
@@ -74,7 +74,7 @@ def test_whole_tensors_read_the_bits_dcp_reads(
             got = whole.read(key, TensorSpec(value.shape, value.dtype))
             assert got is not None, key
             assert _same_bits(got, expected[key]), key
-            assert got.untyped_storage().resizable()  # a writer may still free it
+            assert got.numel() == 0 or got._base is not None  # a view: writers never free it
 
 
 def test_a_tensor_not_stored_contiguously_takes_dcps_path(tmp_path: Path) -> None:

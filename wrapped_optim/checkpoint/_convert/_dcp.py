@@ -277,6 +277,7 @@ class DcpReader:
 
     def close(self) -> None:
         self._leaves = {}
+        self.file.whole.close()
 
 
 def _index_key(key: Any) -> Any:

@@ -1,19 +1,22 @@
-"""A DCP tensor read straight into its destination: one copy, from the file into the tensor.
+"""DCP tensors stored whole, read from their file's memory map without a copy.
 
 DCP's own reader reads a stored tensor into a buffer, unpickles a tensor from that buffer and
-copies it into the destination (three passes over its bytes). When the tensor is stored whole
-(one chunk, no stream transform such as compression) and contiguous in the checkpoint's byte
-order, its bytes are one range of one file: the record's pickle is read with its storage
-left on the meta device (which gives the record's offset in the file without reading it),
-and the range is then read with ``preadv`` into the destination's memory. Anything else
-answers ``None`` and the caller takes DCP's general path.
+copies it into the destination (three passes over its bytes, two of the tensor in memory).
+When the tensor is stored whole (one chunk, no stream transform such as compression) and
+contiguous in the checkpoint's byte order, its bytes are one range of one file: the record's
+pickle is read with its storage left on the meta device (which gives the record's offset in
+the file without reading it), and the tensor handed on is a view of that range of the file,
+mapped copy-on-write (as ``torch.load(mmap=True)`` maps a ``torch.save`` file; so the
+process allocates nothing for it). The writer
+then reads it once, straight from the page cache. Anything else answers ``None`` and the
+caller takes DCP's general path.
 """
 
 from __future__ import annotations
 
-import ctypes
 import io
 import math
+import mmap
 import os
 import sys
 from collections.abc import Mapping
@@ -59,23 +62,6 @@ class _Window(io.RawIOBase):
         return got
 
 
-def _byte_view(tensor: torch.Tensor) -> memoryview:
-    """The contiguous tensor's bytes, writable, whatever its dtype; valid while the tensor
-    lives. (Not through ``numpy()``, which would pin the storage's size for good: writers
-    free a tensor once written by resizing its storage to nothing.)"""
-    nbytes = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def _read_fully(fd: int, view: memoryview, offset: int, where: str) -> None:
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise ConversionError(f"{where}: ends {len(view) - done} bytes short of a tensor")
-        done += got
-
-
 class WholeTensors:
     """Reads the tensors of a DCP directory that are stored whole, one copy each."""
 
@@ -83,6 +69,7 @@ class WholeTensors:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.path = path
+        self._mappings: dict[Path, mmap.mmap] = {}  # data file -> its mapping
         self.ranges: dict[str, Any] = {}  # key -> its storage info, for whole tensors only
         storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
         by_fqn: dict[Any, list[Any]] = {}
@@ -97,7 +84,8 @@ class WholeTensors:
                 self.ranges[key] = infos[0]
 
     def read(self, key: str, spec: TensorSpec) -> torch.Tensor | None:
-        """``key``'s tensor, or ``None`` when it is not stored in a form read directly."""
+        """``key``'s tensor (a view of the file's mapping), or ``None`` when it is not stored
+        in a form read directly."""
         info = self.ranges.get(key)
         if info is None:
             return None
@@ -105,17 +93,25 @@ class WholeTensors:
         fd = os.open(file, os.O_RDONLY)
         try:
             where = self._record(fd, int(info.offset), int(info.length), spec)
-            if where is None:
-                return None
-            target = torch.empty(spec.shape, dtype=spec.dtype)
-            if target.numel():
-                view = _byte_view(target)
-                if where + len(view) > int(info.offset) + int(info.length):
-                    raise ConversionError(f"{file}: tensor {key!r} runs past its stored range")
-                _read_fully(fd, view, where, str(file))
-            return target
+            size = os.fstat(fd).st_size
         finally:
             os.close(fd)
+        if where is None:
+            return None
+        nbytes = spec.numel * torch.empty((), dtype=spec.dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(spec.shape, dtype=spec.dtype)
+        if where + nbytes > min(int(info.offset) + int(info.length), size):
+            raise ConversionError(f"{file}: tensor {key!r} runs past its stored range")
+        if file not in self._mappings:  # copy-on-write: the file is never written
+            with file.open("rb") as stream:
+                self._mappings[file] = mmap.mmap(stream.fileno(), size, access=mmap.ACCESS_COPY)
+        mapped = self._mappings[file]
+        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=where)
+        return raw.view(spec.dtype).view(spec.shape)  # a view: the mapping stays ours
+
+    def close(self) -> None:
+        self._mappings = {}  # unmapped once no tensor views them
 
     @staticmethod
     def _record(fd: int, start: int, length: int, spec: TensorSpec) -> int | None:
