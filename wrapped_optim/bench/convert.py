@@ -5,12 +5,14 @@ An AdamW state of ``--params`` parameters (FP32 moments over transformer-shaped 
 written once as a ``torch.save`` file and once as a DCP directory; then each conversion runs
 in a fresh child process: ``torch-save -> dcp``, ``dcp -> torch-save``, ``torch-save ->
 torch-save`` and ``dcp -> dcp-streaming``. The baseline is a copy of the source's bytes
-(``shutil.copyfile`` / ``copytree``), fsync'd like the converter's output. Memory: the
-growth of the child's peak RSS (``VmHWM``, which counts a memory-mapped source's pages as
-they are read) and the peak of its anonymous memory (``RssAnon``, sampled every 2 ms: what
-the process holds itself).
+(``shutil.copyfile`` / ``copytree``), fsync'd like the converter's output. With ``--cold``
+the source's pages are dropped from the page cache (``posix_fadvise(DONTNEED)`` on its
+files, nothing else's) before every run, copy and conversion alike, so both read it from
+disk. Memory: the growth of the child's peak RSS (``VmHWM``, which counts a memory-mapped
+source's pages as they are read) and the peak of its anonymous memory (``RssAnon``, sampled
+every 2 ms: what the process holds itself).
 
-Run: ``python -m wrapped_optim.bench.convert [--params N] [--quick]``.
+Run: ``python -m wrapped_optim.bench.convert [--params N] [--rounds R] [--cold] [--quick]``.
 """
 
 from __future__ import annotations
@@ -146,7 +148,21 @@ def _child(root: Path, case: str) -> None:
     shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink()
 
 
-def _run_child(root: Path, case: str) -> dict[str, Any]:
+def _evict(path: Path) -> None:
+    """Drops ``path``'s clean pages from the page cache (after writing back any dirty ones)."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _run_child(root: Path, case: str, cold: bool = False) -> dict[str, Any]:
+    if cold:
+        _evict(_source(root, case.partition(":")[0]))
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(128 << 10))
     cmd = [sys.executable, "-m", "wrapped_optim.bench.convert", "--child", str(root), case]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
@@ -156,7 +172,7 @@ def _run_child(root: Path, case: str) -> dict[str, Any]:
     return result
 
 
-def _collect(params: int, rounds: int) -> dict[str, Any]:
+def _collect(params: int, rounds: int, cold: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("WRAPPED_OPTIM_BENCH_DIR")) as tmp:
         root = Path(tmp)
         state_bytes, params = _write_sources(root, params)
@@ -166,11 +182,12 @@ def _collect(params: int, rounds: int) -> dict[str, Any]:
             best: dict[str, dict[str, Any]] = {}
             for _ in range(rounds):
                 for kind in ("copy", dst):
-                    result = _run_child(root, f"{src}:{kind}")
+                    result = _run_child(root, f"{src}:{kind}", cold)
                     if kind not in best or result["seconds"] < best[kind]["seconds"]:
                         best[kind] = result
             rows.append({"source": src, "target": dst, "convert": best[dst], "copy": best["copy"]})
-    return {"params": params, "state_bytes": state_bytes, "largest": largest, "rows": rows}
+    return {"params": params, "state_bytes": state_bytes, "largest": largest, "rows": rows,
+            "cold": cold, "load": os.getloadavg()[0]}  # fmt: skip
 
 
 def _render(data: dict[str, Any]) -> str:
@@ -180,7 +197,9 @@ def _render(data: dict[str, Any]) -> str:
         "",
         f"AdamW state of {data['params'] / 1e6:,.0f}M parameters: "
         f"{data['state_bytes'] / mib:,.0f} MiB of moments, largest tensor "
-        f"{data['largest'] / mib:,.0f} MiB. Best of the rounds, each in a fresh process.",
+        f"{data['largest'] / mib:,.0f} MiB. Best of the rounds, each in a fresh process, the "
+        f"source {'cold (evicted from the page cache)' if data.get('cold') else 'warm'}; "
+        f"load average {data.get('load', 0.0):.1f} at the end.",
         "",
         "| conversion | convert s | copy s | ratio | peak RSS growth | peak anonymous growth |",
         "|---|---:|---:|---:|---:|---:|",
@@ -195,10 +214,10 @@ def _render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(quick: bool = False, rounds: int | None = None) -> str:
+def run(quick: bool = False, rounds: int | None = None, cold: bool = False) -> str:
     """The section's Markdown: 100M parameters (16M with ``quick``)."""
     params = 16 << 20 if quick else 100_000_000
-    return _render(_collect(params, rounds or (1 if quick else 2)))
+    return _render(_collect(params, rounds or (1 if quick else 2), cold))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,14 +226,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cold", action="store_true", help="read every source from disk")
     args = parser.parse_args(argv)
     if args.child:
         _child(Path(args.child[0]), args.child[1])
         return
     if args.params:
-        print(_render(_collect(args.params, args.rounds or 2)))
+        print(_render(_collect(args.params, args.rounds or 2, args.cold)))
     else:
-        print(run(args.quick, args.rounds))
+        print(run(args.quick, args.rounds, args.cold))
 
 
 if __name__ == "__main__":

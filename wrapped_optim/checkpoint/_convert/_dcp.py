@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
+from torch.utils.serialization import config as serialization_config
 
 from wrapped_optim.checkpoint._convert._canonical import (
     ParamRecord,
@@ -40,6 +41,7 @@ from wrapped_optim.checkpoint._convert._canonical import (
     StateReader,
     TensorSpec,
 )
+from wrapped_optim.checkpoint._convert._dcp_direct import WholeTensors
 from wrapped_optim.checkpoint._convert._errors import ConversionError
 from wrapped_optim.checkpoint._convert._layout import (
     NOTE_FLAVOUR,
@@ -78,6 +80,7 @@ class _DcpFile:
         except InspectError as error:
             raise ConversionError(str(error)) from error
         self.reader.set_up_storage_reader(self.metadata, True)
+        self.whole = WholeTensors(path, self.metadata)
 
     def load(self, keys: Mapping[str, TensorSpec | None]) -> dict[str, Any]:
         """Each key's value: a fresh tensor of its spec, or the unpickled object."""
@@ -87,9 +90,14 @@ class _DcpFile:
             _check_storage_files(self.path, self.metadata, list(keys), self.trusted)
         except InspectError as error:
             raise ConversionError(str(error)) from error
+        direct = {key: self._direct(key, spec) for key, spec in keys.items() if spec is not None}
+        done = {key: tensor for key, tensor in direct.items() if tensor is not None}
+        if len(done) == len(keys):
+            return dict(done)
         targets: dict[str, Any] = {
             key: None if spec is None else torch.empty(spec.shape, dtype=spec.dtype)
             for key, spec in keys.items()
+            if key not in done
         }
         planner = _ObjectPlanner(not self.trusted)
         planner.set_up_planner(targets, self.metadata, True)
@@ -103,7 +111,20 @@ class _DcpFile:
                 f"{self.path}: cannot read {sorted(keys)[:3]} ({type(error).__name__}: {first})"
             ) from error
         targets.update(planner.objects)
+        targets.update(done)
         return targets
+
+    def _direct(self, key: str, spec: TensorSpec) -> torch.Tensor | None:
+        """``key`` read straight into a fresh tensor, when it is stored whole."""
+        try:
+            return self.whole.read(key, spec)
+        except ConversionError:
+            raise
+        except Exception as error:
+            first = (str(error).strip().splitlines() or [""])[0][:300]
+            raise ConversionError(
+                f"{self.path}: cannot read {key!r} ({type(error).__name__}: {first})"
+            ) from error
 
 
 class _ObjectPlanner(DefaultLoadPlanner):
@@ -256,6 +277,7 @@ class DcpReader:
 
     def close(self) -> None:
         self._leaves = {}
+        self.file.whole.close()
 
 
 def _index_key(key: Any) -> Any:
@@ -377,7 +399,10 @@ class DcpWriter:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             planner = _PullingPlanner(reader, sources)
             try:
-                dcp.save(tree, storage_writer=writer, planner=planner, no_dist=True)
+                # DCP torch.saves each item; without the zip CRC32 (torch.load does not check
+                # it) as the torch.save writer does: the checksum is a full pass per tensor.
+                with serialization_config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
+                    dcp.save(tree, storage_writer=writer, planner=planner, no_dist=True)
             except CheckpointException as error:
                 raise _first_failure(error) from error
             finally:
