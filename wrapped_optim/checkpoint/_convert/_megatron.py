@@ -39,9 +39,9 @@ from wrapped_optim.checkpoint._convert._megatron_files import (
     METADATA_FILE,
     DcpTensors,
     MegatronFormatError,
-    load_common,
     optimizer_commons,
     read_backends,
+    read_common,
 )
 
 __all__ = [
@@ -98,10 +98,10 @@ def detect_megatron(path: str | Path) -> str | None:
     path = Path(path)
     if (path / _LEGACY_COMMON).is_file():
         return LEGACY
-    if read_backends(path) is None or not (path / COMMON_FILE).is_file():
+    if read_backends(path) is None:
         return None
     try:
-        common = load_common(path / COMMON_FILE)
+        common = read_common(path)
     except MegatronFormatError:
         return None
     state = common.get("optimizer") if isinstance(common, Mapping) else None
@@ -212,7 +212,7 @@ class MegatronFullyReshardableReader:
             raise MegatronFormatError(
                 f"{self.path}: not a Megatron dist_checkpointing directory (no {METADATA_FILE})"
             )
-        self._commons = optimizer_commons(load_common(self.path / COMMON_FILE), key)
+        self._commons = optimizer_commons(read_common(self.path), key)
         for common in self._commons:
             sharding = common.get("param_state_sharding_type")
             if sharding != "fully_reshardable":

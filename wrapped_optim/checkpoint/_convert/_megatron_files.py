@@ -227,6 +227,47 @@ class DcpTensors:
         self._scopes.close()
 
 
+COMMON_OBJECT = "common_state"
+"""Where Core 0.19 keeps the common state: a ``ShardedObject`` inside the DCP checkpoint
+(``common_state/shard_0_1``), in place of 0.16's ``common.pt``."""
+
+
+def read_common(path: Path) -> Any:
+    """The common (non-sharded) state of Megatron's ``dist_checkpointing`` directory
+    ``path``: ``common.pt`` where Core wrote one (0.16), else the ``common_state`` object in
+    the DCP checkpoint (0.19).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     torch.save({"optimizer": {}}, f"{d}/common.pt")
+        ...     read_common(Path(d))
+        {'optimizer': {}}
+    """
+    if (path / COMMON_FILE).is_file():
+        return load_common(path / COMMON_FILE)
+    if not (path / ".metadata").is_file():
+        raise MegatronFormatError(f"{path}: no {COMMON_FILE} and no DCP checkpoint")
+    tensors = DcpTensors(path)
+    try:
+        names = [
+            name
+            for name in tensors.objects
+            if name == COMMON_OBJECT or name.startswith(COMMON_OBJECT + "/")
+        ]
+        if not names:
+            raise MegatronFormatError(
+                f"{path}: no common state ({COMMON_FILE} or a {COMMON_OBJECT!r} object)"
+            )
+        stored = tensors.read_object(names[0])
+    finally:
+        tensors.close()
+    # Core saves the common dict as the one element of the object's data (a list of one).
+    if isinstance(stored, list | tuple) and len(stored) == 1:
+        return stored[0]
+    return stored
+
+
 def _optimizer_classes_in(data: bytes) -> list[type]:
     """Imported optimizer classes a pickled blob names (see :func:`load_common`)."""
     import tempfile
