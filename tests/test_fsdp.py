@@ -8,6 +8,7 @@ tests/distributed.
 from __future__ import annotations
 
 import copy
+import functools
 import pickle
 from types import SimpleNamespace
 from typing import Any
@@ -361,9 +362,21 @@ def test_wrapper_is_a_transparent_no_op_without_mixed_grads() -> None:
 
 def test_constructor_validates_refresh_and_repr_shows_options() -> None:
     sgd = torch.optim.SGD(make_params([(1,)], None), lr=0.1)
-    with pytest.raises(TypeError, match="refresh must be a callable"):
+    with pytest.raises(TypeError, match=r"refresh must be a callable .*, got int"):
         FSDPAwareOptimizer(sgd, refresh=3)  # type: ignore[arg-type]
     assert "precision_aware=True" in repr(FSDPAwareOptimizer(sgd, precision_aware=True))
+
+
+def _refresh_nothing(group: dict[str, Any]) -> None:
+    pass
+
+
+def test_repr_names_the_refresh_function_or_shows_the_callable() -> None:
+    sgd = torch.optim.SGD(make_params([(1,)], None), lr=0.1)
+    named = repr(FSDPAwareOptimizer(sgd, refresh=_refresh_nothing))
+    assert "refresh=_refresh_nothing" in named
+    partial = functools.partial(_refresh_nothing)
+    assert f"refresh={partial!r}" in repr(FSDPAwareOptimizer(sgd, refresh=partial))
 
 
 def test_pickling_drops_the_cast_buffers() -> None:

@@ -278,7 +278,7 @@ class FSDPAwareOptimizer(OptimizerWrapper):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("_cast_buffers", None)
+        del state["_cast_buffers"]  # set in __init__ and __setstate__: always there
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -311,10 +311,8 @@ def _zero_hyperparameters(group: dict[str, Any]) -> None:
 
 
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(
-        a.reshape(-1).view(torch.uint8) if a.numel() else a,
-        b.reshape(-1).view(torch.uint8) if b.numel() else b,
-    )
+    # An empty tensor views as an empty byte string too.
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _zero_counter(mapping: MutableMapping[Any, Any], key: str) -> None:
