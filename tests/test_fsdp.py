@@ -367,6 +367,28 @@ def test_constructor_validates_refresh_and_repr_shows_options() -> None:
     assert "precision_aware=True" in repr(FSDPAwareOptimizer(sgd, precision_aware=True))
 
 
+class _Chained:
+    """Shaped like Megatron's ChainedOptimizer: its children and the two calls a wrapper needs."""
+
+    def __init__(self, *children: Any) -> None:
+        self.chained_optimizers = list(children)
+
+    def step(self) -> None:
+        pass
+
+    def state_dict(self) -> list[Any]:
+        return []
+
+
+def test_refresh_skips_a_stub_rank_and_refreshes_the_later_leaves() -> None:
+    sgd = torch.optim.SGD(make_params([(2,)], None), lr=0.1)
+    stub = SimpleNamespace(optimizer=None, is_stub_optimizer=True)  # a Megatron stub rank
+    seen: list[dict[str, Any]] = []
+    opt = FSDPAwareOptimizer(_Chained(stub, sgd), refresh=seen.append)
+    opt.refresh_compute_weights()
+    assert seen == [sgd.param_groups[0]]
+
+
 def _refresh_nothing(group: dict[str, Any]) -> None:
     pass
 

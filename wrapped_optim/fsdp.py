@@ -226,14 +226,11 @@ class FSDPAwareOptimizer(OptimizerWrapper):
             if leaf.optimizer is None:
                 continue
             for group in leaf.optimizer.param_groups:
-                has_other = False
-                for param in group["params"]:
-                    owner = fsdp_parameter_group_of(param)
-                    if owner is None:
-                        has_other = True
-                    else:
+                owners = [fsdp_parameter_group_of(param) for param in group["params"]]
+                for owner in owners:
+                    if owner is not None:
                         fsdp_groups.setdefault(id(owner), owner)
-                if has_other:
+                if None in owners:
                     other_groups.append(group)
         for owner in fsdp_groups.values():
             owner.sync_model_weight_from_main_weight()
