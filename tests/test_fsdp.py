@@ -545,6 +545,33 @@ class GroupStepAdam(torch.optim.Optimizer):
                 p.add_(state["m"], alpha=-group["lr"])
 
 
+def test_init_skips_stub_and_initialised_leaves_and_covers_frozen_params_in_containers() -> None:
+    ready, fresh, frozen, leftover = make_params([(2,), (2,), (2,), (2,)], None)
+    frozen.requires_grad_(False)
+    initialised = torch.optim.Adam([ready])
+    initialised.state[ready]["exp_avg"] = torch.ones(2)  # e.g. loaded: left as it is
+    held = torch.optim.Adam([fresh, frozen])  # in a Megatron container: every param
+    stub = torch.optim.Adam([leftover])  # a stub rank's optimizer is never stepped
+    chained = SimpleNamespace(
+        chained_optimizers=[
+            initialised,
+            SimpleNamespace(optimizer=stub, is_stub_optimizer=True),
+            SimpleNamespace(optimizer=held),
+        ]
+    )
+    assert init_optimizer_state(chained) is True
+    assert set(initialised.state[ready]) == {"exp_avg"}
+    assert set(held.state) == {fresh, frozen}
+    assert not stub.state
+
+
+def test_a_step_without_casts_passes_the_closure_through() -> None:
+    params = make_params([(2,)], None)
+    give_grads(params, seed=0)
+    opt = FSDPAwareOptimizer(torch.optim.SGD(params, lr=0.1))
+    assert opt.step(lambda: 7.0) == 7.0
+
+
 def test_init_through_stacks_and_containers_restores_group_counters() -> None:
     a, b = make_params([(2,), (3,)], torch.bfloat16)
     first = GroupStepAdam([a])

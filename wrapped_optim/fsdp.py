@@ -332,9 +332,7 @@ def _stack_is_precision_aware(optimizer: Any) -> bool:
     return layer is not None and layer.precision_aware
 
 
-def _init_leaf(
-    leaf: torch.optim.Optimizer, precision_aware: bool, *, every_param: bool = False
-) -> None:
+def _init_leaf(leaf: torch.optim.Optimizer, precision_aware: bool, *, every_param: bool) -> None:
     params = [
         param
         for group in leaf.param_groups
