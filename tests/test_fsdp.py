@@ -565,10 +565,11 @@ def test_init_skips_stub_and_initialised_leaves_and_covers_frozen_params_in_cont
     assert not stub.state
 
 
-def test_a_step_without_casts_passes_the_closure_through() -> None:
+@pytest.mark.parametrize("precision_aware", [False, True])
+def test_a_step_passes_the_closure_through(precision_aware: bool) -> None:
     params = make_params([(2,)], None)
     give_grads(params, seed=0)
-    opt = FSDPAwareOptimizer(torch.optim.SGD(params, lr=0.1))
+    opt = FSDPAwareOptimizer(torch.optim.SGD(params, lr=0.1), precision_aware=precision_aware)
     assert opt.step(lambda: 7.0) == 7.0
 
 
