@@ -85,6 +85,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["wrapped_optim/_adapters/hybrid.py"],
         [
             "tests/test_hybrid_payloads.py",
+            "tests/test_hybrid_layouts.py",
             "tests/test_hybrid_sync.py",
             "tests/test_hybrid_sync_calls.py",
             "tests/test_stale_copies.py",

@@ -8,6 +8,7 @@ tests/distributed.
 from __future__ import annotations
 
 import copy
+import functools
 import pickle
 from types import SimpleNamespace
 from typing import Any
@@ -361,9 +362,43 @@ def test_wrapper_is_a_transparent_no_op_without_mixed_grads() -> None:
 
 def test_constructor_validates_refresh_and_repr_shows_options() -> None:
     sgd = torch.optim.SGD(make_params([(1,)], None), lr=0.1)
-    with pytest.raises(TypeError, match="refresh must be a callable"):
+    with pytest.raises(TypeError, match=r"refresh must be a callable .*, got int"):
         FSDPAwareOptimizer(sgd, refresh=3)  # type: ignore[arg-type]
     assert "precision_aware=True" in repr(FSDPAwareOptimizer(sgd, precision_aware=True))
+
+
+class _Chained:
+    """Shaped like Megatron's ChainedOptimizer: its children and the two calls a wrapper needs."""
+
+    def __init__(self, *children: Any) -> None:
+        self.chained_optimizers = list(children)
+
+    def step(self) -> None:
+        pass
+
+    def state_dict(self) -> list[Any]:
+        return []
+
+
+def test_refresh_skips_a_stub_rank_and_refreshes_the_later_leaves() -> None:
+    sgd = torch.optim.SGD(make_params([(2,)], None), lr=0.1)
+    stub = SimpleNamespace(optimizer=None, is_stub_optimizer=True)  # a Megatron stub rank
+    seen: list[dict[str, Any]] = []
+    opt = FSDPAwareOptimizer(_Chained(stub, sgd), refresh=seen.append)
+    opt.refresh_compute_weights()
+    assert seen == [sgd.param_groups[0]]
+
+
+def _refresh_nothing(group: dict[str, Any]) -> None:
+    pass
+
+
+def test_repr_names_the_refresh_function_or_shows_the_callable() -> None:
+    sgd = torch.optim.SGD(make_params([(1,)], None), lr=0.1)
+    named = repr(FSDPAwareOptimizer(sgd, refresh=_refresh_nothing))
+    assert "refresh=_refresh_nothing" in named
+    partial = functools.partial(_refresh_nothing)
+    assert f"refresh={partial!r}" in repr(FSDPAwareOptimizer(sgd, refresh=partial))
 
 
 def test_pickling_drops_the_cast_buffers() -> None:
@@ -508,6 +543,34 @@ class GroupStepAdam(torch.optim.Optimizer):
                 state.setdefault("m", torch.zeros_like(p))
                 state["m"].mul_(0.9).add_(p.grad)
                 p.add_(state["m"], alpha=-group["lr"])
+
+
+def test_init_skips_stub_and_initialised_leaves_and_covers_frozen_params_in_containers() -> None:
+    ready, fresh, frozen, leftover = make_params([(2,), (2,), (2,), (2,)], None)
+    frozen.requires_grad_(False)
+    initialised = torch.optim.Adam([ready])
+    initialised.state[ready]["exp_avg"] = torch.ones(2)  # e.g. loaded: left as it is
+    held = torch.optim.Adam([fresh, frozen])  # in a Megatron container: every param
+    stub = torch.optim.Adam([leftover])  # a stub rank's optimizer is never stepped
+    chained = SimpleNamespace(
+        chained_optimizers=[
+            initialised,
+            SimpleNamespace(optimizer=stub, is_stub_optimizer=True),
+            SimpleNamespace(optimizer=held),
+        ]
+    )
+    assert init_optimizer_state(chained) is True
+    assert set(initialised.state[ready]) == {"exp_avg"}
+    assert set(held.state) == {fresh, frozen}
+    assert not stub.state
+
+
+@pytest.mark.parametrize("precision_aware", [False, True])
+def test_a_step_passes_the_closure_through(precision_aware: bool) -> None:
+    params = make_params([(2,)], None)
+    give_grads(params, seed=0)
+    opt = FSDPAwareOptimizer(torch.optim.SGD(params, lr=0.1), precision_aware=precision_aware)
+    assert opt.step(lambda: 7.0) == 7.0
 
 
 def test_init_through_stacks_and_containers_restores_group_counters() -> None:

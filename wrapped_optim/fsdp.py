@@ -226,14 +226,11 @@ class FSDPAwareOptimizer(OptimizerWrapper):
             if leaf.optimizer is None:
                 continue
             for group in leaf.optimizer.param_groups:
-                has_other = False
-                for param in group["params"]:
-                    owner = fsdp_parameter_group_of(param)
-                    if owner is None:
-                        has_other = True
-                    else:
+                owners = [fsdp_parameter_group_of(param) for param in group["params"]]
+                for owner in owners:
+                    if owner is not None:
                         fsdp_groups.setdefault(id(owner), owner)
-                if has_other:
+                if None in owners:
                     other_groups.append(group)
         for owner in fsdp_groups.values():
             owner.sync_model_weight_from_main_weight()
@@ -278,7 +275,7 @@ class FSDPAwareOptimizer(OptimizerWrapper):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("_cast_buffers", None)
+        del state["_cast_buffers"]  # set in __init__ and __setstate__: always there
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -311,10 +308,8 @@ def _zero_hyperparameters(group: dict[str, Any]) -> None:
 
 
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(
-        a.reshape(-1).view(torch.uint8) if a.numel() else a,
-        b.reshape(-1).view(torch.uint8) if b.numel() else b,
-    )
+    # An empty tensor views as an empty byte string too.
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _zero_counter(mapping: MutableMapping[Any, Any], key: str) -> None:
@@ -337,9 +332,7 @@ def _stack_is_precision_aware(optimizer: Any) -> bool:
     return layer is not None and layer.precision_aware
 
 
-def _init_leaf(
-    leaf: torch.optim.Optimizer, precision_aware: bool, *, every_param: bool = False
-) -> None:
+def _init_leaf(leaf: torch.optim.Optimizer, precision_aware: bool, *, every_param: bool) -> None:
     params = [
         param
         for group in leaf.param_groups

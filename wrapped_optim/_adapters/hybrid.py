@@ -160,25 +160,26 @@ class WeightWatch:
     """
 
     _entries: list[MasterCopies] = attrs.field(factory=list)
-    _weights: list[torch.Tensor] = attrs.field(factory=list)
-    _marks: list[tuple[int, int]] = attrs.field(factory=list)
+    # (entry, its weight's version, its weight's storage) after the optimizer's last write.
+    _marks: list[tuple[MasterCopies, int, int]] = attrs.field(factory=list)
 
     def record(self, entries: Iterable[MasterCopies]) -> None:
         """Watches ``entries`` from now on, their weights as they are now."""
         self._entries = list(entries)
-        self._weights = [entry.weight for entry in self._entries]
         self.refresh()
 
     def refresh(self) -> None:
         """The watched weights as they are now (after the optimizer's own writes)."""
-        self._marks = [(w._version, w.data_ptr()) for w in self._weights]
+        self._marks = [
+            (entry, entry.weight._version, entry.weight.data_ptr()) for entry in self._entries
+        ]
 
     def moved(self) -> list[MasterCopies]:
         """The entries whose weight was written (or swapped) since the last record."""
         return [
             entry
-            for entry, w, mark in zip(self._entries, self._weights, self._marks, strict=True)
-            if (w._version, w.data_ptr()) != mark
+            for entry, version, storage in self._marks
+            if (entry.weight._version, entry.weight.data_ptr()) != (version, storage)
         ]
 
 
@@ -228,9 +229,12 @@ def is_hybrid_offload(obj: Any) -> bool:
     """
     if obj is None:
         return False
-    if isinstance(obj, HybridOffloadHolder) and callable(getattr(obj, "master_copies", None)):
-        return True
-    return is_megatron_hdo(obj)
+    return _lists_own_copies(obj) or is_megatron_hdo(obj)
+
+
+def _lists_own_copies(obj: Any) -> bool:
+    # The protocol check proves the attribute exists; a data attribute of that name is no method.
+    return isinstance(obj, HybridOffloadHolder) and callable(obj.master_copies)
 
 
 def _hybrid_leaves(stack: Any) -> Iterator[LeafContext]:
@@ -274,7 +278,7 @@ def _megatron_hdo_master_copies(hdo: Any) -> list[MasterCopies]:
                     levels.append(tensor)
             if not levels:
                 continue
-            state = hdo.state.get(param) if isinstance(hdo.state, Mapping) else None
+            state = hdo.state.get(param)  # a torch optimizer's state: always a dict
             saved = state.get("master_param") if state else None
             master = saved if isinstance(saved, torch.Tensor) and saved is not param else levels[-1]
             copies = tuple(level for level in levels if level is not master)
@@ -343,9 +347,7 @@ def leaf_master_copies(stack: Any) -> list[tuple[Any, list[MasterCopies]]]:
     result: list[tuple[Any, list[MasterCopies]]] = []
     for leaf in _hybrid_leaves(stack):
         optimizer = leaf.optimizer
-        if isinstance(optimizer, HybridOffloadHolder) and callable(
-            getattr(optimizer, "master_copies", None)
-        ):
+        if _lists_own_copies(optimizer):
             own = list(optimizer.master_copies())
         else:
             own = _megatron_hdo_master_copies(optimizer)
@@ -401,8 +403,7 @@ def push_state_to_sub_optimizers(stack: Any) -> None:
                     # An in-place view (our HybridOffloadOptimizer's host entries) wraps the
                     # sub-optimizer's own dict: that dict is what the sub-optimizer steps.
                     live = getattr(state, "entries", state)
-                    if sub.state.get(copy) is not live:
-                        sub.state[copy] = live
+                    sub.state[copy] = live
 
 
 def keeps_per_param_step(stack: Any) -> bool:
@@ -426,11 +427,8 @@ def keeps_per_param_step(stack: Any) -> bool:
         for leaf in walk_leaves(stack)
         if not leaf.is_stub and leaf.optimizer is not None
     ]
-    for optimizer in leaves:
-        state = getattr(optimizer, "state", None)
-        if isinstance(state, Mapping) and any(
-            isinstance(entry, Mapping) and "step" in entry for entry in state.values()
-        ):
+    for optimizer in leaves:  # torch optimizers (walk_leaves): their state is a dict
+        if any(isinstance(e, Mapping) and "step" in e for e in optimizer.state.values()):
             return True
     return not (leaves and all(is_precision_aware_holder(o) for o in leaves))
 
