@@ -140,7 +140,11 @@ class HybridSyncOptimizer(OptimizerWrapper):
             raise ValueError(f"on_stale must be one of {_ON_STALE}, got {on_stale!r}")
         _check_something_to_sync(inner)
         self.on_stale: OnStale = on_stale
-        self._guard_armed = True  # _push_pending and _load_begun: the class's False
+        self._guard_armed = True
+        # Instance attributes from the start (not the class's False): a load that fails must
+        # leave the wrapper's attributes exactly as they were, no new one behind.
+        self._push_pending = False
+        self._load_begun = False
         self._watch = WeightWatch()  # the weights as the optimizer's own last write left them
 
     @property

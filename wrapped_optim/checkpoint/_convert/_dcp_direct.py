@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
+from torch._C import PyTorchFileReader
 
 from wrapped_optim.checkpoint._convert._canonical import TensorSpec
 from wrapped_optim.checkpoint._convert._errors import ConversionError
@@ -117,7 +118,7 @@ class WholeTensors:
     def _record(fd: int, start: int, length: int, spec: TensorSpec) -> int | None:
         """The file offset of the stored tensor's first byte, when it is read directly."""
         window = cast(IO[bytes], _Window(fd, start, length))
-        reader = torch._C.PyTorchFileReader(window)
+        reader = PyTorchFileReader(window)
         if "byteorder" in reader.get_all_records():
             order = bytes(reader.get_record("byteorder")).decode()
             if order != sys.byteorder:
