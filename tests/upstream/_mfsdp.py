@@ -156,3 +156,25 @@ def check_ranks(results: dict[str, list[tuple[str, str]]], case: str) -> None:
     if any(outcome == "skipped" for outcome, _ in outcomes):
         pytest.skip(f"upstream skips it: {outcomes[0][1]}")
     assert [outcome for outcome, _ in outcomes] == ["passed"] * len(outcomes)
+
+
+def module_marks(name: str) -> list[Any]:
+    """The ``pytestmark`` of the module that runs upstream file ``name``: distributed, slow,
+    one xdist group, and a skip naming what is missing when the checkout cannot run it."""
+    marks: list[Any] = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("mfsdp")]
+    if file_path(name) is None:
+        marks.append(
+            pytest.mark.skip(
+                reason=f"set {VARIABLE} to a Megatron-LM checkout to run its tests; "
+                "tests/distributed/test_megatron_fsdp.py checks fully_shard_optimizer on the "
+                "Megatron-FSDP release"
+            )
+        )
+    elif needs_cuda():
+        marks.append(
+            pytest.mark.skip(
+                reason="not runnable here: this checkout's Megatron-FSDP requires a CUDA device "
+                "(fully_shard_context); check out 15d4b349de, megatron-fsdp 0.6.1's commit"
+            )
+        )
+    return marks

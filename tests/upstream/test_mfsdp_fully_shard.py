@@ -26,22 +26,7 @@ NAME = "test_fully_shard.py"
 CASES = _mfsdp.case_names(NAME)
 UPSTREAM_EXPECTED: dict[str, Expectation] = {}
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("mfsdp")]
-if _mfsdp.file_path(NAME) is None:
-    pytestmark.append(
-        pytest.mark.skip(
-            reason=f"set {_mfsdp.VARIABLE} to a Megatron-LM checkout to run its tests; "
-            "tests/distributed/test_megatron_fsdp.py checks fully_shard_optimizer on the "
-            "Megatron-FSDP release"
-        )
-    )
-elif _mfsdp.needs_cuda():
-    pytestmark.append(
-        pytest.mark.skip(
-            reason="not runnable here: this checkout's Megatron-FSDP requires a CUDA device "
-            "(fully_shard_context); check out 15d4b349de, megatron-fsdp 0.6.1's commit"
-        )
-    )
+pytestmark = _mfsdp.module_marks(NAME)
 
 
 @pytest.mark.parametrize("case", CASES)
