@@ -45,6 +45,19 @@ class ConversionReport:
             a lossless conversion).
         seconds: wall time of the conversion (the verification included).
         verified: the result was read back and compared, tensor by tensor.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from pathlib import Path
+        >>> from wrapped_optim.checkpoint import convert
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     torch.save(opt.state_dict(), Path(tmp, "sgd.pt"))
+        ...     report = convert(Path(tmp, "sgd.pt"), Path(tmp, "dcp"), to="dcp", model=model)
+        >>> report.source_format, report.target_format, report.tensors
+        ('torch-save', 'dcp', 2)
     """
 
     source_format: str

@@ -33,7 +33,13 @@ def _shapes(value: Any) -> tuple[tuple[int, ...], ...] | None:
 @attrs.frozen
 class ParameterNames:
     """The optimizer's parameters in its index order: names, and shapes where known (the
-    converter then checks that each state fits its parameter)."""
+    converter then checks that each state fits its parameter).
+
+    Example:
+        >>> from wrapped_optim.checkpoint import ParameterNames
+        >>> ParameterNames(["0.weight", "0.bias"], [(2, 3), (2,)]).shapes
+        ((2, 3), (2,))
+    """
 
     names: tuple[str, ...] = attrs.field(converter=_names)
     shapes: tuple[tuple[int, ...], ...] | None = attrs.field(default=None, converter=_shapes)
