@@ -76,14 +76,34 @@ def _save(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-def _resume(rank: int, world: int, sources: dict[str, tuple[str, str]]) -> dict[str, Any]:
-    """A fresh build per entry: the model from the saved Megatron checkpoint, the optimizer
-    from the converted directory (fully_reshardable), then ``MORE`` steps."""
+def _load_converted(model: Any, optimizer: Any, optimizer_dir: str, fmt: str) -> None:
+    """Megatron's own resume of the optimizer from a converted directory in format ``fmt``:
+    ``dist_checkpointing.load`` of its sharded state dict, or (legacy) ``load_state_dict`` of
+    ``optimizer_common.pt`` then ``load_parameter_state``."""
+    from megatron.core import dist_checkpointing
+
+    if fmt == "legacy":
+        common = torch.load(Path(optimizer_dir, "optimizer_common.pt"), weights_only=False)
+        with torch.no_grad():
+            optimizer.load_state_dict(common)
+            optimizer.load_parameter_state(str(Path(optimizer_dir, "param_state.pt")))
+        return
+    model_sd = model.module.sharded_state_dict()
+    request = optimizer.sharded_state_dict(model_sd, True, metadata=metadata(fmt))
+    state = dist_checkpointing.load({"optimizer": request}, optimizer_dir)
+    with torch.no_grad():
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def _resume(rank: int, world: int, sources: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+    """A fresh build per entry ``(config, model dir, optimizer dir[, format])``: the model from
+    the saved Megatron checkpoint, the optimizer from the converted directory (in ``format``,
+    default fully_reshardable), then ``MORE`` steps."""
     from megatron.core import dist_checkpointing
 
     out: dict[str, Any] = {}
     with megatron_session():
-        for label, (name, model_dir, optimizer_dir) in sources.items():
+        for label, (name, model_dir, optimizer_dir, *fmt) in sources.items():
             model, optimizer = build(name, seed=1)
             optimizer = route_optimizer(optimizer, "wrap")
             model_sd = model.module.sharded_state_dict()
@@ -91,14 +111,8 @@ def _resume(rank: int, world: int, sources: dict[str, tuple[str, str]]) -> dict[
             with torch.serialization.safe_globals([torch.optim.AdamW]):
                 loaded = dist_checkpointing.load({"model": model_sd}, model_dir)
             model.module.load_state_dict(loaded["model"])
-            model_sd = model.module.sharded_state_dict()
-            request = optimizer.sharded_state_dict(
-                model_sd, True, metadata=metadata("fully_reshardable")
-            )
             try:
-                state = dist_checkpointing.load({"optimizer": request}, optimizer_dir)
-                with torch.no_grad():
-                    optimizer.load_state_dict(state["optimizer"])
+                _load_converted(model, optimizer, optimizer_dir, *(fmt or ["fully_reshardable"]))
             except Exception as error:  # reported to the tests, which decide
                 out[label] = {"error": f"{type(error).__name__}: {error}"}
                 continue
@@ -198,6 +212,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         model_dir = str(ckpt / name / "fully_reshardable" / "dist")
         converted[f"{name}/reader"] = (name, model_dir, str(through))
         converted[f"{name}/memory"] = (name, model_dir, str(memory))
+        converted.update(_to_bucket_space(root / "out" / name, name, model_dir))
     return {
         "root": root,
         "ckpt": ckpt,
@@ -208,6 +223,75 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "dp2": launch(_resume, 2, converted),  # fresh processes
         "dp1": [run_in_this_process(_resume, root, converted)],
     }
+
+
+BUCKET_TARGETS = {"dp_reshardable@1": 1, "dp_reshardable@2": 2, "legacy": None}
+
+
+def _to_bucket_space(out: Path, name: str, model_dir: str) -> dict[str, tuple[str, ...]]:
+    """Megatron's own fully_reshardable checkpoint of config ``name`` converted to DCP (the
+    source: no Megatron in its files), then from DCP to each bucket-space format (a
+    dp_reshardable one written for DP 1 and one for DP 2): ``label -> _resume's entry``."""
+    from wrapped_optim.checkpoint import convert
+
+    convert(model_dir, out / "dcp", to="dcp")
+    entries: dict[str, tuple[str, ...]] = {}
+    for target, dp in BUCKET_TARGETS.items():
+        fmt = target.partition("@")[0]
+        written = out / f"dcp_to_{target}"
+        report = convert(
+            out / "dcp",
+            written,
+            to=f"megatron-{fmt.replace('_', '-')}",
+            model=_meta_model(name),
+            dp=dp,
+            verify=True,
+        )
+        assert report.lossy == {} and report.verified
+        entries[f"{name}/dcp>{target}"] = (name, model_dir, str(written), fmt)
+    return entries
+
+
+@pytest.mark.parametrize("ranks", ["dp1", "dp2"])
+@pytest.mark.parametrize("target", BUCKET_TARGETS)
+@pytest.mark.parametrize("name", CONFIGS)
+def test_written_bucket_space_resumes_in_real_megatron_bitwise(
+    runs: dict[str, Any], name: str, target: str, ranks: str
+) -> None:
+    """DCP -> dp_reshardable / legacy, resumed by a real DistributedOptimizer at DP 1 and
+    DP 2: its state after the load is the source's, bit for bit (at DP 2 the run then
+    continues exactly as the uninterrupted one)."""
+    _assert_resumed_bitwise(runs, name, f"{name}/dcp>{target}", ranks)
+
+
+@pytest.mark.parametrize("fmt", ["dp_reshardable", "legacy"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_megatrons_bucket_space_round_trips_through_dcp_bit_identical(
+    runs: dict[str, Any], name: str, fmt: str, tmp_path: Path
+) -> None:
+    """Megatron's own dp_reshardable / legacy checkpoint -> DCP -> the same format: every
+    tensor as Megatron wrote it; the legacy parameter-state file's flat tensors are Megatron's
+    byte for byte (alignment gaps included)."""
+    from wrapped_optim.checkpoint import convert
+
+    target = f"megatron-{fmt.replace('_', '-')}"
+    ckpt = runs["ckpt"] / name
+    src = ckpt / fmt / "dist" if fmt == "dp_reshardable" else ckpt / fmt
+    convert(src, tmp_path / "dcp", to="dcp", model=_meta_model(name))
+    convert(tmp_path / "dcp", tmp_path / "back", to=target, model=_meta_model(name), verify=True)
+    first = megatron_reader(src, model=_meta_model(name))
+    again = megatron_reader(tmp_path / "back", model=_meta_model(name))
+    assert again.index().params == first.index().params
+    assert [g.names for g in again.index().groups] == [g.names for g in first.index().groups]
+    _assert_same_tensors(first, again)
+    if fmt == "legacy":
+        own = torch.load(src / "param_state.pt", weights_only=True)
+        back = torch.load(tmp_path / "back" / "param_state.pt", weights_only=True)
+        assert own.keys() == back.keys()
+        for dtypes, world in own[0].items():
+            assert world["numel_unpadded"] == back[0][dtypes]["numel_unpadded"]
+            flat = {k: v for k, v in world.items() if isinstance(v, torch.Tensor)}
+            assert mismatches(flat, {k: back[0][dtypes][k] for k in flat}) == []
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -243,14 +327,21 @@ def test_fully_reshardable_round_trip_is_bit_identical(runs: dict[str, Any], nam
 def test_written_fully_reshardable_resumes_in_real_megatron_bitwise(
     runs: dict[str, Any], name: str, origin: str, ranks: str
 ) -> None:
-    cells = [rank[f"{name}/{origin}"] for rank in runs[ranks]]
+    _assert_resumed_bitwise(runs, name, f"{name}/{origin}", ranks)
+
+
+def _assert_resumed_bitwise(runs: dict[str, Any], name: str, label: str, ranks: str) -> None:
+    """The resume ``label`` at ``ranks`` loaded without error, its optimizer state right after
+    the load is the source's bit for bit, and (at DP 2, the saving world) the run continued
+    exactly as the uninterrupted one."""
+    cells = [rank[label] for rank in runs[ranks]]
     for cell in cells:
         assert "error" not in cell, cell.get("error")
     source = _source_state(runs["saved"], name)
     after = whole_model_space([cell["space"] for cell in cells])
     assert after.keys() == source.keys()
     assert mismatches(source, after) == []
-    if ranks == "dp2":  # the same world: the run continues exactly as the uninterrupted one
+    if ranks == "dp2":
         for rank, cell in enumerate(cells):
             assert mismatches(runs["saved"][rank][name]["snapshot"], cell["snapshot"]) == []
 

@@ -119,9 +119,12 @@ def _options(
     if model is not None and names is not None:
         raise TypeError("pass model= or names=, not both")
     resolved: ParameterNames | None
+    dtypes: list[str] | None = None
     if model is not None:
         model, optimizer = model if isinstance(model, tuple) else (model, None)
         resolved = names_from_model(model, optimizer)
+        dtype_of = {name: str(param.dtype) for name, param in model.named_parameters()}
+        dtypes = [dtype_of[name] for name in resolved.names]
     else:
         resolved = as_names(names)
     return FormatOptions(
@@ -131,6 +134,7 @@ def _options(
         trusted=trusted,
         location=location,
         flavour=layout,
+        dtypes=dtypes,
     )
 
 

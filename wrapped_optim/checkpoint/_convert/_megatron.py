@@ -15,12 +15,13 @@ groups are the two it makes, else ``group_of`` must say.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -384,6 +385,27 @@ def _check_widening(name: str, key: str, dtype: torch.dtype) -> None:
         )
 
 
+def check_adam_state(param: ParamRecord, fmt: str = "") -> None:
+    """A parameter's state is what a DistributedOptimizer keeps (main param, exp_avg,
+    exp_avg_sq), each widening exactly to float32; else the error names what is not."""
+    where = f"{fmt}: " if fmt else ""
+    extra = sorted(set(param.state) - {key for _, key in _WRITTEN})
+    if extra:
+        raise MegatronFormatError(
+            f"{where}parameter {param.name!r}: state {extra} has no place in a Megatron "
+            "DistributedOptimizer checkpoint (Adam: main param, exp_avg, exp_avg_sq)"
+        )
+    for _, key in _WRITTEN:
+        if key not in param.state:
+            hint = (
+                " (the FP32 main param; a source without masters needs the model's FP32 weights)"
+                if key == MASTER
+                else ""
+            )
+            raise MegatronFormatError(f"{where}parameter {param.name!r}: no state {key!r}{hint}")
+        _check_widening(param.name, key, param.state[key].dtype)
+
+
 class _LazyTensors:
     """DCP ``SavePlanner`` source: meta placeholders whose values are read when DCP writes
     them, one at a time."""
@@ -405,7 +427,6 @@ def _save_lazily(
     tensors: _LazyTensors, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], path: Path
 ) -> None:
     """``dcp.save`` of ``specs`` into ``path``, each value pulled when written."""
-    import warnings
 
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -430,13 +451,23 @@ def _save_lazily(
     placeholders = {
         fqn: torch.empty(shape, dtype=dtype, device="meta") for fqn, (shape, dtype) in specs.items()
     }
+    with dcp_causes_raised():
+        _save(placeholders, path, _Pulling(flatten_state_dict=False))
+
+
+@contextlib.contextmanager
+def dcp_causes_raised() -> Iterator[None]:
+    """A DCP save without a process group: its notices silenced, and what a source's read
+    raised inside it (which DCP wraps in a ``CheckpointException``) raised as itself."""
+    import warnings
+
     from torch.distributed.checkpoint.api import CheckpointException
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            _save(placeholders, path, _Pulling(flatten_state_dict=False))
-        except CheckpointException as error:  # DCP wraps what a read raised: hand that on
+            yield
+        except CheckpointException as error:
             for failure in error.failures.values():
                 cause = failure[0] if isinstance(failure, tuple) else failure
                 if isinstance(cause, Exception):
@@ -484,22 +515,8 @@ class MegatronFullyReshardableWriter:
         where: dict[str, tuple[str, str]] = {}
         specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for param in index.params:
-            extra = sorted(set(param.state) - {key for _, key in _WRITTEN})
-            if extra:
-                raise MegatronFormatError(
-                    f"parameter {param.name!r}: state {extra} has no place in a Megatron "
-                    "DistributedOptimizer checkpoint (Adam: main param, exp_avg, exp_avg_sq)"
-                )
+            check_adam_state(param)
             for stored, key in _WRITTEN:
-                if key not in param.state:
-                    hint = (
-                        " (the FP32 main param; a source without masters needs the model's "
-                        "FP32 weights)"
-                        if key == MASTER
-                        else ""
-                    )
-                    raise MegatronFormatError(f"parameter {param.name!r}: no state {key!r}{hint}")
-                _check_widening(param.name, key, param.state[key].dtype)
                 fqn = f"optimizer.state.{stored}.{param.name}"
                 where[fqn] = (param.name, key)
                 specs[fqn] = (param.shape, torch.float32)
@@ -536,6 +553,12 @@ def _write_into(
 ) -> None:
     """A dist_checkpointing directory's three parts: the DCP files, common.pt, metadata.json."""
     _save_lazily(tensors, specs, directory)
+    write_common(directory, common)
+
+
+def write_common(directory: Path, common: Mapping[str, Any]) -> None:
+    """What a dist_checkpointing directory holds beside its DCP files: ``common.pt`` and the
+    backends' ``metadata.json`` (Core's ``torch_dist`` and ``torch``)."""
     torch.save(dict(common), directory / COMMON_FILE)
     backends = {
         "sharded_backend": "torch_dist",
@@ -562,3 +585,9 @@ def megatron_writer(
         'optim'
     """
     return MegatronFullyReshardableWriter(path, key=key, param_groups=param_groups)
+
+
+# What the bucket-space writers (``_megatron_bucket_writers``) share with this one.
+target_groups = _target_groups
+one_step = _one_step
+check_widening = _check_widening

@@ -15,6 +15,10 @@ from wrapped_optim.checkpoint._convert._megatron import (
     MegatronFullyReshardableWriter,
     detect_megatron,
 )
+from wrapped_optim.checkpoint._convert._megatron_bucket_writers import (
+    MegatronDpReshardableWriter,
+    MegatronLegacyWriter,
+)
 from wrapped_optim.checkpoint._convert._megatron_bucketed import (
     MegatronDpReshardableReader,
     MegatronLegacyReader,
@@ -51,11 +55,27 @@ def _legacy_reader(path: Path, options: FormatOptions) -> MegatronLegacyReader:
     return MegatronLegacyReader(path, model=_params(path, options))
 
 
+def _dp_writer(path: Path, options: FormatOptions) -> MegatronDpReshardableWriter:
+    return MegatronDpReshardableWriter(
+        path,
+        model=_params(path, options),
+        dp_size=options.dp_size or 1,
+        key=options.location or "optimizer",
+        dtypes=options.dtypes,
+    )
+
+
+def _legacy_writer(path: Path, options: FormatOptions) -> MegatronLegacyWriter:
+    return MegatronLegacyWriter(path, model=_params(path, options), dtypes=options.dtypes)
+
+
 def _detects(name: str) -> Callable[[Path], bool]:
     return lambda path: path.is_dir() and detect_megatron(path) == name
 
 
-def _format(name: str, summary: str, reader: ReaderFactory, writer: Any = None) -> Format:
+def _format(
+    name: str, summary: str, reader: ReaderFactory, writer: Any = None, *, sharded: bool = False
+) -> Format:
     return Format(
         name=name,
         summary=summary,
@@ -64,6 +84,7 @@ def _format(name: str, summary: str, reader: ReaderFactory, writer: Any = None) 
         detect=_detects(name),
         directory=True,
         priority=10,  # before the plain DCP check
+        sharded=sharded,
     )
 
 
@@ -77,14 +98,17 @@ FORMATS = (
     ),
     _format(
         DP_RESHARDABLE,
-        "Megatron-Core dist_checkpointing, dp_reshardable (bucket space; reading, with the "
-        "model's names: --model or --names)",
+        "Megatron-Core dist_checkpointing, dp_reshardable (bucket space, any DP size; the "
+        "model places the state: --model, or --names to read)",
         _dp_reader,
+        _dp_writer,
+        sharded=True,
     ),
     _format(
         LEGACY,
         "Megatron-LM's legacy optimizer files (optimizer_common.pt + param_state.pt, one bucket "
-        "per buffer; reading, with --model or --names)",
+        "per buffer, any DP size; the model places the state: --model, or --names to read)",
         _legacy_reader,
+        _legacy_writer,
     ),
 )

@@ -32,6 +32,8 @@ class FormatOptions:
         flavour: the state-dict layout a writer of that shape writes: torch.optim's
             (``step`` per parameter) or the precision-aware one (TE FusedAdam's portable
             format: the step in each group); None keeps the source's.
+        dtypes: each named parameter's dtype (``str(torch.dtype)``), where a model gave
+            them: bucket-space Megatron writers name the grad buffers by them.
     """
 
     names: tuple[str, ...] | None = attrs.field(default=None, converter=_names)
@@ -40,3 +42,4 @@ class FormatOptions:
     trusted: bool = False
     location: str | None = None
     flavour: Literal["torch", "precision-aware"] | None = None
+    dtypes: tuple[str, ...] | None = attrs.field(default=None, converter=_names)

@@ -1,0 +1,271 @@
+"""The bucket-space Megatron writers (``dp_reshardable``, the legacy ``save_parameter_state``
+files) without Megatron: any canonical state goes A -> B -> A bit for bit through both, one
+tensor alive at a time, and what does not map is refused with the tensor and format named and
+nothing left behind.
+
+(Real Megatron resuming what they write: tests/megatron_real/test_convert_megatron.py.)
+"""
+
+from __future__ import annotations
+
+import tempfile
+import weakref
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wrapped_optim.checkpoint._convert._canonical import (
+    MASTER,
+    GroupRecord,
+    ParamRecord,
+    StateIndex,
+    TensorSpec,
+    iter_tensors,
+)
+from wrapped_optim.checkpoint._convert._megatron import DP_RESHARDABLE, LEGACY, detect_megatron
+from wrapped_optim.checkpoint._convert._megatron_bucket_writers import (
+    MegatronDpReshardableWriter,
+    MegatronLegacyWriter,
+    megatron_bucket_writer,
+)
+from wrapped_optim.checkpoint._convert._megatron_buckets import ParamList
+from wrapped_optim.checkpoint._convert._megatron_files import DcpTensors, MegatronFormatError
+from wrapped_optim.checkpoint._convert._megatron_readers import megatron_reader
+
+KEYS = (MASTER, "exp_avg", "exp_avg_sq")
+GROUP = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+
+
+class _Memory:
+    """An in-memory canonical source that counts how many of the tensors it handed out are
+    still alive (their storage not released) whenever it hands out another."""
+
+    def __init__(self, index: StateIndex, tensors: dict[tuple[str, str], torch.Tensor]) -> None:
+        self._index, self.tensors = index, tensors
+        self._out: list[weakref.ref[torch.Tensor]] = []
+        self.most_alive = 0
+
+    def index(self) -> StateIndex:
+        return self._index
+
+    def read(self, name: str, key: str) -> torch.Tensor:
+        alive = [ref() for ref in self._out]
+        held = [t for t in alive if t is not None and t.untyped_storage().nbytes() > 0]
+        self.most_alive = max(self.most_alive, len(held) + 1)
+        tensor = self.tensors[name, key].clone()
+        self._out.append(weakref.ref(tensor))
+        return tensor
+
+    def close(self) -> None:
+        pass
+
+
+def _model(shapes: list[tuple[int, ...]]) -> tuple[ParamList, list[str]]:
+    names = [f"layers.{i}.{'bias' if len(s) == 1 else 'weight'}" for i, s in enumerate(shapes)]
+    return ParamList(names, shapes), names
+
+
+@st.composite
+def cases(draw: Any) -> tuple[_Memory, ParamList, str, int | None]:
+    shapes = draw(
+        st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=2).map(tuple), max_size=5).filter(
+            bool
+        )
+    )
+    model, names = _model(shapes)
+    dtype = draw(st.sampled_from(["torch.float32", "torch.bfloat16"]))
+    bucket_size = draw(st.sampled_from([None, 40, 100]))
+    step = float(draw(st.integers(1, 1000)))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    tensors, params = {}, []
+    for name, shape in zip(names, shapes, strict=True):
+        for key in KEYS:
+            bits = torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, generator=generator)
+            tensors[name, key] = bits.view(torch.float32)  # any bit pattern, NaNs included
+        specs = {k: TensorSpec(shape, torch.float32) for k in KEYS}
+        params.append(ParamRecord(name, 0, shape, specs, step))
+    index = StateIndex(params=params, groups=[GroupRecord(GROUP, names)], source="memory")
+    return _Memory(index, tensors), model, dtype, bucket_size
+
+
+def _same(first: Any, second: Any) -> None:
+    # Bucket-space readers list parameters in bucket order (the model's, reversed).
+    assert sorted(second.index().params, key=lambda p: p.name) == sorted(
+        first.index().params, key=lambda p: p.name
+    )
+    for name, key, tensor in iter_tensors(first.index(), first):
+        got = second.read(name, key)
+        assert torch.equal(got.view(torch.int32), tensor.view(torch.int32)), (name, key)
+
+
+@settings(max_examples=10, deadline=None)
+@given(cases())
+def test_memory_to_bucket_space_and_back_is_bit_identical(
+    case: tuple[_Memory, ParamList, str, int | None],
+) -> None:
+    """memory -> dp_reshardable -> legacy -> dp_reshardable: every tensor as it started, the
+    two dp_reshardable checkpoints' flat tensors identical, and at most two source tensors
+    alive at once (the one being written and the next)."""
+    source, model, dtype, bucket_size = case
+    dtypes = [dtype] * len(model.names)
+    with tempfile.TemporaryDirectory() as root:
+        first, legacy, again = Path(root, "dp"), Path(root, "legacy"), Path(root, "dp_again")
+        MegatronDpReshardableWriter(
+            first, model=model, dtypes=dtypes, bucket_size=bucket_size, dp_size=2
+        ).write(source.index(), source)
+        assert source.most_alive <= 2
+        assert detect_megatron(first) == DP_RESHARDABLE
+        read_first = megatron_reader(first, model=model)
+        _same(source, read_first)
+        MegatronLegacyWriter(legacy, model=model, dtypes=dtypes, bucket_size=bucket_size).write(
+            read_first.index(), read_first
+        )
+        assert detect_megatron(legacy) == LEGACY
+        with zipfile.ZipFile(legacy / "param_state.pt") as archive:
+            assert archive.testzip() is None  # every record's CRC is right
+        read_legacy = megatron_reader(legacy, model=model, bucket_size=bucket_size)
+        _same(source, read_legacy)
+        MegatronDpReshardableWriter(
+            again, model=model, dtypes=dtypes, bucket_size=bucket_size, dp_size=2
+        ).write(read_legacy.index(), read_legacy)
+        _same(source, megatron_reader(again, model=model))
+        one, two = DcpTensors(first), DcpTensors(again)
+        assert list(one) == list(two)
+        for fqn in one:
+            assert torch.equal(one.read(fqn).view(torch.int32), two.read(fqn).view(torch.int32))
+        one.close()
+        two.close()
+
+
+def _linear_state(model: torch.nn.Module, step: float = 3.0) -> _Memory:
+    names = [name for name, _ in model.named_parameters()]
+    params, tensors = [], {}
+    for name, param in model.named_parameters():
+        shape = tuple(param.shape)
+        params.append(
+            ParamRecord(name, 0, shape, {k: TensorSpec(shape, torch.float32) for k in KEYS}, step)
+        )
+        for number, key in enumerate(KEYS):
+            tensors[name, key] = torch.full(shape, float(number + 1))
+    index = StateIndex(params=params, groups=[GroupRecord(GROUP, names)], source="memory")
+    return _Memory(index, tensors)
+
+
+@pytest.mark.parametrize("fmt", [DP_RESHARDABLE, LEGACY])
+def test_a_model_that_does_not_match_is_refused_naming_the_parameter(
+    tmp_path: Path, fmt: str
+) -> None:
+    state = _linear_state(torch.nn.Linear(3, 2))
+    with torch.device("meta"):
+        wider = torch.nn.Linear(4, 2)
+        more = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with pytest.raises(MegatronFormatError, match=rf"{fmt}: parameter 'weight' is \(2, 4\)"):
+        megatron_bucket_writer(tmp_path / "out", fmt, model=wider).write(state.index(), state)
+    with pytest.raises(MegatronFormatError, match=rf"{fmt}: the model's parameter '0.weight'"):
+        megatron_bucket_writer(tmp_path / "out", fmt, model=more).write(state.index(), state)
+    with torch.device("meta"):
+        fewer = torch.nn.Linear(3, 2, bias=False)
+    with pytest.raises(MegatronFormatError, match=r"holds \['bias'\], which the model has no"):
+        megatron_bucket_writer(tmp_path / "out", fmt, model=fewer).write(state.index(), state)
+    assert list(tmp_path.iterdir()) == []  # nothing written, no staging left behind
+
+
+@pytest.mark.parametrize("fmt", [DP_RESHARDABLE, LEGACY])
+def test_state_megatron_cannot_hold_is_refused(tmp_path: Path, fmt: str) -> None:
+    model = torch.nn.Linear(3, 2)
+    state = _linear_state(model)
+    index = state.index()
+    extra = StateIndex(
+        params=[
+            ParamRecord(p.name, 0, p.shape, {**p.state, "momentum_buffer": p.state[MASTER]}, p.step)
+            for p in index.params
+        ],
+        groups=index.groups,
+        source="memory",
+    )
+    with pytest.raises(MegatronFormatError, match=r"'weight': state \['momentum_buffer'\]"):
+        megatron_bucket_writer(tmp_path / "out", fmt, model=model).write(extra, state)
+    no_master = StateIndex(
+        params=[
+            ParamRecord(p.name, 0, p.shape, {"exp_avg": p.state["exp_avg"]}, p.step)
+            for p in index.params
+        ],
+        groups=index.groups,
+        source="memory",
+    )
+    with pytest.raises(MegatronFormatError, match=r"'weight': no state 'master'"):
+        megatron_bucket_writer(tmp_path / "out", fmt, model=model).write(no_master, state)
+    assert list(tmp_path.iterdir()) == []
+
+
+class _Failing(_Memory):
+    def read(self, name: str, key: str) -> torch.Tensor:
+        if key == "exp_avg_sq":
+            raise OSError(f"disk gone while reading {name}")
+        return super().read(name, key)
+
+
+@pytest.mark.parametrize("fmt", [DP_RESHARDABLE, LEGACY])
+def test_a_failure_midway_leaves_nothing(tmp_path: Path, fmt: str) -> None:
+    model = torch.nn.Linear(3, 2)
+    state = _linear_state(model)
+    failing = _Failing(state.index(), state.tensors)
+    with pytest.raises(OSError, match="disk gone"):
+        megatron_bucket_writer(tmp_path / "out", fmt, model=model).write(state.index(), failing)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_offload_master_param_follows_the_groups_or_the_flag(tmp_path: Path) -> None:
+    """HybridDeviceOptimizer's checkpoints hold ``master_param`` beside ``param``: written
+    when the groups are an offload optimizer's, or when asked."""
+    model = torch.nn.Linear(3, 2)
+    state = _linear_state(model)
+    plain = tmp_path / "plain"
+    megatron_bucket_writer(plain, DP_RESHARDABLE, model=model).write(state.index(), state)
+    offload = tmp_path / "offload"
+    groups = [{**GROUP, "offload_fraction": 0.5}]
+    megatron_bucket_writer(offload, DP_RESHARDABLE, model=model, param_groups=groups).write(
+        state.index(), state
+    )
+    forced = tmp_path / "forced"
+    megatron_bucket_writer(forced, DP_RESHARDABLE, model=model, master_param=True).write(
+        state.index(), state
+    )
+    for path, expected in ((plain, False), (offload, True), (forced, True)):
+        tensors = DcpTensors(path)
+        masters = [fqn for fqn in tensors if fqn.endswith(".master_param")]
+        params = [fqn for fqn in tensors if fqn.endswith(".param")]
+        assert len(masters) == (len(params) if expected else 0), path
+        for master, param in zip(masters, params if expected else [], strict=True):
+            assert torch.equal(tensors.read(master), tensors.read(param))
+        tensors.close()
+        _same(state, megatron_reader(path, model=model))  # the reader takes it as an alias
+
+
+def test_convert_writes_bucket_space_given_the_model_and_refuses_names_alone(
+    tmp_path: Path,
+) -> None:
+    from wrapped_optim.checkpoint import convert, names_from_model
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    with pytest.raises(MegatronFormatError, match="names and shapes do not give"):
+        convert(
+            tmp_path / "optimizer.pt",
+            tmp_path / "by_names",
+            to=LEGACY,
+            names=names_from_model(model),
+        )
+    assert not (tmp_path / "by_names").exists()
+    # torch's AdamW has no master: Megatron's needs one, and says so.
+    with pytest.raises(Exception, match="no state 'master'"):
+        convert(tmp_path / "optimizer.pt", tmp_path / "dp", to=DP_RESHARDABLE, model=model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["optimizer.pt"]
