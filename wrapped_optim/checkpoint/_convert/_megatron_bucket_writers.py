@@ -145,12 +145,22 @@ def _place(
     return placed
 
 
-def _float32(reader: StateReader, name: str, key: str) -> torch.Tensor:
+def _float32(reader: StateReader, name: str, key: str) -> tuple[torch.Tensor, bool]:
+    """The state flattened to float32, and whether its memory is this writer's to free (a
+    tensor handed over, or a copy made here; not a view of a reader's cache)."""
     tensor = reader.read(name, key)
     if tensor.dtype != torch.float32:
         check_widening(name, key, tensor.dtype)
         tensor = tensor.float()  # bf16/fp16 into float32: exact
-    return tensor.detach().cpu().contiguous().reshape(-1)
+    tensor = tensor.detach().cpu().contiguous()
+    return tensor.reshape(-1), tensor._base is None
+
+
+def _release(tensor: torch.Tensor) -> None:
+    """Frees a tensor's memory now, whoever still references it."""
+    storage = tensor.untyped_storage()
+    if storage.resizable():
+        storage.resize_(0)
 
 
 def _pieces(entry: _Placed, bucket: int) -> Iterator[tuple[int, int, BucketSlot | None]]:
@@ -217,9 +227,9 @@ class _Chunk:
     def __init__(self, reader: StateReader, name: str | None, key: str, numel: int) -> None:
         self.reader, self.name, self.key, self.numel = reader, name, key, numel
 
-    def value(self) -> torch.Tensor:
+    def value(self) -> tuple[torch.Tensor, bool]:
         if self.name is None:
-            return torch.zeros(self.numel, dtype=torch.float32)
+            return torch.zeros(self.numel, dtype=torch.float32), True
         return _float32(self.reader, self.name, self.key)
 
 
@@ -274,14 +284,14 @@ def _save_chunks(
                 return objects[fqn]
             # The file writer keeps what it wrote referenced until the file is closed: the
             # previous chunk (a tensor handed over by the reader) is released here.
-            if self.last is not None and self.last._base is None:
-                storage = self.last.untyped_storage()
-                if storage.resizable():
-                    storage.resize_(0)
+            if self.last is not None:
+                _release(self.last)
+                self.last = None
             offset = write_item.index.offset
             assert offset is not None
-            self.last = tensors[fqn][1][int(offset[0])].value()
-            return self.last
+            value, owned = tensors[fqn][1][int(offset[0])].value()
+            self.last = value if owned else None
+            return value
 
     writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1)
     planner = _Chunked(flatten_state_dict=False)
@@ -466,17 +476,23 @@ def _write_param_state(file: Path, placed: Sequence[_Placed], reader: StateReade
                 stream.seek(offsets[info.filename])
                 for bucket, size in enumerate(entry.sizes):
                     for start, end, slot in _pieces(entry, bucket):
+                        at = offsets[info.filename] + 4 * (base + start)
                         if slot is None:
-                            data = bytes(4 * (end - start))
-                        else:
-                            data = _float32(reader, slot.name, key).numpy().tobytes()
-                        stream.seek(offsets[info.filename] + 4 * (base + start))
-                        stream.write(data)
-                        crc = zlib.crc32(data, crc)
+                            crc = _put(stream, at, torch.zeros(end - start), crc)
+                        else:  # the tensor is dropped before the next is read
+                            crc = _put(stream, at, _float32(reader, slot.name, key)[0], crc)
                     base += size
                 crcs[info.filename] = crc
                 number += 1
         _fix_crcs(stream, crcs)
+
+
+def _put(stream: Any, at: int, value: torch.Tensor, crc: int) -> int:
+    """Writes ``value``'s bytes (its own memory, no copy) at ``at``; the CRC-32 carried on."""
+    data = value.numpy().data.cast("B")
+    stream.seek(at)
+    stream.write(data)
+    return zlib.crc32(data, crc)
 
 
 def _fix_crcs(stream: Any, crcs: Mapping[str, int]) -> None:
