@@ -278,3 +278,28 @@ def test_convert_writes_bucket_space_given_the_model_and_refuses_names_alone(
     with pytest.raises(Exception, match="no state 'master'"):
         convert(tmp_path / "optimizer.pt", tmp_path / "dp", to=DP_RESHARDABLE, model=model)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["optimizer.pt"]
+
+
+@pytest.mark.parametrize(("dp", "padded"), [(1, 128), (2, 128), (3, 384)])
+def test_dp_size_sets_only_the_recorded_padded_bucket_sizes(
+    tmp_path: Path, dp: int, padded: int
+) -> None:
+    """Core pads each bucket to a multiple of lcm(DP, 128) and records it; the flat tensors
+    (the unpadded bucket) are the same at every DP size."""
+    model = torch.nn.Linear(3, 2)  # bias at 0..2, weight at 64..70: 70 elements unpadded
+    state = _linear_state(model)
+    megatron_bucket_writer(tmp_path / "out", DP_RESHARDABLE, model=model, dp_size=dp).write(
+        state.index(), state
+    )
+    tensors = DcpTensors(tmp_path / "out")
+    prefix = "optimizer.distributed.dp_group_idx_0"
+    label = (torch.float32, torch.float32)
+    assert tensors.read_object(f"{prefix}.per_bucket_numel/shard_0_1") == [[{label: [padded]}]]
+    assert tensors.read_object(f"{prefix}.per_bucket_numel_unpadded/shard_0_1") == [[{label: [70]}]]
+    assert {fqn: spec[0] for fqn, spec in tensors.specs.items()} == {
+        f"{prefix}.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.{key}": (70,)
+        for key in ("param", "exp_avg", "exp_avg_sq")
+    }
+    tensors.close()
+    with pytest.raises(MegatronFormatError, match="dp_size=0"):
+        megatron_bucket_writer(tmp_path / "zero", DP_RESHARDABLE, model=model, dp_size=0)

@@ -15,6 +15,7 @@ directory renamed into place once complete.
 from __future__ import annotations
 
 import io
+import math
 import shutil
 import struct
 import tempfile
@@ -372,7 +373,7 @@ class MegatronDpReshardableWriter(_BucketWriter):
         if offload is None:
             offload = any("offload_fraction" in g for g in common["optimizer"]["param_groups"])
         stored = [*_STORED, (_OFFLOAD_MASTER, MASTER)] if offload else list(_STORED)
-        pad = _BUCKET_PAD * self.dp_size // _gcd(_BUCKET_PAD, self.dp_size)
+        pad = math.lcm(_BUCKET_PAD, self.dp_size)
         tensors: dict[str, tuple[int, dict[int, _Chunk]]] = {}
         unpadded: list[dict[tuple[torch.dtype, torch.dtype], list[int]]] = []
         padded: list[dict[tuple[torch.dtype, torch.dtype], list[int]]] = []
@@ -403,12 +404,6 @@ class MegatronDpReshardableWriter(_BucketWriter):
             write_common(directory, top)
 
         _staged(self.path, write)
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 # --------------------------------------------------------------------------------------
