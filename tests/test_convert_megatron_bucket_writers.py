@@ -303,3 +303,31 @@ def test_dp_size_sets_only_the_recorded_padded_bucket_sizes(
     tensors.close()
     with pytest.raises(MegatronFormatError, match="dp_size=0"):
         megatron_bucket_writer(tmp_path / "zero", DP_RESHARDABLE, model=model, dp_size=0)
+
+
+def test_command_line_writes_bucket_space_with_model_and_says_why_not_with_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from wrapped_optim._cli import main
+    from wrapped_optim.checkpoint._convert._megatron import megatron_writer
+
+    (tmp_path / "mymodel.py").write_text(
+        "import torch\n\ndef build():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))\n"
+    )
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    state = _linear_state(model)
+    megatron_writer(tmp_path / "src").write(state.index(), state)
+    spec = f"{tmp_path / 'mymodel.py'}:build"
+    for fmt in (DP_RESHARDABLE, LEGACY):
+        out = tmp_path / fmt
+        args = ["convert", str(tmp_path / "src"), str(out), "--to", fmt, "--no-progress"]
+        assert main([*args, "--model", spec, "--verify"]) == 0
+        _same(state, megatron_reader(out, model=model))
+    assert main(["names", spec, str(tmp_path / "names.json")]) == 0
+    capsys.readouterr()
+    args = ["convert", str(tmp_path / "src"), str(tmp_path / "x"), "--to", LEGACY]
+    assert main([*args, "--names", str(tmp_path / "names.json"), "--no-progress"]) == 2
+    assert "pass the model itself" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from wrapped_optim._formats.pickled_classes import optimizer_classes_named_in
+from wrapped_optim.checkpoint._convert._errors import ConversionError
 
 __all__ = [
     "COMMON_FILE",
@@ -33,8 +34,9 @@ COMMON_FILE = "common.pt"  # Core's COMMON_STATE_FNAME (0.16.1, 0.19.2)
 METADATA_FILE = "metadata.json"  # Core's CONFIG_FNAME
 
 
-class MegatronFormatError(ValueError):
-    """A Megatron checkpoint that cannot be read or written as asked; names what is wrong.
+class MegatronFormatError(ConversionError):
+    """A Megatron checkpoint that cannot be read or written as asked; names what is wrong
+    (a ``ConversionError``: ``convert`` and the command line report it as one).
 
     Example:
         >>> isinstance(MegatronFormatError("ckpt/: no metadata.json"), ValueError)
