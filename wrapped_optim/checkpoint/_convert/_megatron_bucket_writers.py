@@ -586,9 +586,10 @@ def megatron_bucket_writer(
     for (a module or list of model chunks; the meta device will do).
 
     Example:
-        >>> megatron_bucket_writer("out/legacy", "megatron-legacy", model=torch.nn.Linear(2, 2))
-        ... # doctest: +ELLIPSIS
-        <...MegatronLegacyWriter object at ...>
+        >>> writer = megatron_bucket_writer("out/dp", "megatron-dp-reshardable",
+        ...                                 model=torch.nn.Linear(2, 2), dp_size=2)
+        >>> type(writer).__name__, writer.dp_size
+        ('MegatronDpReshardableWriter', 2)
     """
     if fmt == DP_RESHARDABLE:
         return MegatronDpReshardableWriter(
