@@ -331,3 +331,36 @@ def test_command_line_writes_bucket_space_with_model_and_says_why_not_with_names
     assert main([*args, "--names", str(tmp_path / "names.json"), "--no-progress"]) == 2
     assert "pass the model itself" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("zip64", [False, True])
+def test_legacy_file_crcs_are_fixed_in_both_zip_forms(tmp_path: Path, zip64: bool) -> None:
+    """``param_state.pt`` is filled after ``torch.save`` wrote it: each record's CRC-32 is put
+    into its local header and its central directory entry, also where the end record points
+    to the zip64 directory (a file over 4 GiB)."""
+    import struct
+
+    from wrapped_optim.checkpoint._convert._megatron_bucket_writers import _fix_crcs
+
+    model = torch.nn.Linear(3, 2)
+    state = _linear_state(model)
+    MegatronLegacyWriter(tmp_path / "legacy", model=model).write(state.index(), state)
+    file = tmp_path / "legacy" / "param_state.pt"
+    with zipfile.ZipFile(file) as archive:
+        right = {i.filename: i.CRC for i in archive.infolist() if "/data/" in i.filename}
+    assert len(right) == 3
+    with open(file, "r+b") as stream:
+        _fix_crcs(stream, {name: 0 for name in right})
+    with zipfile.ZipFile(file) as archive:
+        assert archive.testzip() is not None  # broken on purpose
+    if zip64:  # what a big file's end record says: look in the zip64 directory
+        data = bytearray(file.read_bytes())
+        end = data.rfind(b"PK\x05\x06")
+        data[end + 8 : end + 12] = struct.pack("<HH", 0xFFFF, 0xFFFF)
+        data[end + 16 : end + 20] = struct.pack("<I", 0xFFFFFFFF)
+        file.write_bytes(bytes(data))
+    with open(file, "r+b") as stream:
+        _fix_crcs(stream, right)
+    with zipfile.ZipFile(file) as archive:
+        assert archive.testzip() is None
+    _same(state, megatron_reader(tmp_path / "legacy", model=model))

@@ -498,6 +498,11 @@ def _fix_crcs(stream: Any, crcs: Mapping[str, int]) -> None:
     with zipfile.ZipFile(stream) as archive:
         infos = {info.filename: info for info in archive.infolist()}
     for name, crc in crcs.items():
+        stream.seek(infos[name].header_offset)
+        header = stream.read(30)
+        (name_len,) = struct.unpack("<H", header[26:28])
+        if header[:4] != b"PK\x03\x04" or stream.read(name_len).decode() != name:
+            raise MegatronFormatError(f"param_state.pt: no local zip header for {name!r}")
         stream.seek(infos[name].header_offset + 14)
         stream.write(struct.pack("<I", crc))
     # The central directory: entries of 46 bytes plus name, extra and comment.
@@ -506,7 +511,7 @@ def _fix_crcs(stream: Any, crcs: Mapping[str, int]) -> None:
     stream.seek(max(0, size - 65_557))
     tail = stream.read()
     end = tail.rfind(b"PK\x05\x06")
-    count, start = _directory(stream, tail, end, size - len(tail) + end)
+    count, start = _directory(stream, tail, end)
     position = start
     for _ in range(count):
         stream.seek(position)
@@ -521,7 +526,7 @@ def _fix_crcs(stream: Any, crcs: Mapping[str, int]) -> None:
         position += 46 + name_len + extra_len + comment_len
 
 
-def _directory(stream: Any, tail: bytes, end: int, at: int) -> tuple[int, int]:
+def _directory(stream: Any, tail: bytes, end: int) -> tuple[int, int]:
     """(entries, offset) of the zip central directory, zip64 or not."""
     count, _, start = struct.unpack("<HII", tail[end + 10 : end + 20])
     if count == 0xFFFF or start == 0xFFFFFFFF:
@@ -529,6 +534,8 @@ def _directory(stream: Any, tail: bytes, end: int, at: int) -> tuple[int, int]:
         (record,) = struct.unpack("<Q", tail[locator + 8 : locator + 16])
         stream.seek(record)
         zip64 = stream.read(56)
+        if locator < 0 or zip64[:4] != b"PK\x06\x06":
+            raise MegatronFormatError("param_state.pt: no zip64 end of central directory")
         count, _, start = struct.unpack("<QQQ", zip64[32:56])
     return count, start
 
