@@ -50,12 +50,12 @@ _PEER_MODULES = ("torchao.optim", "bitsandbytes.optim", "optimi", "deepspeed.ops
 
 def test_a_peer_that_cannot_be_imported_is_a_skip_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every peer is a row or a skip naming its package and the error; with none importable
-    (as in CI) all nine are skipped and nothing fails."""
+    (as in CI) all ten are skipped and nothing fails."""
     for name in _PEER_MODULES:
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
     found, skipped = _adam_peers.peers()
     assert found == []
-    assert len(skipped) == 9
+    assert len(skipped) == 10
     assert skipped[0].startswith(
         "torchao AdamWFp8 (FP8 moments) skipped (torchao): ModuleNotFoundError: import of "
         "torchao.optim halted"
@@ -75,11 +75,11 @@ def test_a_peer_that_fails_to_step_is_a_skip_reason(monkeypatch: pytest.MonkeyPa
 
     for name in _PEER_MODULES:
         module = types.ModuleType(name)
-        for cls in ("AdamWFp8", "AdamW8bit", "_AdamW", "AdamW", "DeepSpeedCPUAdam"):
+        for cls in ("AdamWFp8", "AdamW8bit", "AdamW4bit", "_AdamW", "AdamW", "DeepSpeedCPUAdam"):
             setattr(module, cls, Broken)
         monkeypatch.setitem(sys.modules, name, module)
     found, skipped = _adam_peers.peers()
-    assert found == [] and len(skipped) == 9
+    assert found == [] and len(skipped) == 10
     assert all(s.endswith("RuntimeError: no CPU backend") for s in skipped)
 
 

@@ -15,11 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.kernel_support import (
+    CPU_FAMILIES,
     block_kernel_step,
     block_moments,
     block_operands,
     block_reference_step,
     needs_kernel,
+    running,
     same_block_results,
 )
 from wrapped_optim._formats import blocks
@@ -48,6 +50,27 @@ def test_kernel_gives_the_bits_of_the_torch_block_step(name: str, block_size: in
                     block_reference_step(op, fmt, adam_w_mode)
                 block_kernel_step(got, fmt, adam_w_mode, threads)
             same_block_results(expected, got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", CPU_FAMILIES)
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("block_size", [32, 2048])
+def test_every_loop_family_gives_the_bits_of_the_torch_block_step(
+    family: str, name: str, block_size: int
+) -> None:
+    """The hand-written AVX-512 and AVX2 block loops and the portable ones, each this CPU
+    runs: every master kind, gradient dtype, tail (masked steps, AVX2's portable fallback for
+    a last block of no whole 16-element steps), both modes, three steps."""
+    fmt = blocks.BlockFormat(name, block_size)
+    for adam_w_mode in (True, False):
+        expected, got = block_operands(fmt, seed=11), block_operands(fmt, seed=11)
+        for _ in range(3):
+            for op in expected:
+                block_reference_step(op, fmt, adam_w_mode)
+            with running(family):
+                block_kernel_step(got, fmt, adam_w_mode, 1)
+        same_block_results(expected, got)
 
 
 @needs_kernel

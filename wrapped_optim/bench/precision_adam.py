@@ -34,6 +34,7 @@ from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
 
 __all__ = [
     "CONFIGS",
+    "SIDE_BY_SIDE",
     "TARGET_CONFIG",
     "Config",
     "collect",
@@ -41,6 +42,7 @@ __all__ = [
     "plots",
     "render",
     "run",
+    "side_by_side",
     "state_bytes_per_param",
 ]
 
@@ -741,11 +743,123 @@ def _verdict(
     return row, (size, config.label, "; ".join(reasons))
 
 
+#: The rows of :func:`side_by_side`: ours (by label; ", AVX2 loops" runs the AVX2 family)
+#: and the 8-bit and 4-bit peers, each beside torch's fused FP32 step.
+SIDE_BY_SIDE = (
+    "ours fp32 state", "ours FP8 moments", "ours FP8 moments, AVX2 loops",
+    "ours int8 block moments", "ours int8 block moments, AVX2 loops", "ours FP8 block moments",
+    "ours FP8 block moments, AVX2 loops", "ours int4 block moments",
+    "ours int4 block moments, AVX2 loops", "torchao AdamW8bit", "torchao AdamW4bit",
+    "torchao AdamWFp8 (FP8 moments)", "bitsandbytes AdamW8bit", _DEEPSPEED_FP32,
+)  # fmt: skip
+
+
+def _side_rows() -> tuple[list[Config], list[str]]:
+    rows, skipped = _rows()
+    by_label = {c.label: c for c in rows}
+    families = cpu_kernel.status().loop_families
+    chosen = []
+    for label in SIDE_BY_SIDE:
+        base, _, avx2 = label.partition(", AVX2 loops")
+        if label in by_label:
+            chosen.append(by_label[label])
+        elif avx2 == "" and base in by_label and "avx2" in families:
+            chosen.append(attrs.evolve(by_label[base], label=label, loops="avx2"))
+        elif not any(label in s for s in skipped):
+            skipped.append(f"{label} skipped: not run here")
+    return chosen, skipped
+
+
+def side_by_side(
+    sizes: Sequence[int] = (10_000_000, 50_000_000), rounds: int = 6, quality: bool = True
+) -> str:
+    """One thread (torch's and the kernel's), every :data:`SIDE_BY_SIDE` row and torch's fused
+    FP32 AdamW stepped in turn round by round: a Markdown table of each row's best thread CPU
+    time (``time.thread_time``: what a busy machine inflates least) and best wall time, both
+    over the fused step's, with its state bytes and quality (loss over FP32 AdamW's; left
+    out, as nan, with ``quality=False``: it takes longer than the timing on a busy machine).
+
+    Example:
+        >>> from wrapped_optim.bench.precision_adam import side_by_side
+        >>> print(side_by_side([1_000_000], rounds=2))  # doctest: +SKIP
+    """
+    rows, skipped = _side_rows()
+    losses: dict[str, float] = {}
+    if quality:
+        reference = quality_loss(lambda ps: torch.optim.AdamW(ps, foreach=False), FP32)
+        losses = {c.label: _quality(c) / reference for c in rows}
+    fused = Config("torch AdamW fused (FP32)", FP32,
+                   lambda ps: torch.optim.AdamW(ps, fused=True), 28, _FP32_TRAFFIC)  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    lines = [
+        "| params | configuration | cpu ms | x fused (cpu) | wall ms | x fused (wall) | "
+        "cycles/param (cpu) | bytes/param | state B/param | loss x FP32 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    hz = _cpu_hz() or 0.0
+    try:
+        for numel in sizes:
+            runs = []
+            for config in [fused, *rows]:
+                params = _model(config.dtype, numel)
+                runs.append((config, config.factory(params), params))
+            grads = {
+                d: [torch.randn(numel // 4, generator=torch.Generator().manual_seed(i)).to(d)
+                    for i in range(2)]
+                for d in {c.dtype for c, _, _ in runs}
+            }  # fmt: skip
+            cpu: list[list[float]] = [[] for _ in runs]
+            wall: list[list[float]] = [[] for _ in runs]
+            for i in range(rounds + 1):
+                for k, (config, opt, params) in enumerate(runs):
+                    for j, p in enumerate(params):
+                        p.grad = grads[p.dtype][(i + j) % 2]
+                    if config.loops is not None:
+                        cpu_kernel.use_loops(config.loops)
+                    start, start_cpu = time.perf_counter(), time.thread_time()
+                    opt.step()
+                    cpu_s, wall_s = time.thread_time() - start_cpu, time.perf_counter() - start
+                    if config.loops is not None:
+                        cpu_kernel.use_loops()
+                    if i > 0:  # the first step also allocates the state
+                        cpu[k].append(cpu_s * 1e3)
+                        wall[k].append(wall_s * 1e3)
+            base_cpu, base_wall = min(cpu[0]), min(wall[0])
+            for k, (config, opt, _) in enumerate(runs):
+                c, w = min(cpu[k]), min(wall[k])
+                loss = losses.get(config.label, 1.0 if k == 0 else float("nan"))
+                lines.append(
+                    f"| {numel // 1_000_000}M | {config.label} | {c:.1f} | {c / base_cpu:.2f} | "
+                    f"{w:.1f} | {w / base_wall:.2f} | {c * 1e-3 * hz / numel:.2f} | "
+                    f"{config.bytes_moved:g} | {state_bytes_per_param(opt):.2f} | {loss:.3f} |"
+                )
+            del runs, grads
+            gc.collect()
+    finally:
+        torch.set_num_threads(threads)
+    load = os.getloadavg()[0]
+    notes = [f"{s}" for s in skipped if any(label in s for label in SIDE_BY_SIDE)]
+    return "\n".join([*lines, "", f"load average after: {load:.1f}; clock {hz / 1e9:.2f} GHz",
+                      *notes])  # fmt: skip
+
+
 def main() -> None:
     """Command-line entry point: print the Markdown section."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="one small size, few rounds")
-    print(run(quick=parser.parse_args().quick))
+    parser.add_argument(
+        "--side-by-side", action="store_true",
+        help="one thread: ours and the 8-/4-bit peers beside torch's fused step, thread CPU "
+        "and wall time (10M and 50M parameters; 1M with --quick)",
+    )  # fmt: skip
+    parser.add_argument("--no-quality", action="store_true", help="side by side: no loss column")
+    args = parser.parse_args()
+    if args.side_by_side:
+        sizes = [1_000_000] if args.quick else [10_000_000, 50_000_000]
+        print(side_by_side(sizes, 2 if args.quick else 6, quality=not args.no_quality))
+        return
+    print(run(quick=args.quick))
 
 
 if __name__ == "__main__":

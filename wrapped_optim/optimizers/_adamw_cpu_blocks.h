@@ -21,8 +21,9 @@
  * stack arrays (the parameter written as it goes), their amax gives the new scales, then the
  * codes are written. A thread takes every block that starts in its range (a block may end past
  * it: ranges split tensors at 64-element boundaries, blocks at qblock ones), so each block is
- * updated whole by one thread. These loops are the portable C of the file: the AVX-512, AVX2
- * and baseline clones of wo_update_range vectorize them (target_clones).
+ * updated whole by one thread. These loops are the portable C of the file (the AVX-512, AVX2
+ * and baseline clones of wo_update_range vectorize them, target_clones); the AVX-512 and AVX2
+ * loop families run the hand-written loops of _adamw_cpu_blocks_simd.h instead (same bits).
  */
 #define WO_QBLOCK_MAX 2048
 
@@ -237,6 +238,29 @@ static inline __attribute__((always_inline)) void block_moments_any(
         block_moments(k, p, g, mc, vc, ms, vs, h, 0, fmt);
 }
 
+/* The hand-written loops of the block formats (WO_AVX512 / WO_AVX2 where they build). */
+#include "_adamw_cpu_blocks_simd.h"
+
+/* One block through the loops of the family in use (wo_loops). The AVX2 loops take whole
+ * steps of 16 only: a block of another length (a tensor's last one) runs the portable loop. */
+static inline __attribute__((always_inline)) void block_step(
+    int64_t k, float *p, const float *g, uint8_t *mc, uint8_t *vc, float *ms, float *vs,
+    const wo_hyper *h, const int fmt) {
+#ifdef WO_AVX512
+    if (wo_loops == LOOPS_AVX512) {
+        vb_block_moments(k, p, g, mc, vc, ms, vs, h, fmt);
+        return;
+    }
+#endif
+#ifdef WO_AVX2
+    if (wo_loops == LOOPS_AVX2 && k % 16 == 0) {
+        wb_block_moments(k, p, g, mc, vc, ms, vs, h, fmt);
+        return;
+    }
+#endif
+    block_moments_any(k, p, g, mc, vc, ms, vs, h, fmt);
+}
+
 /* The blocks of t that start in [begin, end): each updated whole (see the file's note). */
 static inline __attribute__((always_inline)) void block_range(wo_tensor *t, int64_t begin,
                                                                int64_t end, const wo_hyper *h) {
@@ -253,13 +277,13 @@ static inline __attribute__((always_inline)) void block_range(wo_tensor *t, int6
         uint8_t *mc = (uint8_t *)t->exp_avg + byte, *vc = (uint8_t *)t->exp_avg_sq + byte;
         switch (fmt) {
             case FMT_INT8:
-                block_moments_any(k, p, g, mc, vc, t->m_scales + b, t->v_scales + b, h, FMT_INT8);
+                block_step(k, p, g, mc, vc, t->m_scales + b, t->v_scales + b, h, FMT_INT8);
                 break;
             case FMT_FP8:
-                block_moments_any(k, p, g, mc, vc, t->m_scales + b, t->v_scales + b, h, FMT_FP8);
+                block_step(k, p, g, mc, vc, t->m_scales + b, t->v_scales + b, h, FMT_FP8);
                 break;
             default:
-                block_moments_any(k, p, g, mc, vc, t->m_scales + b, t->v_scales + b, h, FMT_INT4);
+                block_step(k, p, g, mc, vc, t->m_scales + b, t->v_scales + b, h, FMT_INT4);
                 break;
         }
         tile_store_param(t, s, k, p);

@@ -151,7 +151,8 @@ def status() -> KernelStatus:
 
 
 def use_loops(family: str | None = None) -> str:
-    """Selects the loops fp16/FP8 moments run with, in this process, from the next step on.
+    """Selects the loops fp16/FP8 and block-scaled moments run with, in this process, from
+    the next step on.
 
     Every family gives the same bits, so this only changes speed (e.g. to measure the AVX2
     loops on an AVX-512 machine). Not while another thread steps. The environment variable

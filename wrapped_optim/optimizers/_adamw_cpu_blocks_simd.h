@@ -1,0 +1,442 @@
+/*
+ * Part of _adamw_cpu.c (included by _adamw_cpu_blocks.h after the portable block loop it
+ * mirrors; not a header of its own).
+ */
+/*
+ * Hand-written AVX-512 and AVX2 loops for the block-scaled moments' one-pass step
+ * (block_moments), chosen by the same loop family as the fp16/FP8 loops (wo_loops).
+ *
+ * GCC vectorizes the portable block loop, but keeps the per-element selects of every format
+ * in it and widens each byte code through several shuffles. These loops do, per block, what
+ * block_moments does, in the same order and with the same operations: the update pass (each
+ * moment decoded, the Adam arithmetic, the parameter written, the new moments kept in FP32 in
+ * stack arrays, their amax), the block's scales (the portable functions), then the encode
+ * pass. The hardware gives the same bits where it is used:
+ * - int8 codes are widened by sign or zero extension and converted exactly to FP32; encoding
+ *   rounds with the FP32 -> int32 conversion under the caller's rounding (nearest even, as
+ *   rne's magic-number add: |y| < 2^9 here) and packs with the saturating down-conversions
+ *   (exp_avg: then clamped to -127 from below; exp_avg_sq: 0..255);
+ * - FP8 E4M3 codes are decoded into the fp16 bits of their magnitude (all normal in fp16)
+ *   and converted by F16C, and encoded as in the fp16/FP8 loops (the FP32 adder rounds the
+ *   saturated magnitude to 3 mantissa bits);
+ * - int4 codes are looked up in the block's two 16-value tables (the portable loop's values,
+ *   computed once per block) by a lane permute; exp_avg's code counts the table midpoints
+ *   below |y| by seven compares, exp_avg_sq's is ceil(16y - 1.5) by the rounding instruction.
+ * No fused multiply-add (each product and sum rounded on its own, -ffp-contract=off), so every
+ * result is bitwise the portable loop's and the torch step's; the tests compare them under
+ * each family. AVX-512 steps 16 elements with masks for a block's tail; AVX2 steps 16 (two
+ * vectors of 8) and leaves a block whose length is not a multiple of 16 (only a tensor's last
+ * block can be) to the portable loop.
+ */
+#if defined(WO_AVX512) || defined(WO_AVX2)
+/* Software prefetch of the block loops' streams about 1024 elements ahead (a block is
+ * updated, then encoded from its stack copy: the hardware prefetchers alone left the loads
+ * of the next block waiting; about 15 to 25% of the int8 and int4 step over 10M parameters
+ * on AMD Zen 4). Bits are unchanged: a prefetch only moves cache lines. */
+static inline __attribute__((always_inline)) void wo_block_prefetch(int64_t i, const float *p,
+                                                                    const float *g,
+                                                                    const uint8_t *mc,
+                                                                    const uint8_t *vc) {
+    _mm_prefetch((const char *)(p + i) + 4096, _MM_HINT_T0);
+    _mm_prefetch((const char *)(g + i) + 4096, _MM_HINT_T0);
+    if ((i & 63) == 0) {
+        _mm_prefetch((const char *)(mc + i) + 1024, _MM_HINT_T0);
+        _mm_prefetch((const char *)(vc + i) + 1024, _MM_HINT_T0);
+    }
+}
+
+/* The int4 tables of a block: exp_avg's value by code, exp_avg_sq's by code (the root
+ * squared), exactly as block_moments computes them. */
+static inline __attribute__((always_inline)) void int4_tables(float m_old, float v_old,
+                                                              float *LM, float *LV) {
+    for (int t = 0; t < 16; ++t) {
+        float mag = INT4_MAGS[t < 8 ? t : (t == 8 ? 7 : 16 - t)];
+        LM[t] = (t < 8 ? mag : -mag) * m_old;
+        float r = ((float)(t + 1) * 0.0625f) * v_old;
+        LV[t] = r * r;
+    }
+}
+#endif
+
+#ifdef WO_AVX512
+/* 16 old moment values from element i (lanes past the block read code 0). */
+WO_AVX512_INLINE __m512 vb_decode(const uint8_t *c, int64_t i, int64_t left, int fmt,
+                                  int second, __m512 scale, __m512 lut) {
+    const __mmask16 lanes = v_lanes(left);
+    if (fmt == FMT_INT4) {
+        const __mmask16 bytes = v_lanes(((left < 16 ? left : 16) + 1) / 2);
+        __m128i b = _mm_maskz_loadu_epi8(bytes, c + i / 2);
+        __m512i w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+        /* odd lanes take the high nibble; the permute reads the low 4 bits of each lane */
+        w = _mm512_srlv_epi32(w, _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4,
+                                                  0));
+        return _mm512_permutexvar_ps(w, lut);
+    }
+    __m128i b = _mm_maskz_loadu_epi8(lanes, c + i);
+    if (fmt == FMT_FP8) {
+        __m256i w = _mm256_cvtepu8_epi16(b);
+        __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
+        __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(mag, 7), _mm256_set1_epi16(0x2000));
+        __m256i index = _mm256_or_si256(_mm256_slli_epi16(mag, 8), _mm256_set1_epi16(0x80));
+        __m256i sub = _mm256_shuffle_epi8(
+            _mm256_load_si256((const __m256i *)wo_e4m3_sub_high), index);
+        __mmask16 small = _mm256_cmplt_epu16_mask(mag, _mm256_set1_epi16(8));
+        __m256i h = _mm256_mask_mov_epi16(normal, small, sub);
+        h = _mm256_mask_mov_epi16(h, _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F)),
+                                  _mm256_set1_epi16(0x7E00));
+        h = _mm256_or_si256(h, _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+        return _mm512_mul_ps(_mm512_cvtph_ps(h), scale);
+    }
+    __m512i w = second ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b);
+    __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(w), scale);
+    return second ? _mm512_mul_ps(x, x) : x;
+}
+
+/* Stores the codes of 16 new moment values x (already zero where the scale is 0 or NaN, and
+ * past the block) from element i. */
+WO_AVX512_INLINE void vb_encode(uint8_t *c, int64_t i, int64_t left, int fmt, int second,
+                                __m512 x, __m512 inv) {
+    const __mmask16 lanes = v_lanes(left);
+    const __m512 zero = _mm512_setzero_ps();
+    if (fmt == FMT_INT4) {
+        __m512 y = _mm512_mul_ps(x, inv);
+        __m512i q;
+        if (second) {
+            __m512 t = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(16.0f), y),
+                                     _mm512_set1_ps(1.5f));
+            t = _mm512_roundscale_ps(t, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+            t = _mm512_min_ps(_mm512_max_ps(t, zero), _mm512_set1_ps(15.0f));
+            q = _mm512_cvttps_epi32(t);
+        } else {
+            const __m512i one = _mm512_set1_epi32(1);
+            __m512 a = _mm512_abs_ps(y);
+            q = _mm512_setzero_si512();
+            for (int t = 0; t < 7; ++t)
+                q = _mm512_mask_add_epi32(
+                    q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(INT4_MAG_MIDS[t]), _CMP_GT_OQ), q,
+                    one);
+            q = _mm512_mask_sub_epi32(q, _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ),
+                                      _mm512_setzero_si512(), q);
+            q = _mm512_and_si512(q, _mm512_set1_epi32(0xF));
+        }
+        /* lanes 2j and 2j + 1 into one byte: the low nibble and the high one */
+        q = _mm512_or_si512(q, _mm512_srli_epi64(q, 28));
+        _mm_mask_storeu_epi8(c + i / 2, v_lanes(((left < 16 ? left : 16) + 1) / 2), _mm512_cvtepi64_epi8(q));
+        return;
+    }
+    __m512i code;
+    if (fmt == FMT_FP8) {
+        code = v_e4m3_code(x, inv);
+    } else {
+        code = _mm512_cvtps_epi32(_mm512_mul_ps(x, inv)); /* nearest even, as rne */
+        if (!second) {
+            _mm_mask_storeu_epi8(c + i, lanes,
+                                 _mm512_cvtsepi32_epi8(_mm512_max_epi32(code, _mm512_set1_epi32(-127))));
+            return;
+        }
+    }
+    if (second) { /* a positive exp_avg_sq never takes code 0 */
+        __mmask16 lift = _mm512_cmpeq_epi32_mask(code, _mm512_setzero_si512()) &
+                         _mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ);
+        code = _mm512_mask_mov_epi32(code, lift, _mm512_set1_epi32(1));
+    }
+    /* (the down-conversions to a register, then one masked store: their memory forms are
+     * slow on AMD Zen 4) */
+    _mm_mask_storeu_epi8(c + i, lanes,
+                         fmt == FMT_FP8 ? _mm512_cvtepi32_epi8(code) : _mm512_cvtusepi32_epi8(code));
+}
+
+/* The hyper-parameters, broadcast once per block, and the block's old scales (int4: its
+ * tables). */
+typedef struct {
+    __m512 lr, b1, omb1, b2, omb2, eps, wd, inv_bc1, inv_bc2, m_scale, v_scale, m_lut, v_lut;
+} vb_consts;
+
+/* The update of 16 elements from i (fewer when left < 16): the parameter written, the new
+ * moments (exp_avg_sq's stored value) into M and S, their magnitudes into the amax. Called
+ * with left = 16 for every whole step, so its masks are constants (plain loads and stores). */
+WO_AVX512_INLINE void vb_update16(int64_t i, int64_t left, float *restrict p,
+                                  const float *restrict g, const uint8_t *restrict mc,
+                                  const uint8_t *restrict vc, float *restrict M,
+                                  float *restrict S, const vb_consts *c, const int adam_w_mode,
+                                  const int fmt, __m512i *ma, __m512i *va) {
+    const __mmask16 lanes = v_lanes(left);
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+    wo_block_prefetch(i, p, g, mc, vc);
+    __m512 pi = _mm512_maskz_loadu_ps(lanes, p + i);
+    __m512 gi = _mm512_maskz_loadu_ps(lanes, g + i);
+    if (!adam_w_mode) gi = _mm512_add_ps(gi, _mm512_mul_ps(c->wd, pi));
+    __m512 m_dec = vb_decode(mc, i, left, fmt, 0, c->m_scale, c->m_lut);
+    __m512 v_dec = vb_decode(vc, i, left, fmt, 1, c->v_scale, c->v_lut);
+    __m512 mi = _mm512_add_ps(_mm512_mul_ps(c->b1, m_dec), _mm512_mul_ps(c->omb1, gi));
+    __m512 vi = _mm512_add_ps(_mm512_mul_ps(c->b2, v_dec),
+                              _mm512_mul_ps(_mm512_mul_ps(c->omb2, gi), gi));
+    __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, c->inv_bc2)), c->eps);
+    __m512 update = _mm512_div_ps(_mm512_mul_ps(mi, c->inv_bc1), denom);
+    if (adam_w_mode) update = _mm512_add_ps(update, _mm512_mul_ps(c->wd, pi));
+    _mm512_mask_storeu_ps(p + i, lanes, _mm512_sub_ps(pi, _mm512_mul_ps(c->lr, update)));
+    __m512 si = fmt == FMT_FP8 ? vi : _mm512_sqrt_ps(vi);
+    _mm512_storeu_ps(M + i, mi);
+    _mm512_storeu_ps(S + i, si);
+    *ma = _mm512_max_epu32(*ma, _mm512_maskz_and_epi32(lanes, _mm512_castps_si512(mi), magnitude));
+    *va = _mm512_max_epu32(*va, _mm512_maskz_and_epi32(lanes, _mm512_castps_si512(si), magnitude));
+}
+
+/* The codes of 16 elements from i (fewer when left < 16); keep 0: the scale is 0 or NaN, the
+ * codes are zeros. */
+WO_AVX512_INLINE void vb_encode16(int64_t i, int64_t left, uint8_t *restrict mc,
+                                  uint8_t *restrict vc, const float *restrict M,
+                                  const float *restrict S, __mmask16 m_keep, __mmask16 v_keep,
+                                  __m512 m_mult, __m512 v_mult, const int fmt) {
+    const __mmask16 lanes = v_lanes(left);
+    vb_encode(mc, i, left, fmt, 0, _mm512_maskz_loadu_ps(lanes & m_keep, M + i), m_mult);
+    vb_encode(vc, i, left, fmt, 1, _mm512_maskz_loadu_ps(lanes & v_keep, S + i), v_mult);
+}
+
+/* block_moments, 16 elements a step. */
+WO_AVX512_INLINE void vb_moments(int64_t k, float *restrict p, const float *restrict g,
+                                 uint8_t *restrict mc, uint8_t *restrict vc, float *restrict ms,
+                                 float *restrict vs, const wo_hyper *h, const int adam_w_mode,
+                                 const int fmt) {
+    const float m_old = *ms, v_old = *vs;
+    vb_consts c = {_mm512_set1_ps(h->lr),
+                   _mm512_set1_ps(h->beta1),
+                   _mm512_set1_ps(h->one_minus_beta1),
+                   _mm512_set1_ps(h->beta2),
+                   _mm512_set1_ps(h->one_minus_beta2),
+                   _mm512_set1_ps(h->eps),
+                   _mm512_set1_ps(h->weight_decay),
+                   _mm512_set1_ps(h->inv_bias_correction1),
+                   _mm512_set1_ps(h->inv_bias_correction2),
+                   _mm512_set1_ps(m_old),
+                   _mm512_set1_ps(v_old),
+                   _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+    if (fmt == FMT_INT4) {
+        float LM[16], LV[16];
+        int4_tables(m_old, v_old, LM, LV);
+        c.m_lut = _mm512_loadu_ps(LM);
+        c.v_lut = _mm512_loadu_ps(LV);
+    }
+    float M[WO_QBLOCK_MAX + 16], S[WO_QBLOCK_MAX + 16];
+    __m512i ma = _mm512_setzero_si512(), va = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) vb_update16(i, 16, p, g, mc, vc, M, S, &c, adam_w_mode, fmt, &ma, &va);
+    if (i < k) vb_update16(i, k - i, p, g, mc, vc, M, S, &c, adam_w_mode, fmt, &ma, &va);
+    uint32_t m_amax = _mm512_reduce_max_epu32(ma), v_amax = _mm512_reduce_max_epu32(va);
+    float m_inv, v_inv;
+    if (fmt == FMT_INT4) {
+        *ms = int4_scale(m_amax, &m_inv);
+        *vs = int4_scale(v_amax, &v_inv);
+    } else {
+        *ms = block_scale(m_amax, block_headroom(fmt, 0), &m_inv);
+        *vs = block_scale(v_amax, block_headroom(fmt, 1), &v_inv);
+    }
+    /* a zero or NaN scale (inverse 0) stores codes 0: no lane is read */
+    const __mmask16 m_keep = m_inv == 0.0f ? 0 : 0xFFFF, v_keep = v_inv == 0.0f ? 0 : 0xFFFF;
+    const __m512 m_mult = _mm512_set1_ps(m_inv), v_mult = _mm512_set1_ps(v_inv);
+    for (i = 0; i + 16 <= k; i += 16)
+        vb_encode16(i, 16, mc, vc, M, S, m_keep, v_keep, m_mult, v_mult, fmt);
+    if (i < k) vb_encode16(i, k - i, mc, vc, M, S, m_keep, v_keep, m_mult, v_mult, fmt);
+}
+
+WO_AVX512_FN __attribute__((noinline)) static void vb_block_moments(
+    int64_t k, float *p, const float *g, uint8_t *mc, uint8_t *vc, float *ms, float *vs,
+    const wo_hyper *h, int fmt) {
+#define WO_VB_CASE(f)                                        \
+    case f:                                                  \
+        if (h->adam_w_mode)                                  \
+            vb_moments(k, p, g, mc, vc, ms, vs, h, 1, f);    \
+        else                                                 \
+            vb_moments(k, p, g, mc, vc, ms, vs, h, 0, f);    \
+        return;
+    switch (fmt) {
+        WO_VB_CASE(FMT_INT8)
+        WO_VB_CASE(FMT_FP8)
+        WO_VB_CASE(FMT_INT4)
+    }
+#undef WO_VB_CASE
+}
+#endif
+
+#ifdef WO_AVX2
+/* 16 old moment values from element i, two groups of 8. */
+WO_AVX2_INLINE void wb_decode16(const uint8_t *c, int64_t i, int fmt, int second, __m256 scale,
+                                __m256 lut_low, __m256 lut_high, __m256 out[2]) {
+    if (fmt == FMT_FP8) {
+        w_decode16(c + i, KIND_FP8, scale, out);
+        return;
+    }
+    if (fmt == FMT_INT4) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(c + i / 2));
+        b = _mm_unpacklo_epi8(b, b);
+        for (int j = 0; j < 2; ++j) {
+            __m256i w = _mm256_cvtepu8_epi32(j ? _mm_srli_si128(b, 8) : b);
+            /* odd lanes take the high nibble; each permute reads the low 3 bits of a lane,
+             * bit 3 (moved to the sign) picks the table's half */
+            w = _mm256_srlv_epi32(w, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+            __m256 low = _mm256_permutevar8x32_ps(lut_low, w);
+            __m256 high = _mm256_permutevar8x32_ps(lut_high, w);
+            out[j] = _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(w, 28)));
+        }
+        return;
+    }
+    for (int j = 0; j < 2; ++j) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(c + i + 8 * j));
+        __m256i w = second ? _mm256_cvtepu8_epi32(b) : _mm256_cvtepi8_epi32(b);
+        __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(w), scale);
+        out[j] = second ? _mm256_mul_ps(x, x) : x;
+    }
+}
+
+/* 16 lanes of 0..255 (two vectors of 8, in order) stored as bytes at c. */
+WO_AVX2_INLINE void wb_store_bytes(uint8_t *c, __m256i a, __m256i b, int is_signed) {
+    __m256i words = _mm256_permute4x64_epi64(
+        is_signed ? _mm256_packs_epi32(a, b) : _mm256_packus_epi32(a, b), 0xD8);
+    __m128i low = _mm256_castsi256_si128(words), high = _mm256_extracti128_si256(words, 1);
+    _mm_storeu_si128((__m128i *)c,
+                     is_signed ? _mm_packs_epi16(low, high) : _mm_packus_epi16(low, high));
+}
+
+/* Stores the codes of 16 new moment values x (zero where the scale is 0 or NaN). */
+WO_AVX2_INLINE void wb_encode16(uint8_t *c, int64_t i, int fmt, int second, const __m256 x[2],
+                                __m256 inv) {
+    const __m256 zero = _mm256_setzero_ps();
+    __m256i code[2];
+    for (int j = 0; j < 2; ++j) {
+        __m256 y = _mm256_mul_ps(x[j], inv);
+        if (fmt == FMT_INT4 && second) {
+            __m256 t = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(16.0f), y),
+                                     _mm256_set1_ps(1.5f));
+            t = _mm256_round_ps(t, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+            t = _mm256_min_ps(_mm256_max_ps(t, zero), _mm256_set1_ps(15.0f));
+            code[j] = _mm256_cvttps_epi32(t);
+        } else if (fmt == FMT_INT4) {
+            __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y);
+            __m256i n = _mm256_setzero_si256();
+            for (int t = 0; t < 7; ++t) /* a true compare is -1 */
+                n = _mm256_sub_epi32(n, _mm256_castps_si256(_mm256_cmp_ps(
+                                            a, _mm256_set1_ps(INT4_MAG_MIDS[t]), _CMP_GT_OQ)));
+            __m256 negative = _mm256_cmp_ps(y, zero, _CMP_LT_OQ);
+            n = _mm256_castps_si256(_mm256_blendv_ps(
+                _mm256_castsi256_ps(n),
+                _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_setzero_si256(), n)), negative));
+            code[j] = _mm256_and_si256(n, _mm256_set1_epi32(0xF));
+        } else if (fmt == FMT_FP8) {
+            code[j] = w_e4m3_code(x[j], inv);
+        } else {
+            code[j] = _mm256_cvtps_epi32(y); /* nearest even, as rne */
+            if (!second) code[j] = _mm256_max_epi32(code[j], _mm256_set1_epi32(-127));
+        }
+        if (second && fmt != FMT_INT4) { /* a positive exp_avg_sq never takes code 0 */
+            __m256i lift = _mm256_and_si256(
+                _mm256_cmpeq_epi32(code[j], _mm256_setzero_si256()),
+                _mm256_castps_si256(_mm256_cmp_ps(x[j], zero, _CMP_GT_OQ)));
+            code[j] = _mm256_sub_epi32(code[j], lift);
+        }
+    }
+    if (fmt != FMT_INT4) {
+        wb_store_bytes(c + i, code[0], code[1], fmt == FMT_INT8 && !second);
+        return;
+    }
+    /* lanes 2j and 2j + 1 into one byte (low nibble, high nibble): bytes 0 and 8 of each
+     * 128-bit lane, gathered into 8 bytes */
+    const __m256i gather = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            -1, -1, -1, -1);
+    __m128i out = _mm_setzero_si128();
+    for (int j = 0; j < 2; ++j) {
+        __m256i q = _mm256_or_si256(code[j], _mm256_srli_epi64(code[j], 28));
+        q = _mm256_shuffle_epi8(q, gather);
+        __m128i four = _mm_or_si128(_mm256_castsi256_si128(q),
+                                    _mm_slli_si128(_mm256_extracti128_si256(q, 1), 2));
+        out = _mm_or_si128(out, j ? _mm_slli_si128(four, 4) : four);
+    }
+    _mm_storel_epi64((__m128i *)(c + i / 2), out);
+}
+
+/* block_moments, 16 elements a step (k a multiple of 16). */
+WO_AVX2_INLINE void wb_moments(int64_t k, float *restrict p, const float *restrict g,
+                               uint8_t *restrict mc, uint8_t *restrict vc, float *restrict ms,
+                               float *restrict vs, const wo_hyper *h, const int adam_w_mode,
+                               const int fmt) {
+    const __m256 lr = _mm256_set1_ps(h->lr), b1 = _mm256_set1_ps(h->beta1);
+    const __m256 omb1 = _mm256_set1_ps(h->one_minus_beta1), b2 = _mm256_set1_ps(h->beta2);
+    const __m256 omb2 = _mm256_set1_ps(h->one_minus_beta2), eps = _mm256_set1_ps(h->eps);
+    const __m256 wd = _mm256_set1_ps(h->weight_decay);
+    const __m256 inv_bc1 = _mm256_set1_ps(h->inv_bias_correction1);
+    const __m256 inv_bc2 = _mm256_set1_ps(h->inv_bias_correction2);
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    const float m_old = *ms, v_old = *vs;
+    const __m256 m_scale = _mm256_set1_ps(m_old), v_scale = _mm256_set1_ps(v_old);
+    float LM[16] = {0}, LV[16] = {0};
+    if (fmt == FMT_INT4) int4_tables(m_old, v_old, LM, LV);
+    const __m256 m_low = _mm256_loadu_ps(LM), m_high = _mm256_loadu_ps(LM + 8);
+    const __m256 v_low = _mm256_loadu_ps(LV), v_high = _mm256_loadu_ps(LV + 8);
+    float M[WO_QBLOCK_MAX], S[WO_QBLOCK_MAX];
+    __m256i ma = _mm256_setzero_si256(), va = _mm256_setzero_si256();
+    for (int64_t i = 0; i < k; i += 16) {
+        wo_block_prefetch(i, p, g, mc, vc);
+        __m256 mo[2], vo[2];
+        wb_decode16(mc, i, fmt, 0, m_scale, m_low, m_high, mo);
+        wb_decode16(vc, i, fmt, 1, v_scale, v_low, v_high, vo);
+        for (int j = 0; j < 2; ++j) {
+            float *pj = p + i + 8 * j;
+            __m256 pi = _mm256_loadu_ps(pj);
+            __m256 gi = _mm256_loadu_ps(g + i + 8 * j);
+            if (!adam_w_mode) gi = _mm256_add_ps(gi, _mm256_mul_ps(wd, pi));
+            __m256 mi = _mm256_add_ps(_mm256_mul_ps(b1, mo[j]), _mm256_mul_ps(omb1, gi));
+            __m256 vi = _mm256_add_ps(_mm256_mul_ps(b2, vo[j]),
+                                      _mm256_mul_ps(_mm256_mul_ps(omb2, gi), gi));
+            __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi, inv_bc2)), eps);
+            __m256 update = _mm256_div_ps(_mm256_mul_ps(mi, inv_bc1), denom);
+            if (adam_w_mode) update = _mm256_add_ps(update, _mm256_mul_ps(wd, pi));
+            _mm256_storeu_ps(pj, _mm256_sub_ps(pi, _mm256_mul_ps(lr, update)));
+            __m256 si = fmt == FMT_FP8 ? vi : _mm256_sqrt_ps(vi);
+            _mm256_storeu_ps(M + i + 8 * j, mi);
+            _mm256_storeu_ps(S + i + 8 * j, si);
+            ma = _mm256_max_epu32(ma, _mm256_and_si256(_mm256_castps_si256(mi), magnitude));
+            va = _mm256_max_epu32(va, _mm256_and_si256(_mm256_castps_si256(si), magnitude));
+        }
+    }
+    float m_inv, v_inv;
+    if (fmt == FMT_INT4) {
+        *ms = int4_scale(w_reduce_max(ma), &m_inv);
+        *vs = int4_scale(w_reduce_max(va), &v_inv);
+    } else {
+        *ms = block_scale(w_reduce_max(ma), block_headroom(fmt, 0), &m_inv);
+        *vs = block_scale(w_reduce_max(va), block_headroom(fmt, 1), &v_inv);
+    }
+    /* a zero or NaN scale (inverse 0) stores codes 0: its values are replaced by zeros */
+    const __m256 m_keep = _mm256_castsi256_ps(_mm256_set1_epi32(m_inv == 0.0f ? 0 : -1));
+    const __m256 v_keep = _mm256_castsi256_ps(_mm256_set1_epi32(v_inv == 0.0f ? 0 : -1));
+    const __m256 m_mult = _mm256_set1_ps(m_inv), v_mult = _mm256_set1_ps(v_inv);
+    for (int64_t i = 0; i < k; i += 16) {
+        __m256 mx[2], sx[2];
+        for (int j = 0; j < 2; ++j) {
+            mx[j] = _mm256_and_ps(_mm256_loadu_ps(M + i + 8 * j), m_keep);
+            sx[j] = _mm256_and_ps(_mm256_loadu_ps(S + i + 8 * j), v_keep);
+        }
+        wb_encode16(mc, i, fmt, 0, mx, m_mult);
+        wb_encode16(vc, i, fmt, 1, sx, v_mult);
+    }
+}
+
+WO_AVX2_FN __attribute__((noinline)) static void wb_block_moments(
+    int64_t k, float *p, const float *g, uint8_t *mc, uint8_t *vc, float *ms, float *vs,
+    const wo_hyper *h, int fmt) {
+#define WO_WB_CASE(f)                                        \
+    case f:                                                  \
+        if (h->adam_w_mode)                                  \
+            wb_moments(k, p, g, mc, vc, ms, vs, h, 1, f);    \
+        else                                                 \
+            wb_moments(k, p, g, mc, vc, ms, vs, h, 0, f);    \
+        return;
+    switch (fmt) {
+        WO_WB_CASE(FMT_INT8)
+        WO_WB_CASE(FMT_FP8)
+        WO_WB_CASE(FMT_INT4)
+    }
+#undef WO_WB_CASE
+}
+#endif
