@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from wrapped_optim._bench import fsdp, hybrid, precision_adam, report, scaling, staged, streaming
+from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim._cli import main
-from wrapped_optim.bench import fsdp, hybrid, precision_adam, report, scaling, staged, streaming
-from wrapped_optim.bench._figures import Panel, bar_panels
 
 MiB = 1 << 20
 

@@ -12,7 +12,7 @@ import attrs
 import pytest
 import torch
 
-from wrapped_optim.bench import _adam_peers, precision_adam
+from wrapped_optim._bench import _adam_peers, precision_adam
 from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
 
 

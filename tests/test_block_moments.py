@@ -291,7 +291,7 @@ def test_int4_tables_train_the_bench_problem_near_fp32() -> None:
     """On the benchmarks' quality problem (full-batch, where rounding a slowly moving first
     moment hurts most) int4 blocks of 128 stay within 1.3x FP32 AdamW's loss (measured 1.21;
     the former linear codes 3.5x, torchao's AdamW4bit 2.07)."""
-    from wrapped_optim.bench._adam_peers import quality_loss
+    from wrapped_optim._bench._adam_peers import quality_loss
 
     reference = quality_loss(lambda ps: torch.optim.AdamW(ps, foreach=False), torch.float32)
     loss = quality_loss(lambda ps: PrecisionAwareAdamW(ps, block_moments="int4"), torch.float32)

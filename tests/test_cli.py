@@ -11,18 +11,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from wrapped_optim._bench import report
 from wrapped_optim._cli import main
-from wrapped_optim.bench import report
 
 # --------------------------------------------------------------------------- bench
 
 TOY_SECTION = """# {title} topic
 
-How to reproduce: `python -m wrapped_optim.bench.{name}`
+How to reproduce: `python -m wrapped_optim._bench.{name}`
 
 ```bash
 # a shell comment, not a heading
-python -m wrapped_optim.bench.{name}
+python -m wrapped_optim._bench.{name}
 ```
 
 ## Results
@@ -39,14 +39,14 @@ def _topic(
     run: types.FunctionType | None = None,
     plots: types.FunctionType | None = None,
 ) -> list[bool]:
-    """Registers a fake ``wrapped_optim.bench.<name>`` module; returns the quick flags seen."""
+    """Registers a fake ``wrapped_optim._bench.<name>`` module; returns the quick flags seen."""
     seen: list[bool] = []
 
     def default_run(quick: bool) -> str:
         seen.append(quick)
         return TOY_SECTION.format(title=name.capitalize(), name=name)
 
-    module = types.ModuleType(f"wrapped_optim.bench.{name}")
+    module = types.ModuleType(f"wrapped_optim._bench.{name}")
     module.run = run or default_run  # type: ignore[attr-defined]
     if plots is not None:
         module.plots = plots  # type: ignore[attr-defined]
@@ -292,7 +292,7 @@ def test_inspect_bad_paths_exit_2_with_a_clear_message(
 def test_fsdp_topic_leaves_the_thread_count_as_it_found_it() -> None:
     """The fsdp topic measures with one thread; topics after it in the same report (the
     precision_adam one measures at torch's default) must not inherit that."""
-    from wrapped_optim.bench import fsdp
+    from wrapped_optim._bench import fsdp
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -310,7 +310,7 @@ def test_bench_writes_where_asked_and_keeps_other_topics(
     of one topic into a folder that holds another topic's page keeps that topic's section."""
     toys = {}
     for name, text in (("toy_a", "## Toy A\n\nmeasured: 1 ms"), ("toy_b", "## Toy B\n\n2 ms")):
-        module = types.ModuleType(f"wrapped_optim.bench.{name}")
+        module = types.ModuleType(f"wrapped_optim._bench.{name}")
         module.run = lambda quick, text=text: text  # type: ignore[attr-defined]
         monkeypatch.setitem(sys.modules, module.__name__, module)
         toys[name] = module

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import wrapped_optim
+from wrapped_optim._bench import _topics, report
 from wrapped_optim._cli import main
-from wrapped_optim.bench import _topics, report
 from wrapped_optim.optimizers import cpu_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def test_bench_help_lists_every_topic(capsys: pytest.CaptureFixture[str]) -> Non
 def test_bench_says_a_long_topic_is_still_running(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    module = types.ModuleType("wrapped_optim.bench.slow_toy")
+    module = types.ModuleType("wrapped_optim._bench.slow_toy")
 
     def run(quick: bool) -> str:
         time.sleep(0.35)

@@ -17,6 +17,7 @@ from tests.doubles.distributed import DistributedOptimizerDouble, ddp_config, me
 from tests.doubles.te_fused_adam import te_fp16_bug, te_style
 from tests.gpu import gpu_staged
 from wrapped_optim._adapters.precision import supports_chunked_state
+from wrapped_optim._bench import staged as bench_staged
 from wrapped_optim._staging.engine import (
     StagingStats,
     fp32_no_copy_load,
@@ -25,7 +26,6 @@ from wrapped_optim._staging.engine import (
     staged_save,
     staging_decisions,
 )
-from wrapped_optim.bench import staged as bench_staged
 from wrapped_optim.optimizers import PrecisionAwareAdamW as Holder
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.testing.probe import DeviceMemoryProbe, count_unstaged_expansions, device_ledger

@@ -34,7 +34,7 @@ class Peer:
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.bench._adam_peers import Peer
+        >>> from wrapped_optim._bench._adam_peers import Peer
         >>> peer = Peer("SGD", torch.float32, lambda ps: torch.optim.SGD(ps), 12, "p 4+4, g 4",
         ...             "FP32 state")
         >>> peer.bytes_moved
@@ -93,7 +93,7 @@ def peers() -> tuple[list[Peer], list[str]]:
     system compiler on first use.
 
     Example:
-        >>> from wrapped_optim.bench._adam_peers import peers
+        >>> from wrapped_optim._bench._adam_peers import peers
         >>> found, skipped = peers()
         >>> len(found) + len(skipped)
         9
@@ -133,7 +133,7 @@ def quality_loss(factory: Factory, dtype: torch.dtype, steps: int = QUALITY_STEP
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.bench._adam_peers import quality_loss
+        >>> from wrapped_optim._bench._adam_peers import quality_loss
         >>> adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)
         >>> quality_loss(adamw, torch.float32, steps=50) < quality_loss(adamw, torch.float32, 5)
         True

@@ -17,7 +17,7 @@ from pathlib import Path
 __all__ = ["DEFAULT_OUT", "PACKAGE", "add_arguments", "discover_topics", "is_topic_name",
            "topic_summaries"]  # fmt: skip
 
-PACKAGE = "wrapped_optim.bench"
+PACKAGE = "wrapped_optim._bench"
 #: Where ``wrapped-optim bench`` writes when ``--out`` is not given (relative to the cwd).
 DEFAULT_OUT = "wrapped-optim-bench"
 
@@ -26,7 +26,7 @@ def discover_topics(package: str = PACKAGE) -> list[str]:
     """The benchmark topics of ``package``: every module but ``report`` and ``gpu_*``.
 
     Example:
-        >>> from wrapped_optim.bench._topics import discover_topics
+        >>> from wrapped_optim._bench._topics import discover_topics
         >>> "report" in discover_topics()
         False
     """
@@ -42,7 +42,7 @@ def topic_summaries(package: str = PACKAGE) -> list[tuple[str, str]]:
     """``(topic, first line of its docstring)`` for every topic, read without importing it.
 
     Example:
-        >>> from wrapped_optim.bench._topics import topic_summaries
+        >>> from wrapped_optim._bench._topics import topic_summaries
         >>> dict(topic_summaries())["staged"].startswith("Benchmark: extra device memory")
         True
     """
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     Example:
         >>> import argparse
-        >>> from wrapped_optim.bench._topics import add_arguments
+        >>> from wrapped_optim._bench._topics import add_arguments
         >>> parser = argparse.ArgumentParser()
         >>> add_arguments(parser)
         >>> args = parser.parse_args(["--quick", "--only", "a", "b", "--only", "c"])

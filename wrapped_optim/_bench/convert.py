@@ -12,7 +12,7 @@ disk. Memory: the growth of the child's peak RSS (``VmHWM``, which counts a memo
 source's pages as they are read) and the peak of its anonymous memory (``RssAnon``, sampled
 every 2 ms: what the process holds itself).
 
-Run: ``python -m wrapped_optim.bench.convert [--params N] [--rounds R] [--cold] [--quick]``.
+Run: ``python -m wrapped_optim._bench.convert [--params N] [--rounds R] [--cold] [--quick]``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wrapped_optim.bench._memory import proc_status, reset_peak
+from wrapped_optim._bench._memory import proc_status, reset_peak
 
 __all__ = ["run"]
 
@@ -164,7 +164,7 @@ def _run_child(root: Path, case: str, cold: bool = False) -> dict[str, Any]:
     if cold:
         _evict(_source(root, case.partition(":")[0]))
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(128 << 10))
-    cmd = [sys.executable, "-m", "wrapped_optim.bench.convert", "--child", str(root), case]
+    cmd = [sys.executable, "-m", "wrapped_optim._bench.convert", "--child", str(root), case]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{case} failed:\n{out.stderr[-4000:]}")

@@ -17,7 +17,7 @@ order), so the largest tensor, which bounds the streaming calls' memory, is the 
 every size above 16M. The cap defaults to 80% of the memory available when the run starts;
 ``WRAPPED_OPTIM_BENCH_MAX_GIB`` sets it (in GiB).
 
-Run: ``python -m wrapped_optim.bench.scaling`` (``--quick``: two small sizes), or as a topic:
+Run: ``python -m wrapped_optim._bench.scaling`` (``--quick``: two small sizes), or as a topic:
 ``wrapped-optim bench scaling --out docs``.
 """
 
@@ -36,8 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from wrapped_optim.bench._figures import Panel, bar_panels
-from wrapped_optim.bench._memory import proc_status, reset_peak
+from wrapped_optim._bench._figures import Panel, bar_panels
+from wrapped_optim._bench._memory import proc_status, reset_peak
 
 __all__ = ["collect", "headline", "plots", "render", "run"]
 
@@ -128,7 +128,7 @@ def _run_child(n_params: int, root: Path) -> dict[str, Any]:
     env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_="131072"
     )
-    cmd = [sys.executable, "-m", "wrapped_optim.bench.scaling", "--child", str(n_params)]
+    cmd = [sys.executable, "-m", "wrapped_optim._bench.scaling", "--child", str(n_params)]
     cmd.append(str(root))
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=False)
     shutil.rmtree(root / "ckpt", ignore_errors=True)
@@ -223,7 +223,7 @@ def collect(quick: bool = False) -> dict[str, Any]:
     """Runs every size that fits the cap (``quick``: 10M and 30M) and returns the rows.
 
     Example:
-        >>> from wrapped_optim.bench.scaling import collect
+        >>> from wrapped_optim._bench.scaling import collect
         >>> [r["params"] for r in collect(quick=True)["rows"]]  # doctest: +SKIP
         [10000000, 30000000]
     """
@@ -361,10 +361,10 @@ def run(quick: bool = False) -> str:
     """Runs every size that fits the cap (``quick``: 10M and 30M) and returns Markdown.
 
     Example:
-        From a shell, ``python -m wrapped_optim.bench.scaling --quick`` prints what
+        From a shell, ``python -m wrapped_optim._bench.scaling --quick`` prints what
         ``run(quick=True)`` returns.
 
-        >>> from wrapped_optim.bench.scaling import run
+        >>> from wrapped_optim._bench.scaling import run
         >>> run(quick=True).startswith("# Scaling")  # doctest: +SKIP
         True
     """
@@ -414,7 +414,7 @@ def plots(data: dict[str, Any], out_dir: Path | str) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line: ``python -m wrapped_optim.bench.scaling [--quick]``."""
+    """Command line: ``python -m wrapped_optim._bench.scaling [--quick]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--child", nargs=2, metavar=("PARAMS", "ROOT"))

@@ -15,7 +15,8 @@ Peak extra device bytes come from :class:`~wrapped_optim.testing.probe.DeviceMem
 On a CPU that is the staging engine's ledger; the unstaged baseline is put on the ledger by
 :func:`~wrapped_optim.testing.probe.count_unstaged_expansions` (expansions while alive; for
 loads, one whole FP32 tensor per ``set_scaled_state`` call, a lower bound). The CUDA
-figures come from ``python -m tests.gpu.gpu_staged``. Run: ``python -m wrapped_optim.bench.staged``.
+figures come from ``python -m tests.gpu.gpu_staged``.
+Run: ``python -m wrapped_optim._bench.staged``.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from typing import Any
 
 import torch
 
+from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim._staging.engine import staged_save
-from wrapped_optim.bench._figures import Panel, bar_panels
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.testing.probe import DeviceMemoryProbe, count_unstaged_expansions
 
@@ -370,7 +371,7 @@ def render(data: dict[str, Any]) -> str:
         "The time columns are the real bare and wrapped loads of PrecisionAwareAdamW.",
         "Real CUDA figures: `python -m tests.gpu.gpu_staged`.",
         "",
-        "Reproduce: `python -m wrapped_optim.bench.staged` (`--quick` for up to 50M).",
+        "Reproduce: `python -m wrapped_optim._bench.staged` (`--quick` for up to 50M).",
         "",
     ]
     return "\n".join(lines)

@@ -1,14 +1,14 @@
 """Step time of PrecisionAwareAdamW on CPU against the memory-bandwidth floor and its peers.
 
 Run ``wrapped-optim bench precision_adam --out DIR`` or ``python -m
-wrapped_optim.bench.precision_adam`` (``--quick`` for a short run). Every configuration steps
+wrapped_optim._bench.precision_adam`` (``--quick`` for a short run). Every configuration steps
 four equal parameter tensors of ``n / 4`` elements with fresh gradients, interleaved round by
 round with torch's fused AdamW on parameters of the same dtype, DeepSpeed's ``DeepSpeedCPUAdam``
 (FP32, when it can be imported and built) and a STREAM-like triad that measures the memory
 bandwidth at that moment; each figure is the best of its rounds, so load from other processes
 hits all of them alike. The floor of a configuration is the bytes it must move per parameter
 (every stored operand read once, every updated one written once) over the triad's bandwidth.
-The peers of :mod:`wrapped_optim.bench._adam_peers` (torchao, bitsandbytes, torch-optimi,
+The peers of :mod:`wrapped_optim._bench._adam_peers` (torchao, bitsandbytes, torch-optimi,
 DeepSpeed; optional) get rows of their own, and every row a quality figure: its training loss
 on a small problem against FP32 AdamW's.
 """
@@ -28,8 +28,8 @@ from typing import Any
 import attrs
 import torch
 
-from wrapped_optim.bench._adam_peers import QUALITY_STEPS, peers, quality_loss
-from wrapped_optim.bench._figures import Panel, bar_panels
+from wrapped_optim._bench._adam_peers import QUALITY_STEPS, peers, quality_loss
+from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
 
 __all__ = [
@@ -65,7 +65,7 @@ class Config:
     the fp16/FP8 loop family it runs and the class of the summary table it belongs to.
 
     Example:
-        >>> from wrapped_optim.bench.precision_adam import CONFIGS
+        >>> from wrapped_optim._bench.precision_adam import CONFIGS
         >>> [c.bytes_moved for c in CONFIGS if c.label == "ours bf16 moments"]
         [20]
     """
@@ -143,7 +143,7 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.bench.precision_adam import state_bytes_per_param
+        >>> from wrapped_optim._bench.precision_adam import state_bytes_per_param
         >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
         >>> p = torch.nn.Parameter(torch.zeros(1000))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
@@ -326,7 +326,7 @@ def collect(quick: bool = False, sizes: list[int] | None = None) -> dict[str, An
     parameter counts, e.g. for a smoke test).
 
     Example:
-        >>> from wrapped_optim.bench.precision_adam import collect
+        >>> from wrapped_optim._bench.precision_adam import collect
         >>> collect(quick=True)["cells"][0]["params"]  # doctest: +SKIP
         1000000
     """
@@ -515,7 +515,7 @@ def render(data: dict[str, Any]) -> str:
         "passes.",
         "",
         "Reproduce: `wrapped-optim bench precision_adam --out DIR` (`--quick`: 1M parameters "
-        "only) or `python -m wrapped_optim.bench.precision_adam`. The peers' rows need "
+        "only) or `python -m wrapped_optim._bench.precision_adam`. The peers' rows need "
         "`pip install 'wrapped-optim[bench]' torch==2.13.0` (torchao, bitsandbytes, "
         "torch-optimi, deepspeed) and a C++ compiler; a peer that is missing or fails is "
         "listed as skipped with the reason.",
@@ -562,7 +562,7 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> str:
     (``sizes`` overrides the parameter counts, e.g. for a smoke test).
 
     Example:
-        >>> from wrapped_optim.bench.precision_adam import run
+        >>> from wrapped_optim._bench.precision_adam import run
         >>> run(quick=True).startswith("## PrecisionAwareAdamW")  # doctest: +SKIP
         True
     """

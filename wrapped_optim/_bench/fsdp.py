@@ -7,7 +7,7 @@ FSDPAwareOptimizer copies into buffers it keeps. Measured here on a CPU with the
 profiler's allocation records (bytes allocated inside ``optimizer.step()``), the storage
 addresses the inner optimizer sees, and wall time.
 
-Run: ``python -m wrapped_optim.bench.fsdp`` (add ``--quick`` for a smaller model).
+Run: ``python -m wrapped_optim._bench.fsdp`` (add ``--quick`` for a smaller model).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from wrapped_optim._adapters.megatron_fsdp import swap_grad
-from wrapped_optim.bench._figures import Panel, bar_panels
+from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim.fsdp import FSDPAwareOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
 
@@ -123,7 +123,7 @@ def collect(quick: bool = False) -> dict[str, Any]:
     thread) and returns the rows.
 
     Example:
-        >>> from wrapped_optim.bench.fsdp import collect
+        >>> from wrapped_optim._bench.fsdp import collect
         >>> collect(quick=True)["rows"][0]["label"]  # doctest: +SKIP
         'FSDPAwareOptimizer (kept buffers)'
     """
@@ -221,7 +221,7 @@ def render(data: dict[str, Any]) -> str:
             "(`precision_aware=True`) skips it. Times come from a shared machine and are "
             "noisy (the fastest of the timed steps is shown); the allocation counts are exact.",
             "",
-            "Reproduce: `python -m wrapped_optim.bench.fsdp` (`--quick` for a small run). "
+            "Reproduce: `python -m wrapped_optim._bench.fsdp` (`--quick` for a small run). "
             f"Measured with torch {data['torch']}, 1 CPU thread.",
             "",
         ]
@@ -232,7 +232,7 @@ def run(quick: bool = False) -> str:
     """Runs the measurement and returns it as a Markdown section.
 
     Example:
-        >>> from wrapped_optim.bench.fsdp import run
+        >>> from wrapped_optim._bench.fsdp import run
         >>> print(run(quick=True))  # doctest: +SKIP
         ## FSDPAwareOptimizer: cast buffers are reused
         ...

@@ -15,7 +15,7 @@ so the numbers are the *growth* caused by the checkpoint call alone:
 Every load starts from an optimizer with different values and is checked against the saved
 one (a digest of the compressed storage).
 
-Run: ``python -m wrapped_optim.bench.streaming`` (``--quick`` for a small smoke run).
+Run: ``python -m wrapped_optim._bench.streaming`` (``--quick`` for a small smoke run).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wrapped_optim.bench._figures import Panel, bar_panels
-from wrapped_optim.bench._memory import proc_status, reset_peak
+from wrapped_optim._bench._figures import Panel, bar_panels
+from wrapped_optim._bench._memory import proc_status, reset_peak
 
 __all__ = ["collect", "headline", "plots", "render", "run"]
 
@@ -162,7 +162,7 @@ def _run_child(
         PYTHONWARNINGS="ignore",
         MALLOC_MMAP_THRESHOLD_=str(128 << 10),
     )
-    cmd = [sys.executable, "-m", "wrapped_optim.bench.streaming", "--child", scenario]
+    cmd = [sys.executable, "-m", "wrapped_optim._bench.streaming", "--child", scenario]
     cmd += [str(root), str(n_tensors), str(numel), str(chunk_bytes)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     if out.returncode != 0:
@@ -185,7 +185,7 @@ def collect(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     peak RSS growth then measures that call alone, not memory an earlier call left behind.
 
     Example:
-        >>> from wrapped_optim.bench.streaming import collect
+        >>> from wrapped_optim._bench.streaming import collect
         >>> sorted(collect(quick=True)["results"])[0]  # doctest: +SKIP
         'plain_load'
     """
@@ -326,7 +326,7 @@ def render(data: dict[str, Any]) -> str:
         "holds the expanded scaffold (`load_state_dict` writes into the existing storage). "
         "Times are dominated by the disk of the machine that ran it.",
         "",
-        "Reproduce: `python -m wrapped_optim.bench.streaming` (or `--quick`). It writes two "
+        "Reproduce: `python -m wrapped_optim._bench.streaming` (or `--quick`). It writes two "
         "checkpoints to a temporary directory under the system temp dir and deletes them.",
         "",
     ]
@@ -337,10 +337,10 @@ def run(quick: bool = False, rounds: int | None = None) -> str:
     """Runs the benchmark and returns Markdown (see :func:`collect`).
 
     Example:
-        From a shell, ``python -m wrapped_optim.bench.streaming --quick`` prints what
+        From a shell, ``python -m wrapped_optim._bench.streaming --quick`` prints what
         ``run(quick=True)`` returns: a Markdown table of seconds and peak RSS growth per call.
 
-        >>> from wrapped_optim.bench.streaming import run
+        >>> from wrapped_optim._bench.streaming import run
         >>> run(quick=True).startswith("# Streaming optimizer checkpoints")  # doctest: +SKIP
         True
     """
@@ -397,7 +397,7 @@ def plots(data: dict[str, Any], out_dir: Path | str) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line: ``python -m wrapped_optim.bench.streaming [--quick]``."""
+    """Command line: ``python -m wrapped_optim._bench.streaming [--quick]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--child", nargs=5, metavar=("SCENARIO", "ROOT", "N", "NUMEL", "CHUNK"))

@@ -1,6 +1,6 @@
 """Runs the benchmark topics and writes ``benchmarks.md`` with its plots where it is told.
 
-Every module ``wrapped_optim.bench.<topic>`` (except this one and the CUDA-only ``gpu_*``
+Every module ``wrapped_optim._bench.<topic>`` (except this one and the CUDA-only ``gpu_*``
 scripts) is a topic. A topic measures with ``collect(quick)`` (a JSON-able dict of its rows)
 and turns those rows into its Markdown section (``render(data)``), its one-sentence result
 (``headline(data)``) and its PNG figures (``plots(data, image_dir)``); a simpler topic has only
@@ -17,7 +17,7 @@ some topics (``wrapped-optim bench precision_adam --out docs``) refreshes their 
 the other topics' sections, remade from their rows (or their pages) of an earlier run, so the
 page stays whole.
 
-Run it as ``wrapped-optim bench`` or ``python -m wrapped_optim.bench.report``.
+Run it as ``wrapped-optim bench`` or ``python -m wrapped_optim._bench.report``.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from typing import Any
 import attrs
 import torch
 
-from wrapped_optim.bench import _figures
-from wrapped_optim.bench._topics import (
+from wrapped_optim._bench import _figures
+from wrapped_optim._bench._topics import (
     DEFAULT_OUT,
     PACKAGE,
     add_arguments,
@@ -78,7 +78,7 @@ class UnknownTopicError(LookupError):
     """A requested topic is not a benchmark module.
 
     Example:
-        >>> from wrapped_optim.bench.report import UnknownTopicError, run_benchmarks
+        >>> from wrapped_optim._bench.report import UnknownTopicError, run_benchmarks
         >>> try:
         ...     run_benchmarks(only=["no_such_topic"], out_dir="/tmp/unused")
         ... except UnknownTopicError as error:
@@ -105,7 +105,7 @@ class TopicResult:
         quick: the rows were measured in quick mode.
 
     Example:
-        >>> from wrapped_optim.bench.report import TopicResult
+        >>> from wrapped_optim._bench.report import TopicResult
         >>> TopicResult("demo", "## Demo", 0.5, None, ()).ok
         True
     """
@@ -132,7 +132,7 @@ class BenchReport:
 
     Example:
         >>> from pathlib import Path
-        >>> from wrapped_optim.bench.report import BenchReport, TopicResult
+        >>> from wrapped_optim._bench.report import BenchReport, TopicResult
         >>> failed = TopicResult("x", "", 0.1, "RuntimeError: boom", ())
         >>> BenchReport(Path("docs/benchmarks.md"), (failed,)).ok
         False
@@ -151,7 +151,7 @@ def machine_summary() -> list[tuple[str, str]]:
     """``(label, value)`` rows describing where the numbers were measured.
 
     Example:
-        >>> from wrapped_optim.bench.report import machine_summary
+        >>> from wrapped_optim._bench.report import machine_summary
         >>> [label for label, _ in machine_summary()]
         ['CPU', 'accelerator', 'torch', 'Python', 'OS']
     """
@@ -285,7 +285,7 @@ def rows_path(out: Path, topic: str) -> Path:
 
     Example:
         >>> from pathlib import Path
-        >>> from wrapped_optim.bench.report import rows_path
+        >>> from wrapped_optim._bench.report import rows_path
         >>> rows_path(Path("docs"), "staged").as_posix()
         'docs/bench/staged.json'
     """
@@ -352,7 +352,7 @@ def read_rows(out: Path, topic: str) -> dict[str, Any] | None:
     Example:
         >>> import tempfile
         >>> from pathlib import Path
-        >>> from wrapped_optim.bench.report import read_rows
+        >>> from wrapped_optim._bench.report import read_rows
         >>> read_rows(Path(tempfile.mkdtemp()), "staged") is None
         True
     """
@@ -397,7 +397,7 @@ def matplotlib_available() -> bool:
     """True when matplotlib can be imported (figures are drawn only then).
 
     Example:
-        >>> from wrapped_optim.bench.report import matplotlib_available
+        >>> from wrapped_optim._bench.report import matplotlib_available
         >>> isinstance(matplotlib_available(), bool)
         True
     """
@@ -463,7 +463,7 @@ def render_report(
     Example:
         >>> import datetime
         >>> from pathlib import Path
-        >>> from wrapped_optim.bench.report import TopicResult, render_report
+        >>> from wrapped_optim._bench.report import TopicResult, render_report
         >>> toy = TopicResult("toy", "# Toy\\n\\n| n | s |\\n|---|---|\\n| 1 | 2 |", 0.25, None, (),
         ...                   headline="Toy: 2 s for one n.")
         >>> page = render_report(
@@ -504,7 +504,7 @@ def render_report(
         "wrapped-optim bench --quick            # every topic, small sizes (./wrapped-optim-bench)",
         "wrapped-optim bench TOPIC --out docs   # some topics; the others' sections are kept",
         "wrapped-optim bench --replot --out docs  # pages and figures from the kept rows",
-        "python -m wrapped_optim.bench.TOPIC    # one topic, printed instead of written",
+        "python -m wrapped_optim._bench.TOPIC    # one topic, printed instead of written",
         "```",
         "",
         "## Summary",
@@ -591,8 +591,8 @@ def run_benchmarks(
     Example:
         >>> import sys, tempfile, types
         >>> from pathlib import Path
-        >>> from wrapped_optim.bench.report import run_benchmarks
-        >>> toy = types.ModuleType("wrapped_optim.bench.toy_example")
+        >>> from wrapped_optim._bench.report import run_benchmarks
+        >>> toy = types.ModuleType("wrapped_optim._bench.toy_example")
         >>> toy.run = lambda quick: "## Toy\\n\\nmeasured: 42 ms"
         >>> sys.modules[toy.__name__] = toy
         >>> with tempfile.TemporaryDirectory() as tmp:
@@ -679,7 +679,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     Example:
         >>> import argparse
-        >>> from wrapped_optim.bench.report import run_from_args
+        >>> from wrapped_optim._bench.report import run_from_args
         >>> run_from_args(argparse.Namespace(quick=True, only=["nope"], out="/tmp/unused",
         ...                                  no_plots=True))
         2
@@ -706,15 +706,15 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m wrapped_optim.bench.report``: the same as ``wrapped-optim bench``.
+    """``python -m wrapped_optim._bench.report``: the same as ``wrapped-optim bench``.
 
     Example:
-        >>> from wrapped_optim.bench.report import main
+        >>> from wrapped_optim._bench.report import main
         >>> main(["--only", "no_such_topic", "--out", "/tmp/unused"])
         2
     """
     parser = argparse.ArgumentParser(
-        prog="python -m wrapped_optim.bench.report", description=__doc__.splitlines()[0]
+        prog="python -m wrapped_optim._bench.report", description=__doc__.splitlines()[0]
     )
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))

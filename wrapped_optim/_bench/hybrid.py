@@ -7,7 +7,7 @@ params of the same numel in place — the target is a 1.0 step within 1.3x of th
 runs once (first step after construction or a load) and the syncs run once per load;
 afterwards a wrapped step costs one flag check. Measured on this machine's CPU.
 
-Reproduce: ``wrapped-optim bench hybrid --out DIR`` or ``python -m wrapped_optim.bench.hybrid``
+Reproduce: ``wrapped-optim bench hybrid --out DIR`` or ``python -m wrapped_optim._bench.hybrid``
 (``--quick`` for 10M params only).
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from wrapped_optim.bench._figures import Panel, bar_panels
+from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.optimizers import HybridOffloadOptimizer
 from wrapped_optim.optimizers._fused_host_step import run as run_fused
@@ -406,7 +406,7 @@ def render(data: dict[str, Any]) -> str:
         f"Machine: {data['machine']}.",
         "",
         "Reproduce: `wrapped-optim bench hybrid --out DIR` or "
-        "`python -m wrapped_optim.bench.hybrid` (`--quick`: 10M only).",
+        "`python -m wrapped_optim._bench.hybrid` (`--quick`: 10M only).",
         "",
     ]
     return "\n".join(lines)
