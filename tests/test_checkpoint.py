@@ -19,12 +19,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from wrapped_optim import OptimizerWrapper
 from wrapped_optim.checkpoint import (
-    DEFAULT_CHUNK_BYTES,
     OptimizerCheckpointError,
     StreamingSavePlanner,
     load_optimizer,
     save_optimizer,
 )
+from wrapped_optim.checkpoint._common import DEFAULT_CHUNK_BYTES
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

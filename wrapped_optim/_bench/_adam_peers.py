@@ -18,8 +18,6 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["QUALITY_STEPS", "Peer", "peers", "quality_loss"]
-
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 BF16, FP32 = torch.bfloat16, torch.float32
 #: Steps of the quality problem.

@@ -16,8 +16,6 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Panel", "available", "bar_panels", "pyplot", "save_figure"]
-
 
 def available() -> bool:
     """True when matplotlib can be imported (figures are drawn only then).

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["proc_status", "reset_peak"]
-
 
 def proc_status(field: str) -> int:
     """A byte count from ``/proc/self/status`` (``VmRSS``, ``VmHWM``: the peak RSS).

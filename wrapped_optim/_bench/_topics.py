@@ -14,9 +14,6 @@ import re
 import sys
 from pathlib import Path
 
-__all__ = ["DEFAULT_OUT", "PACKAGE", "add_arguments", "discover_topics", "is_topic_name",
-           "topic_summaries"]  # fmt: skip
-
 PACKAGE = "wrapped_optim._bench"
 #: Where ``wrapped-optim bench`` writes when ``--out`` is not given (relative to the cwd).
 DEFAULT_OUT = "wrapped-optim-bench"

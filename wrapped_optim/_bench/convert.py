@@ -31,8 +31,6 @@ from typing import Any
 
 from wrapped_optim._bench._memory import proc_status, reset_peak
 
-__all__ = ["run"]
-
 ROWS, COLS = 2048, 4096  # one matrix: 8 Mi parameters, 32 MiB per FP32 moment
 CASES = (
     ("torch-save", "dcp"),

@@ -26,8 +26,6 @@ from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim.fsdp import FSDPAwareOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
 
-__all__ = ["collect", "headline", "plots", "render", "run"]
-
 
 class _CastEachStep(OptimizerWrapper):
     """The baseline: a fresh ``grad.to(param.dtype)`` per parameter on every step."""

@@ -31,8 +31,6 @@ from wrapped_optim.optimizers._hybrid_offload import fused_plan
 from wrapped_optim.optimizers._offload_grads import give_grads
 from wrapped_optim.optimizers._offload_step import copy_back, sync_groups
 
-__all__ = ["breakdown", "collect", "headline", "plots", "render", "run"]
-
 _TENSORS = 10
 
 

@@ -32,18 +32,6 @@ from wrapped_optim._bench._adam_peers import QUALITY_STEPS, peers, quality_loss
 from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
 
-__all__ = [
-    "CONFIGS",
-    "TARGET_CONFIG",
-    "Config",
-    "collect",
-    "headline",
-    "plots",
-    "render",
-    "run",
-    "state_bytes_per_param",
-]
-
 BF16, FP32, FP8, FP16 = torch.bfloat16, torch.float32, torch.uint8, torch.float16
 #: The configuration the headline target is about (fp32 params, bf16 moments).
 TARGET_CONFIG = "ours bf16 moments"

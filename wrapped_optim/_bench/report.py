@@ -52,19 +52,6 @@ from wrapped_optim._bench._topics import (
     is_topic_name,
 )
 
-__all__ = [
-    "BenchReport",
-    "TopicResult",
-    "UnknownTopicError",
-    "machine_summary",
-    "main",
-    "matplotlib_available",
-    "read_rows",
-    "render_report",
-    "rows_path",
-    "run_benchmarks",
-]
-
 PAGE = "benchmarks.md"
 IMAGE_DIR = "img"
 TOPIC_DIR = "bench"

@@ -39,8 +39,6 @@ from typing import Any
 from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim._bench._memory import proc_status, reset_peak
 
-__all__ = ["collect", "headline", "plots", "render", "run"]
-
 SIZES = (10, 30, 100, 200, 400, 800, 1200, 1500)  # millions of parameters
 LARGEST_TENSOR = 16 << 20  # elements
 BYTES_PER_PARAM = 12  # FP32 param and grad, two bf16 moments

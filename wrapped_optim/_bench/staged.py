@@ -37,18 +37,6 @@ from wrapped_optim._staging.engine import staged_save
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.testing.probe import DeviceMemoryProbe, count_unstaged_expansions
 
-__all__ = [
-    "build_model_optimizer",
-    "collect",
-    "headline",
-    "measure",
-    "plots",
-    "ratios",
-    "render",
-    "run",
-    "whole_tensor_state_dict",
-]
-
 MiB = 1 << 20
 HIDDEN = 1024
 EMBEDDING_SHARE = 0.4

@@ -35,8 +35,6 @@ from typing import Any
 from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim._bench._memory import proc_status, reset_peak
 
-__all__ = ["collect", "headline", "plots", "render", "run"]
-
 SCENARIOS = (
     "plain_save",
     "stream_save",

@@ -21,19 +21,10 @@ from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 from wrapped_optim.stack import LAYERS, layer_spec
 
 __all__ = [
-    "LAYER_ORDER",
-    "TORCH_KINDS",
-    "OptimizerSpec",
-    "ParamSetModel",
-    "ParamSetSpec",
-    "ParamSpec",
-    "Setup",
-    "StackSpec",
     "available_optimizer_kinds",
     "group_options",
     "optimizer_configs",
     "param_sets",
-    "param_specs",
     "setups",
     "shapes",
     "stack_configs",
