@@ -412,9 +412,9 @@ def test_every_kind_and_layer_is_available_and_unknown_kinds_are_named() -> None
         "hybrid_offload",
     }
     assert ws.LAYER_ORDER == ("fsdp", "hybrid", "staged")
-    assert ws.OptimizerSpec("precision_adamw").cls.__name__ == "PrecisionAwareAdamW"
+    assert ws.DrawnOptimizer("precision_adamw").cls.__name__ == "PrecisionAwareAdamW"
     with pytest.raises(ValueError, match="unknown optimizer kind 'lamb'"):
-        ws.OptimizerSpec("lamb").build([torch.nn.Parameter(torch.ones(1))])
+        ws.DrawnOptimizer("lamb").build([torch.nn.Parameter(torch.ones(1))])
 
 
 def test_the_strategies_and_suite_targets_swallow_no_import_error() -> None:
