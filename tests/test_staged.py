@@ -768,7 +768,7 @@ def test_no_copy_holder_gates() -> None:
     )
     adamw = torch.optim.AdamW(make_params([(4,)], 0), lr=0.1)
     assert reason_for(distributed(adamw, precision_aware=False)) == (
-        "AdamW is not a FusedAdam-like holder"
+        "AdamW is not a precision-aware holder"
     )
     remainders, _ = make_holder([(4,)], exp_avg=FP32, exp_avg_sq=FP32)
     remainders.store_param_remainders = True

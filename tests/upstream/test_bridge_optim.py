@@ -115,7 +115,7 @@ _STRUCTURE = (
     "deliberate: eligibility is decided by an optimizer's structure, not by class or TE "
     "import; Bridge's fake"
 )
-_FAKE_ADAM = f"{_STRUCTURE} FusedAdam has no set_scaled_state: not a FusedAdam-like holder"
+_FAKE_ADAM = f"{_STRUCTURE} FusedAdam has no set_scaled_state: not a precision-aware holder"
 _FAKE_HDO = f"{_STRUCTURE} HDO is not an optimizer and has no master copies to sync"
 _TE_ABSENT = (
     "deliberate: without TE, compat still serves PrecisionAwareAdamW (the portable stand-in "

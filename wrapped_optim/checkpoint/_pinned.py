@@ -1,4 +1,4 @@
-"""One checkpoint per load: a single metadata snapshot over a pinned directory, and data files
+"""One checkpoint per load: the metadata read once over a pinned directory, and data files
 checked to belong to it, so a save committed during a load is never mixed into it.
 """
 
@@ -19,7 +19,7 @@ from torch.futures import Future
 from wrapped_optim._formats.errors import OptimizerCheckpointError
 from wrapped_optim.checkpoint._commit import committed_directory
 
-__all__ = ["SnapshotReader", "snapshot_reader"]
+__all__ = ["PinnedReader", "pinned_reader"]
 
 _Stamp = tuple[int, int, int, int]  # device, inode, size, mtime_ns
 
@@ -46,7 +46,7 @@ def _confined(relative: str, where: Path) -> None:
         )
 
 
-class SnapshotReader(FileSystemReader):
+class PinnedReader(FileSystemReader):
     """A ``FileSystemReader`` over one pinned directory that reads ``.metadata`` once.
 
     ``directory`` is what the user named (for messages); ``path`` is where to read (the
@@ -56,7 +56,7 @@ class SnapshotReader(FileSystemReader):
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
         >>> with tempfile.TemporaryDirectory() as path:
         ...     _ = dcp.save({"w": torch.ones(2)}, checkpoint_id=path, no_dist=True)
-        ...     with snapshot_reader(path, None) as reader:
+        ...     with pinned_reader(path, None) as reader:
         ...         first = reader.read_metadata()
         ...         reader.read_metadata() is first
         True
@@ -69,11 +69,11 @@ class SnapshotReader(FileSystemReader):
         self._stamps: dict[str, _Stamp | None] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Keeps the pinned path and the snapshot (DCP resets its reader on every load)."""
+        """Keeps the pinned path and the pinned metadata (DCP resets its reader on every load)."""
         self.storage_data = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The snapshot: ``.metadata`` as it was the first time this reader read it."""
+        """The pinned metadata: ``.metadata`` as it was the first time this reader read it."""
         rank = kwargs.get("rank")
         if rank not in self._metadata:
             self._metadata[rank] = super().read_metadata(*args, **kwargs)
@@ -82,14 +82,14 @@ class SnapshotReader(FileSystemReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        """Checks that the snapshot names only files inside the directory; notes each one."""
+        """Checks that the pinned metadata names only files inside the directory; notes each one."""
         for relative in sorted(_relative_paths(metadata)):
             _confined(relative, self.directory)
             self._stamps.setdefault(relative, _stamp(os.path.join(self.path, relative)))
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Reads ``plan``, after and before checking that its files are the snapshot's."""
+        """Reads ``plan``, after and before checking that its files are the pinned metadata's."""
         files = {str(self.storage_data[item.storage_index].relative_path) for item in plan.items}
         self._check(files)
         future = super().read_data(plan, planner)
@@ -111,7 +111,7 @@ class SnapshotReader(FileSystemReader):
 
 
 class _SameMetadata(StorageReader):
-    """A caller's storage reader whose ``read_metadata`` answers the first snapshot again."""
+    """A caller's storage reader whose ``read_metadata`` answers the first read again."""
 
     def __init__(self, inner: StorageReader) -> None:
         self.inner = inner
@@ -146,10 +146,10 @@ class _SameMetadata(StorageReader):
 
 
 @contextmanager
-def snapshot_reader(
+def pinned_reader(
     checkpoint_id: str | os.PathLike[str] | None, storage_reader: StorageReader | None
 ) -> Iterator[StorageReader]:
-    """The reader of one load: a :class:`SnapshotReader` over the pinned checkpoint directory,
+    """The reader of one load: a :class:`PinnedReader` over the pinned checkpoint directory,
     or the caller's ``storage_reader`` with its first metadata kept for the whole load.
 
     Pass the yielded reader to every ``dcp.load`` of the load, with ``checkpoint_id=None``.
@@ -164,11 +164,11 @@ def snapshot_reader(
     try:
         fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:  # missing or not a directory: DCP's own error, as before
-        yield SnapshotReader(str(directory), directory)
+        yield PinnedReader(str(directory), directory)
         return
     try:
         pinned = f"/proc/self/fd/{fd}"
         path = pinned if os.path.isdir(pinned) else str(directory)
-        yield SnapshotReader(path, directory)
+        yield PinnedReader(path, directory)
     finally:
         os.close(fd)
