@@ -219,7 +219,7 @@ def render(data: dict[str, Any]) -> str:
             "(`precision_aware=True`) skips it. Times come from a shared machine and are "
             "noisy (the fastest of the timed steps is shown); the allocation counts are exact.",
             "",
-            "Reproduce: `python -m wrapped_optim._bench.fsdp` (`--quick` for a small run). "
+            "Reproduce: `wrapped-optim bench fsdp --out DIR` (`--quick` for a small run). "
             f"Measured with torch {data['torch']}, 1 CPU thread.",
             "",
         ]

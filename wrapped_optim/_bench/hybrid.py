@@ -403,8 +403,7 @@ def render(data: dict[str, Any]) -> str:
         "",
         f"Machine: {data['machine']}.",
         "",
-        "Reproduce: `wrapped-optim bench hybrid --out DIR` or "
-        "`python -m wrapped_optim._bench.hybrid` (`--quick`: 10M only).",
+        "Reproduce: `wrapped-optim bench hybrid --out DIR` (`--quick`: 10M only).",
         "",
     ]
     return "\n".join(lines)

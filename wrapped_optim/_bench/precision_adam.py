@@ -503,7 +503,7 @@ def render(data: dict[str, Any]) -> str:
         "passes.",
         "",
         "Reproduce: `wrapped-optim bench precision_adam --out DIR` (`--quick`: 1M parameters "
-        "only) or `python -m wrapped_optim._bench.precision_adam`. The peers' rows need "
+        "only). The peers' rows need "
         "`pip install 'wrapped-optim[bench]' torch==2.13.0` (torchao, bitsandbytes, "
         "torch-optimi, deepspeed) and a C++ compiler; a peer that is missing or fails is "
         "listed as skipped with the reason.",

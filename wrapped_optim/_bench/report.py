@@ -491,7 +491,6 @@ def render_report(
         "wrapped-optim bench --quick            # every topic, small sizes (./wrapped-optim-bench)",
         "wrapped-optim bench TOPIC --out docs   # some topics; the others' sections are kept",
         "wrapped-optim bench --replot --out docs  # pages and figures from the kept rows",
-        "python -m wrapped_optim._bench.TOPIC    # one topic, printed instead of written",
         "```",
         "",
         "## Summary",

@@ -359,7 +359,7 @@ def render(data: dict[str, Any]) -> str:
         "The time columns are the real bare and wrapped loads of PrecisionAwareAdamW.",
         "Real CUDA figures: `python -m tests.gpu.gpu_staged`.",
         "",
-        "Reproduce: `python -m wrapped_optim._bench.staged` (`--quick` for up to 50M).",
+        "Reproduce: `wrapped-optim bench staged --out DIR` (`--quick` for up to 50M).",
         "",
     ]
     return "\n".join(lines)

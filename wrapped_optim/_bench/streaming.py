@@ -324,7 +324,7 @@ def render(data: dict[str, Any]) -> str:
         "holds the expanded scaffold (`load_state_dict` writes into the existing storage). "
         "Times are dominated by the disk of the machine that ran it.",
         "",
-        "Reproduce: `python -m wrapped_optim._bench.streaming` (or `--quick`). It writes two "
+        "Reproduce: `wrapped-optim bench streaming --out DIR` (or `--quick`). It writes two "
         "checkpoints to a temporary directory under the system temp dir and deletes them.",
         "",
     ]
