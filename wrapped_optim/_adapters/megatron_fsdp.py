@@ -126,7 +126,7 @@ def swap_grad(param: torch.Tensor, grad: torch.Tensor | None, grad_dtype: Any) -
         (torch.float32, torch.float32)
     """
     param.grad = None
-    if param.is_leaf and hasattr(param, "grad_dtype"):  # torch raises on a non-leaf's
+    if param.is_leaf and hasattr(param, "grad_dtype"):  # torch raises on a view's
         param.grad_dtype = grad_dtype
     param.grad = grad
 

@@ -21,10 +21,17 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from wrapped_optim._adapters.megatron_fsdp import swap_grad
 from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim.fsdp import FSDPAwareOptimizer
 from wrapped_optim.wrapper import OptimizerWrapper
+
+
+def _install_grad(param: torch.Tensor, grad: torch.Tensor, grad_dtype: torch.dtype) -> None:
+    """``param.grad = grad`` as a user writes it around torch's ``grad_dtype`` check: the old
+    grad off first, then the dtype the new one has, then the grad."""
+    param.grad = None
+    param.grad_dtype = grad_dtype
+    param.grad = grad
 
 
 class _CastEachStep(OptimizerWrapper):
@@ -36,12 +43,12 @@ class _CastEachStep(OptimizerWrapper):
             for p in group["params"]:
                 if p.grad is not None and p.grad.dtype != p.dtype:
                     swapped.append((p, p.grad, p.grad_dtype))
-                    swap_grad(p, p.grad.to(p.dtype), p.dtype)
+                    _install_grad(p, p.grad.to(p.dtype), p.dtype)
         try:
             return self._inner_step(closure)
         finally:
             for p, grad, grad_dtype in swapped:
-                swap_grad(p, grad, grad_dtype)
+                _install_grad(p, grad, grad_dtype)
 
 
 def _params(count: int, numel: int, grad_dtype: torch.dtype) -> list[torch.nn.Parameter]:
