@@ -2,7 +2,7 @@
 (same dtype, device and layout, a host optimizer that only reads grads), bit for bit as with a
 copy of it, and never writes into a param's grad. These are the unfused path's rules
 (``fused_host_step=False``): by default the fused host step reads an FP32 CPU param's grad
-itself (tests/test_hybrid_offload_fused.py) and the copy gets none."""
+itself (tests/optimizers/hybrid_offload/test_hybrid_offload_fused.py) and the copy gets none."""
 
 from __future__ import annotations
 

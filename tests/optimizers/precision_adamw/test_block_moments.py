@@ -347,7 +347,7 @@ def _in_interpreter(code: str, tmp_path: Any) -> Any:
     from pathlib import Path
 
     out = str(tmp_path / "result.pt")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     script = f"out = {out!r}\n{code}"
     subprocess.run([sys.executable, "-c", script], env=env, cwd=root, check=True, timeout=600)
@@ -392,7 +392,9 @@ def test_triton_kernel_gives_the_bits_of_the_torch_block_step(name: str, tmp_pat
     expected = block_operands(fmt, seed=5)
     for op in expected:
         block_reference_step(op, fmt, adam_w_mode)
-    code = ("from tests.test_block_moments import interpreted_kernel_run\n"
+    code = ("from tests.optimizers.precision_adamw.test_block_moments import (\n"
+            "    interpreted_kernel_run,\n"
+            ")\n"
             f"interpreted_kernel_run({name!r}, {adam_w_mode!r}, out)")  # fmt: skip
     same_block_results(expected, _in_interpreter(code, tmp_path))
 
@@ -424,7 +426,10 @@ def test_optimizer_steps_through_the_triton_kernel_where_it_applies(tmp_path: An
     kernel (on the host, interpreted, in a child process): the bits of the CPU kernel's
     path."""
     pytest.importorskip("triton")
-    code = "from tests.test_block_moments import interpreted_training\ninterpreted_training(out)"
+    code = (
+        "from tests.optimizers.precision_adamw.test_block_moments import interpreted_training\n"
+        "interpreted_training(out)"
+    )
     triton_bits = _in_interpreter(code, tmp_path)
     params = _model(6)
     opt = PrecisionAwareAdamW(params, lr=1e-2, block_moments="int4", block_size=64)

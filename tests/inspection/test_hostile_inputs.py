@@ -17,7 +17,7 @@ from wrapped_optim.testing.hostile import HOSTILE_CHECKPOINTS, HOSTILE_SAVE_TARG
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("kind", sorted(HOSTILE_CHECKPOINTS))

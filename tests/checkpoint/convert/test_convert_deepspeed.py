@@ -20,7 +20,7 @@ from wrapped_optim.checkpoint._convert._deepspeed import (
     DeepSpeedUniversalReader,
 )
 
-FIXTURE = Path(__file__).parent / "fixtures" / "deepspeed_universal"
+FIXTURE = Path(__file__).parents[2] / "fixtures" / "deepspeed_universal"
 
 
 def _expected() -> dict[tuple[str, str], torch.Tensor]:

@@ -19,7 +19,7 @@ def distributed(
     optimizer: Any, *, precision_aware: bool = False, offload: bool = False, fsdp: bool = False
 ) -> DistributedOptimizerDouble:
     """A Megatron DistributedOptimizer around ``optimizer``: the one pinned double
-    (tests/doubles/distributed.py says why; tests/test_doubles_match_core.py checks it)."""
+    (tests/doubles/distributed.py says why; tests/adapters/test_doubles_match_core.py checks it)."""
     config = megatron_config(precision_aware=precision_aware, cpu_offload=offload)
     return DistributedOptimizerDouble(optimizer, config, ddp_config(megatron_fsdp=fsdp))
 

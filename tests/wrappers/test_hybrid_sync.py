@@ -11,10 +11,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from param_builders import random_groups
 
 import wrapped_optim.hybrid as hybrid_module
 from tests.doubles.distributed import DistributedOptimizerDouble
+from tests.param_builders import random_groups
 from wrapped_optim import OptimizerWrapper
 from wrapped_optim._adapters.hybrid import (
     find_hybrid_offload,

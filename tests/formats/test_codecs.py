@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cpu_peak import SLACK, peak_cpu_bytes
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.cpu_peak import SLACK, peak_cpu_bytes
 from wrapped_optim._formats import codecs, remainders
 
 F32 = np.float32

@@ -660,7 +660,7 @@ def test_source_ships_with_the_package() -> None:
     """The C file is package data: a wheel without it would silently run the slow path."""
     import tomllib
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     data = tomllib.loads((root / "pyproject.toml").read_text())
     patterns = data["tool"]["setuptools"]["package-data"]["wrapped_optim"]
     sources = _kernel_build.sources()

@@ -18,7 +18,7 @@ import pytest
 from tests.kernel_support import needs_kernel
 from wrapped_optim.optimizers import _kernel_build, cpu_kernel
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 OTHER_UID = 65534  # "nobody": a real owner that is not this user
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from param_builders import random_groups
 
+from tests.param_builders import random_groups
 from wrapped_optim.optimizers import HybridOffloadOptimizer
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -109,7 +109,8 @@ def test_steps_match_plain_adamw_on_fp32_masters(layout, fraction, dtypes):
         master_groups.append({"params": masters[i : i + len(g["params"])], "lr": g["lr"]})
         i += len(g["params"])
     # torch's own arithmetic, bit for bit: the unfused path (the fused host step, the default
-    # where it applies, is within FP32 rounding of it: tests/test_hybrid_offload_fused.py)
+    # where it applies, is within FP32 rounding of it:
+    # tests/optimizers/hybrid_offload/test_hybrid_offload_fused.py)
     opt = HybridOffloadOptimizer(
         groups, offload_fraction=fraction, weight_decay=0.1, fused_host_step=False
     )

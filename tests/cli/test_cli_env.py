@@ -19,7 +19,7 @@ from wrapped_optim._bench import _topics, report
 from wrapped_optim._cli import main
 from wrapped_optim.optimizers import cpu_kernel
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_env_prints_versions_and_the_kernel(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,11 +16,12 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from test_cpu_kernel import reference_moment, reference_step, same_bits
 
 from wrapped_optim._formats import codecs, remainders
 from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
 from wrapped_optim.optimizers import _fused_gpu as fused_gpu
+
+from .test_cpu_kernel import reference_moment, reference_step, same_bits
 
 pytest.importorskip("triton")
 

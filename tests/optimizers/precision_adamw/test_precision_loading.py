@@ -15,10 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from cpu_peak import SLACK, peak_cpu_bytes
 from hypothesis import given
 from hypothesis import strategies as st
-from test_precision_adam import (
+
+from tests.cpu_peak import SLACK, peak_cpu_bytes
+from wrapped_optim._formats import codecs
+from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+from .test_precision_adam import (
     BF16,
     CONFIGS,
     FP8,
@@ -29,9 +33,6 @@ from test_precision_adam import (
     make_params,
     set_grads,
 )
-
-from wrapped_optim._formats import codecs
-from wrapped_optim.optimizers import PrecisionAwareAdamW
 
 
 def _trained(

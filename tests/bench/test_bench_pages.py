@@ -335,7 +335,7 @@ def test_kept_topics_of_a_full_run_come_from_their_rows(
 def test_the_precision_adam_figure_shows_what_a_user_compares() -> None:
     """FP32-parameter rows a user picks between, and the peers; not the loop-family or
     no-kernel variants (those stay in the tables)."""
-    record = report.read_rows(Path(__file__).resolve().parents[1] / "docs", "precision_adam")
+    record = report.read_rows(Path(__file__).resolve().parents[2] / "docs", "precision_adam")
     assert record is not None
     specs = [precision_adam._Spec(**c) for c in record["data"]["configs"]]
     shown = [spec.label for spec in specs if precision_adam._compared(spec)]
@@ -375,6 +375,6 @@ def test_the_report_links_the_hand_measured_page_only_where_it_exists(tmp_path: 
     (tmp_path / report.TOPIC_DIR / report.BY_HAND_PAGE).write_text("# Measured by hand\n")
     assert f"]({report.TOPIC_DIR}/{report.BY_HAND_PAGE})" in page()
     # The project's own pages carry it, and it is what the report would write there.
-    docs = Path(__file__).resolve().parents[1] / "docs"
+    docs = Path(__file__).resolve().parents[2] / "docs"
     assert (docs / report.TOPIC_DIR / report.BY_HAND_PAGE).is_file()
     assert f"]({report.TOPIC_DIR}/{report.BY_HAND_PAGE})" in (docs / report.PAGE).read_text()

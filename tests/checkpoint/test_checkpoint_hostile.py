@@ -30,7 +30,7 @@ from wrapped_optim.testing.faults import COMMIT_CRASH_POINTS, crash_save_at
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIDE = {"config.json": '{"lr": 1}', "notes.txt": "keep me", "extras/tokenizer.txt": "tok"}
 
 
@@ -101,7 +101,7 @@ _SAVE_OTHER = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from tests.param_builders import train_on_random_grads
-from tests.test_checkpoint_hostile import _build
+from tests.checkpoint.test_checkpoint_hostile import _build
 from wrapped_optim.checkpoint import save_optimizer
 opt, params = _build({kind!r}, 5, lr=0.5)
 train_on_random_grads(opt, params, 3, seed=6)

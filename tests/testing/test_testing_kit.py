@@ -420,7 +420,7 @@ def test_every_kind_and_layer_is_available_and_unknown_kinds_are_named() -> None
 def test_the_strategies_and_suite_targets_swallow_no_import_error() -> None:
     """No ``except ImportError`` in the kit's strategies or the suites' targets: a broken module
     of the package fails the suite instead of silently dropping what it would have drawn."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for path in (root / "wrapped_optim/testing/strategies.py", root / "tests/_suite_targets.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ExceptHandler) and node.type is not None:
