@@ -25,28 +25,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # module -> (the files mutmut mutates, the tests that cover them)
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "wrapper": (["wrapped_optim/wrapper.py"], ["tests/test_wrapper.py", "tests/test_stack.py"]),
+    "wrapper": (
+        ["wrapped_optim/wrapper.py"],
+        ["tests/wrappers/test_wrapper.py", "tests/wrappers/test_stack.py"],
+    ),
     "staged": (
         ["wrapped_optim/staged.py"],
-        ["tests/test_staged.py", "tests/test_staged_megatron_calls.py"],
+        ["tests/wrappers/test_staged.py", "tests/wrappers/test_staged_megatron_calls.py"],
     ),
     "hybrid": (
         ["wrapped_optim/hybrid.py"],
         [
-            "tests/test_hybrid_sync.py",
-            "tests/test_hybrid_sync_calls.py",
-            "tests/test_stale_copies.py",
-            "tests/test_stale_watch.py",
+            "tests/wrappers/test_hybrid_sync.py",
+            "tests/wrappers/test_hybrid_sync_calls.py",
+            "tests/wrappers/test_stale_copies.py",
+            "tests/wrappers/test_stale_watch.py",
         ],
     ),
-    "fsdp": (["wrapped_optim/fsdp.py"], ["tests/test_fsdp.py"]),
+    "fsdp": (["wrapped_optim/fsdp.py"], ["tests/wrappers/test_fsdp.py"]),
     "stack": (
         ["wrapped_optim/stack.py"],
         [
-            "tests/test_stack.py",
-            "tests/test_wrapper.py",
+            "tests/wrappers/test_stack.py",
+            "tests/wrappers/test_wrapper.py",
             *(
-                f"tests/test_factory.py::test_{name}"
+                f"tests/config/test_builder.py::test_{name}"
                 for name in (
                     "wrap_plain_optimizer_is_identity",
                     "wrap_builds_canonical_order_with_options",
@@ -61,35 +64,39 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "checkpoint": (
         ["wrapped_optim/checkpoint/*.py"],
         [
-            "tests/test_checkpoint.py",
-            "tests/test_checkpoint_atomic.py",
-            "tests/test_undo_journal.py",
-            "tests/test_load_rollback_options.py",
-            "tests/test_resume_hyperparameters.py",
-            "tests/test_load_limits.py",
-            "tests/test_load_regressions.py",
+            "tests/checkpoint/test_checkpoint.py",
+            "tests/checkpoint/test_checkpoint_atomic.py",
+            "tests/checkpoint/test_undo_journal.py",
+            "tests/checkpoint/test_load_rollback_options.py",
+            "tests/checkpoint/test_resume_hyperparameters.py",
+            "tests/formats/test_load_limits.py",
+            "tests/checkpoint/test_load_regressions.py",
         ],
     ),
     "_staging": (
         ["wrapped_optim/_staging/*.py"],
-        ["tests/test_staged.py", "tests/test_staged_host_chunks.py", "tests/test_transfers.py"],
+        [
+            "tests/wrappers/test_staged.py",
+            "tests/wrappers/test_staged_host_chunks.py",
+            "tests/optimizers/hybrid_offload/test_transfers.py",
+        ],
     ),
     "_staging.ledger": (
         ["wrapped_optim/_staging/ledger.py"],
         [
-            "tests/test_staged.py::test_probe_counts_only_its_own_block",
-            "tests/test_device_ledger.py",
+            "tests/wrappers/test_staged.py::test_probe_counts_only_its_own_block",
+            "tests/staging/test_device_ledger.py",
         ],
     ),
     "_adapters.hybrid": (
         ["wrapped_optim/_adapters/hybrid.py"],
         [
-            "tests/test_hybrid_payloads.py",
-            "tests/test_hybrid_layouts.py",
-            "tests/test_hybrid_sync.py",
-            "tests/test_hybrid_sync_calls.py",
-            "tests/test_stale_copies.py",
-            "tests/test_stale_watch.py",
+            "tests/wrappers/test_hybrid_payloads.py",
+            "tests/adapters/test_hybrid_layouts.py",
+            "tests/wrappers/test_hybrid_sync.py",
+            "tests/wrappers/test_hybrid_sync_calls.py",
+            "tests/wrappers/test_stale_copies.py",
+            "tests/wrappers/test_stale_watch.py",
         ],
     ),
     "_rollback": (
@@ -97,7 +104,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         [
             "tests/test_rollback.py",
             "tests/test_rollback_mutants.py",
-            "tests/test_load_rollback_options.py",
+            "tests/checkpoint/test_load_rollback_options.py",
         ],
     ),
 }

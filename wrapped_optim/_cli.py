@@ -225,7 +225,7 @@ def run_env() -> int:
 
 
 def _add_bench_command(commands: Any) -> None:
-    from wrapped_optim.bench._topics import DEFAULT_OUT, add_arguments, topic_summaries
+    from wrapped_optim._bench._topics import DEFAULT_OUT, add_arguments, topic_summaries
 
     topics = "\n".join(
         textwrap.fill(summary, 79, initial_indent=f"  {name:<16}", subsequent_indent=" " * 18)
@@ -235,7 +235,7 @@ def _add_bench_command(commands: Any) -> None:
         "bench",
         help=f"run the benchmarks; write benchmarks.md and its figures into ./{DEFAULT_OUT} "
         "(or --out DIR)",
-        description="Runs the wrapped_optim.bench topics (all, or those named) and writes "
+        description="Runs the wrapped_optim._bench topics (all, or those named) and writes "
         "<out>/benchmarks.md (plus PNG figures in <out>/img/ when matplotlib is installed).",
         epilog=f"topics:\n{topics}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -362,7 +362,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "wrapped-optim") -> i
             steps=args.steps, device=args.device, config=args.config, progress=not args.no_progress
         )
     if args.command == "bench":
-        from wrapped_optim.bench.report import run_from_args
+        from wrapped_optim._bench.report import run_from_args
 
         return run_from_args(args)
     if args.command == "inspect":

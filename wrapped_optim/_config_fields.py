@@ -1,6 +1,6 @@
 """What every configuration class shares: ``ConfigError``, field checks, TOML I/O.
 
-A leaf module (attrs and the standard library only), so every config validates the same way.
+It imports attrs and the standard library only, so every config validates the same way.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Snapshots that undo a failed step or load exactly: one utility for every optimizer
-(docs/concepts.md, "One validator, one rollback"). A leaf module.
+(docs/concepts.md, "One validator, one rollback"). It imports nothing of the package.
 """
 
 from __future__ import annotations

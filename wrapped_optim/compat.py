@@ -101,7 +101,7 @@ def memory_efficient_precision_aware_optimizer_state_checkpointing(
 def memory_efficient_fp32_optimizer_state_loading(optimizer: Any) -> Iterator[int]:
     """Megatron-Bridge 0.6.2's FP32 no-copy load: distributed FP32 Adams adopt loaded tensors.
 
-    Inside the block, an eligible optimizer (a distributed optimizer's FusedAdam-like leaf
+    Inside the block, an eligible optimizer (a distributed optimizer's precision-aware holder leaf
     with FP32 moments and params, not precision-aware, offloaded or Megatron-FSDP) loads a
     state of exactly FP32 ``exp_avg``/``exp_avg_sq`` with torch's base loader, without a
     copy. The block also carries the repairs megatron-core's checkpoint loaders need for an

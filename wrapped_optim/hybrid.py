@@ -22,6 +22,7 @@ from wrapped_optim._adapters.megatron_checkpoint import (
     allow_optimizer_classes_in_next_common_read,
     end_common_read,
     megatron_load_repairs,
+    megatron_sharded_state_dict,
 )
 from wrapped_optim._adapters.walk import walk_leaves
 from wrapped_optim.wrapper import OptimizerWrapper
@@ -353,11 +354,7 @@ class HybridSyncOptimizer(OptimizerWrapper):
         Raises:
             AttributeError: the stack holds no Megatron optimizer.
         """
-        inner_method = getattr(self.inner, "sharded_state_dict", None)
-        if inner_method is None:
-            raise AttributeError(
-                f"{type(self.inner).__name__} has no sharded_state_dict (not a Megatron optimizer)"
-            )
+        inner_method = megatron_sharded_state_dict(self.inner)
         self._end_load()
         if not is_loading:
             return inner_method(model_sharded_state_dict, is_loading, **kwargs)

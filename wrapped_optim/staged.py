@@ -14,6 +14,7 @@ from wrapped_optim._adapters.megatron_checkpoint import (
     allow_optimizer_classes_in_next_common_read,
     end_common_read,
     megatron_load_repairs,
+    megatron_sharded_state_dict,
 )
 from wrapped_optim._staging.engine import StagingStats, fp32_no_copy_load, staged_load, staged_save
 from wrapped_optim.wrapper import OptimizerWrapper
@@ -146,11 +147,7 @@ class StagedCheckpointOptimizer(OptimizerWrapper):
         Raises:
             AttributeError: the stack holds no Megatron optimizer.
         """
-        inner_method = getattr(self.inner, "sharded_state_dict", None)
-        if inner_method is None:
-            raise AttributeError(
-                f"{type(self.inner).__name__} has no sharded_state_dict (not a Megatron optimizer)"
-            )
+        inner_method = megatron_sharded_state_dict(self.inner)
         stats = self._new_stats()
         scope = self._loading(stats) if is_loading else self._saving(stats)
         with scope:

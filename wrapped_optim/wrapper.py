@@ -315,7 +315,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
     # Navigating the stack
     # ----------------------------------------------------------------------------------
     def layers(self) -> list[Any]:
-        """Every object of the decorator chain, outermost (this wrapper) to innermost.
+        """Every layer of the stack, outermost (this wrapper) to innermost.
 
         ``wrapped_optim.layers`` does the same for any optimizer, wrapped or bare.
 
@@ -330,7 +330,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         return layers(self)
 
     def unwrap(self) -> Any:
-        """The innermost optimizer: the first object of the chain that is not a wrapper.
+        """The innermost optimizer: the first layer of the stack that is not a wrapper.
 
         Examples:
             >>> import torch
@@ -387,9 +387,9 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
 
 # --------------------------------------------------------------------------------------
-# The one walk down a decorator chain, for any optimizer, wrapped or bare
+# The one walk down a stack, for any optimizer, wrapped or bare
 # --------------------------------------------------------------------------------------
-def _chain(optimizer: Any) -> Iterator[Any]:
+def _stack_layers(optimizer: Any) -> Iterator[Any]:
     layer = optimizer
     while isinstance(layer, OptimizerWrapper):
         yield layer
@@ -403,8 +403,8 @@ def _refuse_a_second(cls: type, inner: Any) -> None:
     base and users' own subclasses may repeat."""
     if cls is OptimizerWrapper or not cls.__module__.startswith("wrapped_optim."):
         return
-    if any(type(layer) is cls for layer in _chain(inner)):
-        chain = " -> ".join(type(layer).__name__ for layer in _chain(inner))
+    if any(type(layer) is cls for layer in _stack_layers(inner)):
+        chain = " -> ".join(type(layer).__name__ for layer in _stack_layers(inner))
         raise ValueError(
             f"{cls.__name__} is already in this optimizer's stack ({chain}); wrap it once. "
             "wrapped_optim.wrap(optimizer, config) builds or updates a stack without "
@@ -431,7 +431,7 @@ def layers(optimizer: Any) -> list[Any]:
         >>> [type(layer).__name__ for layer in layers(OptimizerWrapper(sgd))]
         ['OptimizerWrapper', 'SGD']
     """
-    return list(_chain(optimizer))
+    return list(_stack_layers(optimizer))
 
 
 def unwrap(optimizer: Any) -> Any:
@@ -478,7 +478,7 @@ def find_layer(optimizer: Any, cls: type[T]) -> T | None:
         >>> find_layer(staged, StagedCheckpointOptimizer) is staged
         True
     """
-    for layer in _chain(optimizer):
+    for layer in _stack_layers(optimizer):
         if isinstance(layer, cls):
             return layer
     return None

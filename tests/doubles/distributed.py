@@ -60,7 +60,7 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 # OptimizerConfig fields the double leaves at megatron-core's defaults: the real
-# ChainedOptimizer around it reads them (tests/test_doubles_match_core.py checks both lists
+# ChainedOptimizer around it reads them (tests/adapters/test_doubles_match_core.py checks both lists
 # against the installed Core's OptimizerConfig and ChainedOptimizer source).
 CORE_DEFAULTS: dict[str, Any] = {
     "fp16": False,

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from wrapped_optim._bench.staged import MiB, build_model_optimizer, whole_tensor_state_dict
 from wrapped_optim._staging.engine import fp32_no_copy_load
-from wrapped_optim.bench.staged import MiB, build_model_optimizer, whole_tensor_state_dict
 from wrapped_optim.staged import StagedCheckpointOptimizer
 from wrapped_optim.testing.probe import DeviceMemoryProbe
 

@@ -249,8 +249,8 @@ def _assert_resharded(results: list[Any], saved: list[Any], cell: Any) -> list[s
 def _bare_megatron_defect(name: str, fmt: str) -> str | None:
     """What bare Megatron (no repairs) raises on this Core for a precision-aware resume:
     0.16.1 forwards dp_reshardable's ``padding``; 0.16.1 and 0.19.2 hand a remainder back
-    as float32 after fully_reshardable and legacy saves (tests/test_megatron_precision_repairs.py
-    checks the probe against Core's setter)."""
+    as float32 after fully_reshardable and legacy saves
+    (tests/adapters/test_megatron_precision_repairs.py checks the probe against Core's setter)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from wrapped_optim._adapters.megatron_precision import _setter_defects

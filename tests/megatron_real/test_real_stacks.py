@@ -377,9 +377,9 @@ def _no_copy_worker(rank: int, world: int) -> dict[str, Any]:
 def test_fp32_no_copy_load_declines_torch_adamw_and_matches_megatron(tmp_path: Path) -> None:
     result = run_in_this_process(_no_copy_worker, tmp_path)
     # Without TE/Apex, get_megatron_optimizer puts torch's AdamW under the
-    # DistributedOptimizer; the no-copy load is for FusedAdam-like holders only.
+    # DistributedOptimizer; the no-copy load is for precision-aware holders only.
     assert result["eligible"] == 0
-    assert result["reasons"] == ["AdamW is not a FusedAdam-like holder"]
+    assert result["reasons"] == ["AdamW is not a precision-aware holder"]
     assert mismatches(result["megatron"], result["compat"]) == []
     assert mismatches(result["megatron"], result["staged"]) == []
 

@@ -7,8 +7,8 @@ rest). Megatron-Bridge's PyPI sdist (0.6.2) ships no tests, so it runs from a ch
 
     WRAPPED_OPTIM_UPSTREAM_BRIDGE=/path/to/Megatron-Bridge pytest tests/upstream
 
-Without the variable this module is skipped; tests/test_compat_contracts.py states the same
-contracts in this project's words and runs everywhere.
+Without the variable this module is skipped; tests/integrations/test_compat_contracts.py states
+the same contracts in this project's words and runs everywhere.
 
 Retargeting (upstream's assertions untouched):
 * ``megatron.bridge.training.optim`` is a stand-in module holding wrapped_optim.compat's
@@ -115,7 +115,7 @@ _STRUCTURE = (
     "deliberate: eligibility is decided by an optimizer's structure, not by class or TE "
     "import; Bridge's fake"
 )
-_FAKE_ADAM = f"{_STRUCTURE} FusedAdam has no set_scaled_state: not a FusedAdam-like holder"
+_FAKE_ADAM = f"{_STRUCTURE} FusedAdam has no set_scaled_state: not a precision-aware holder"
 _FAKE_HDO = f"{_STRUCTURE} HDO is not an optimizer and has no master copies to sync"
 _TE_ABSENT = (
     "deliberate: without TE, compat still serves PrecisionAwareAdamW (the portable stand-in "
@@ -168,7 +168,7 @@ _PATH = checkout("WRAPPED_OPTIM_UPSTREAM_BRIDGE", "tests/unit_tests/training/tes
 if _PATH is None:
     pytestmark = pytest.mark.skip(
         reason="set WRAPPED_OPTIM_UPSTREAM_BRIDGE to a Megatron-Bridge checkout to run its "
-        "tests; tests/test_compat_contracts.py checks the same contracts"
+        "tests; tests/integrations/test_compat_contracts.py checks the same contracts"
     )
 else:
     load_into(globals(), _PATH, EDITS, MODULES)

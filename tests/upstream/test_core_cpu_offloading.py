@@ -73,7 +73,8 @@ _PATH = checkout(
 if _PATH is None:
     pytestmark = pytest.mark.skip(
         reason="set WRAPPED_OPTIM_UPSTREAM_MEGATRON_LM to a Megatron-LM checkout to run its "
-        "tests; tests/test_hybrid_offload*.py check HybridOffloadOptimizer's contracts"
+        "tests; tests/optimizers/hybrid_offload/test_hybrid_offload*.py check "
+        "HybridOffloadOptimizer's contracts"
     )
 else:
     load_into(globals(), _PATH, EDITS, MODULES)

@@ -105,7 +105,8 @@ if _PATH is None:
     pytestmark.append(
         pytest.mark.skip(
             reason="set WRAPPED_OPTIM_UPSTREAM_TRANSFORMER_ENGINE to a TransformerEngine "
-            "checkout to run its tests; tests/test_precision_adam*.py check PrecisionAwareAdamW"
+            "checkout to run its tests; tests/optimizers/precision_adamw/test_precision_adam*.py "
+            "check PrecisionAwareAdamW"
         )
     )
 else:

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -31,6 +31,7 @@ __all__ = [
     "create_missing_state",
     "end_common_read",
     "megatron_load_repairs",
+    "megatron_sharded_state_dict",
     "sharded_loaders",
 ]
 
@@ -342,6 +343,26 @@ class _CommonReadAllowance:
 
 
 _common_read_allowance = _CommonReadAllowance()
+
+
+def megatron_sharded_state_dict(inner: Any) -> Callable[..., Any]:
+    """The ``sharded_state_dict`` a wrapper passes Megatron's call on to: ``inner``'s own,
+    or an ``AttributeError`` naming ``inner`` when it is no Megatron optimizer (the one guard
+    every wrapper that defines ``sharded_state_dict`` shares).
+
+    Example:
+        >>> import torch
+        >>> megatron_sharded_state_dict(torch.optim.SGD([torch.ones(1)], lr=1))
+        Traceback (most recent call last):
+        ...
+        AttributeError: SGD has no sharded_state_dict (not a Megatron optimizer)
+    """
+    method = getattr(inner, "sharded_state_dict", None)
+    if method is None:
+        raise AttributeError(
+            f"{type(inner).__name__} has no sharded_state_dict (not a Megatron optimizer)"
+        )
+    return cast("Callable[..., Any]", method)
 
 
 def allow_optimizer_classes_in_next_common_read(owner: Any) -> None:

@@ -43,8 +43,8 @@ def grad_dtype_of(param: torch.Tensor) -> torch.dtype:
         >>> grad_dtype_of(p)
         torch.bfloat16
     """
-    # torch raises on ``grad_dtype`` of a non-leaf tensor; Megatron's DistributedOptimizer
-    # steps such tensors (views of FP32 params), whose grads are set by hand.
+    # torch raises on ``grad_dtype`` of a tensor with a ``grad_fn``; Megatron's
+    # DistributedOptimizer steps such tensors (views of FP32 params), whose grads are set by hand.
     dtype = grad_dtype_attr(param)
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -126,7 +126,7 @@ def swap_grad(param: torch.Tensor, grad: torch.Tensor | None, grad_dtype: Any) -
         (torch.float32, torch.float32)
     """
     param.grad = None
-    if param.is_leaf and hasattr(param, "grad_dtype"):  # torch raises on a non-leaf's
+    if param.is_leaf and hasattr(param, "grad_dtype"):  # torch raises on a view's
         param.grad_dtype = grad_dtype
     param.grad = grad
 
@@ -134,8 +134,8 @@ def swap_grad(param: torch.Tensor, grad: torch.Tensor | None, grad_dtype: Any) -
 def grad_dtype_attr(param: torch.Tensor) -> Any:
     """``param.grad_dtype`` as set (``None``: unset, a non-leaf, or a torch without it).
 
-    torch raises (not ``AttributeError``) on a non-leaf's ``grad_dtype``, and Megatron's
-    DistributedOptimizer steps non-leaf views of FP32 params.
+    torch raises (not ``AttributeError``) on the ``grad_dtype`` of a tensor with a
+    ``grad_fn``, and Megatron's DistributedOptimizer steps such views of FP32 params.
 
     Example:
         >>> import torch

@@ -275,8 +275,8 @@ def encode_into(
         out.copy_(tmp)
     else:
         # TE saturates (SATFINITE): beyond +-448, +-inf included, stores +-448; NaN stays NaN.
-        # torch 2.13's CPU cast does the same (tests/test_codecs.py checks it), but the clamp
-        # keeps that result whatever another backend's cast does with out-of-range values.
+        # torch 2.13's CPU cast does the same (tests/formats/test_codecs.py checks it), but the
+        # clamp keeps that result whatever another backend's cast does with out-of-range values.
         tmp.clamp_(-FP8_E4M3_RANGE, FP8_E4M3_RANGE)
         out.view(_E4M3).copy_(tmp)
 

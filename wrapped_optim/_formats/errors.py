@@ -1,4 +1,4 @@
-"""Errors shared by every checkpoint loader (a leaf module: it imports nothing of the package)."""
+"""Errors shared by every checkpoint loader (it imports nothing of the package)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ per-tensor scale: fp16, scaled by ``amax / 32752``, expands FP32's largest value
 finite. Every loader rejects such a value before it writes it (the rule is applied by
 :func:`wrapped_optim._formats.state_format.check_values`), so a checkpoint never loads as inf.
 
-A leaf module: it imports nothing of the package.
+It imports nothing of the package.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which optimizer classes a ``torch.save`` file pickles (a leaf module).
+"""Which optimizer classes a ``torch.save`` file pickles (it imports nothing of the package).
 
 Megatron's HybridDeviceOptimizer keeps its sub-optimizer classes in its param groups, so its
 checkpoints pickle classes that torch's weights-only unpickler refuses. Readers allow exactly

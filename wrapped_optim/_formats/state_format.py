@@ -11,7 +11,7 @@ fault is rejected by all of them with one :class:`OptimizerCheckpointError` and 
 A streaming loader sees a tensor's shape and dtype (a :class:`TensorMeta`) before its data:
 every check takes either, and the value checks run when the data arrives.
 
-A leaf module: it imports nothing of the package but the error type and the load limits.
+It imports nothing of the package but the error type and the load limits.
 """
 
 from __future__ import annotations

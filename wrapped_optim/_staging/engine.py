@@ -482,7 +482,7 @@ def _no_copy_gate(leaf: LeafContext) -> str | None:
     inner = leaf.optimizer
     mapping = _dtype_map(inner)
     if mapping is None or not callable(getattr(inner, "set_scaled_state", None)):
-        return f"{type(inner).__name__} is not a FusedAdam-like holder"
+        return f"{type(inner).__name__} is not a precision-aware holder"
     if not callable(getattr(inner, "load_state_dict", None)):
         return f"{type(inner).__name__} has no load_state_dict"
     if getattr(inner, "master_weights", False):
@@ -504,7 +504,7 @@ def no_copy_decisions(stack: Any) -> list[LeafDecision]:
 
     Gates (the reference's): not a stub, inside a distributed optimizer
     (``shard_fp32_from_float16_groups``), not Megatron-FSDP, not precision-aware, not CPU
-    offload; the leaf is a FusedAdam-like holder with ``master_weights`` and
+    offload; the leaf is a precision-aware holder with ``master_weights`` and
     ``store_param_remainders`` off, FP32 ``exp_avg``/``exp_avg_sq`` and only FP32 parameters.
 
     Example:

@@ -1,6 +1,6 @@
 """The bytes the staging engine keeps on source devices, recorded while alive.
 
-A leaf module (it imports only the standard library), so the engine writes to it and the
+It imports only the standard library, so the engine writes to it and the
 testing kit's :class:`~wrapped_optim.testing.probe.DeviceMemoryProbe` reads it, without
 either importing the other. Every open probe is told each new level.
 

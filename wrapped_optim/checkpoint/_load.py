@@ -42,7 +42,7 @@ from wrapped_optim.checkpoint._common import (
     unreadable_checkpoint,
 )
 from wrapped_optim.checkpoint._deferred import _uses_remainder
-from wrapped_optim.checkpoint._snapshot import snapshot_reader
+from wrapped_optim.checkpoint._pinned import pinned_reader
 from wrapped_optim.checkpoint._undo import _Undo
 from wrapped_optim.wrapper import OptimizerWrapper
 
@@ -690,8 +690,8 @@ def load_optimizer(
     where = os.fspath(checkpoint_id) if checkpoint_id is not None else repr(storage_reader)
     progress = _Progress()
     try:
-        # One metadata snapshot for both reads, over a pinned directory (checkpoint/snapshot.py).
-        with snapshot_reader(checkpoint_id, storage_reader) as reader:
+        # One pinned metadata for both reads, over a pinned directory (checkpoint/_pinned.py).
+        with pinned_reader(checkpoint_id, storage_reader) as reader:
             _load(
                 optimizer, leaf, reader, process_group, chunk_bytes, atomic, journal_dir,
                 refuse_non_finite, progress,

@@ -5,21 +5,13 @@ to load it into and without executing anything it pickles.
 from wrapped_optim.inspection._analysis import inspect_checkpoint
 from wrapped_optim.inspection._formatting import format_report
 from wrapped_optim.inspection._model import (
-    CheckpointReport,
     InspectError,
-    OptimizerReport,
-    ParamGroupReport,
     StateFormat,
-    StateTensor,
 )
 
 __all__ = [
-    "CheckpointReport",
     "InspectError",
-    "OptimizerReport",
-    "ParamGroupReport",
     "StateFormat",
-    "StateTensor",
     "format_report",
     "inspect_checkpoint",
 ]

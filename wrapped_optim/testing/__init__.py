@@ -17,7 +17,6 @@ Examples:
 """
 
 from wrapped_optim.testing._assertions import (
-    Difference,
     StateMismatchError,
     assert_resume_equivalent,
     assert_state_dict_equal,
@@ -29,7 +28,6 @@ from wrapped_optim.testing._assertions import (
 )
 
 __all__ = [
-    "Difference",
     "StateMismatchError",
     "assert_resume_equivalent",
     "assert_state_dict_equal",

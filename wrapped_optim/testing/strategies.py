@@ -21,19 +21,10 @@ from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 from wrapped_optim.stack import LAYERS, layer_spec
 
 __all__ = [
-    "LAYER_ORDER",
-    "TORCH_KINDS",
-    "OptimizerSpec",
-    "ParamSetModel",
-    "ParamSetSpec",
-    "ParamSpec",
-    "Setup",
-    "StackSpec",
     "available_optimizer_kinds",
     "group_options",
     "optimizer_configs",
     "param_sets",
-    "param_specs",
     "setups",
     "shapes",
     "stack_configs",
@@ -300,15 +291,16 @@ def param_sets(
 # Optimizers
 # ----------------------------------------------------------------------------------------------
 @attrs.frozen
-class OptimizerSpec:
-    """An optimizer kind and its constructor options.
+class DrawnOptimizer:
+    """An optimizer kind and its constructor options, as ``optimizer_configs`` draws them
+    (``build_optimizer``'s configuration is the other thing: ``wrapped_optim.OptimizerSpec``).
 
     Attributes:
         kind: ``"sgd"``, ``"adam"``, ``"adamw"``, ``"precision_adamw"`` or ``"hybrid_offload"``.
         options: Constructor keywords as sorted ``(name, value)`` pairs.
 
     Examples:
-        >>> spec = OptimizerSpec("sgd", (("lr", 0.1), ("momentum", 0.9)))
+        >>> spec = DrawnOptimizer("sgd", (("lr", 0.1), ("momentum", 0.9)))
         >>> opt = spec.build([torch.nn.Parameter(torch.ones(2))])
         >>> type(opt).__name__, opt.defaults["momentum"]
         ('SGD', 0.9)
@@ -353,8 +345,8 @@ def _options(draw: Any, choices: dict[str, st.SearchStrategy[Any]]) -> Options:
 
 
 @st.composite
-def optimizer_configs(draw: Any, *, kinds: Sequence[str] | None = None) -> OptimizerSpec:
-    """Draws an ``OptimizerSpec`` with options its kind accepts.
+def optimizer_configs(draw: Any, *, kinds: Sequence[str] | None = None) -> DrawnOptimizer:
+    """Draws a ``DrawnOptimizer`` with options its kind accepts.
 
     Args:
         kinds: The kinds to draw from (default: every available kind).
@@ -383,9 +375,9 @@ def optimizer_configs(draw: Any, *, kinds: Sequence[str] | None = None) -> Optim
             extra["nesterov"] = True
         elif momentum:
             extra["dampening"] = draw(st.sampled_from([0.0, 0.1]))
-        return OptimizerSpec(kind, tuple(sorted((*options, *extra.items()))))
+        return DrawnOptimizer(kind, tuple(sorted((*options, *extra.items()))))
     if kind in ("adam", "adamw"):
-        return OptimizerSpec(
+        return DrawnOptimizer(
             kind,
             _options(
                 draw,
@@ -400,9 +392,9 @@ def optimizer_configs(draw: Any, *, kinds: Sequence[str] | None = None) -> Optim
             ),
         )
     if kind == "precision_adamw":
-        return OptimizerSpec(kind, draw(precision_adamw_options()))
+        return DrawnOptimizer(kind, draw(precision_adamw_options()))
     if kind == "hybrid_offload":
-        return OptimizerSpec(kind, draw(hybrid_offload_options()))
+        return DrawnOptimizer(kind, draw(hybrid_offload_options()))
     raise ValueError(f"unknown optimizer kind {kind!r}")
 
 
@@ -536,7 +528,7 @@ class Setup:
     Examples:
         >>> setup = Setup(
         ...     ParamSetSpec(groups=(((ParamSpec((3,)),), ()),)),
-        ...     OptimizerSpec("adam", (("lr", 0.1),)),
+        ...     DrawnOptimizer("adam", (("lr", 0.1),)),
         ... )
         >>> model, opt = setup.make()
         >>> type(opt).__name__
@@ -544,7 +536,7 @@ class Setup:
     """
 
     params: ParamSetSpec
-    optimizer: OptimizerSpec
+    optimizer: DrawnOptimizer
     stack: StackSpec = StackSpec()
 
     def make(self) -> tuple[ParamSetModel, Any]:
@@ -559,7 +551,7 @@ def setups(
     *,
     kinds: Sequence[str] | None = None,
     layers: Sequence[str] | None = None,
-    optimizers: st.SearchStrategy[OptimizerSpec] | None = None,
+    optimizers: st.SearchStrategy[DrawnOptimizer] | None = None,
     stacks: st.SearchStrategy[StackSpec] | None = None,
     max_groups: int = 2,
     max_params: int = 3,

@@ -58,7 +58,7 @@ Layout = Literal["dcp", "dcp-flat", "dcp-streaming"]
 
 
 @attrs.frozen
-class _Leaf:
+class _Stored:
     """A value in the checkpoint, by its flattened DCP key; ``spec`` for tensors."""
 
     key: str
@@ -148,7 +148,7 @@ class _ObjectPlanner(DefaultLoadPlanner):
 
 
 def _tree(metadata: Any) -> dict[Any, Any]:
-    """The nested mapping DCP's routes describe, leaves as ``_Leaf``."""
+    """The nested mapping DCP's routes describe, stored values as ``_Stored``."""
     routes = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
     tree: dict[Any, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():
@@ -163,7 +163,7 @@ def _tree(metadata: Any) -> dict[Any, Any]:
             if not isinstance(child, dict):
                 raise ConversionError(f"key {key!r}: its route crosses a value")
             node = child
-        node[route[-1]] = _Leaf(key, spec)
+        node[route[-1]] = _Stored(key, spec)
     return tree
 
 
@@ -236,19 +236,19 @@ class DcpReader:
             isinstance(k, int) for g in osd["param_groups"] for k in g.get("params", [])
         ):
             self.layout = "dcp-streaming"
-        self._index, self._leaves = index_from_state_dict(
+        self._index, self._stored = index_from_state_dict(
             osd, source=f"{self.path} ({self.layout})", options=options, spec_of=_spec_of
         )
 
     def _resolved(self, osd: dict[str, Any]) -> dict[str, Any]:
-        """Param groups and steps read (small values); state tensors left as leaves."""
+        """Param groups and steps read (small values); state tensors left as ``_Stored``."""
         wanted: dict[str, TensorSpec | None] = {}
         groups = _as_list(osd["param_groups"])
-        for leaf in _leaves_in(groups):
-            wanted[leaf.key] = leaf.spec
+        for stored in _stored_in(groups):
+            wanted[stored.key] = stored.spec
         for entries in osd["state"].values():
             step = entries.get("step") if isinstance(entries, Mapping) else None
-            if isinstance(step, _Leaf):
+            if isinstance(step, _Stored):
                 wanted[step.key] = step.spec
         values = self.file.load(wanted)
         groups = _substitute(groups, values)
@@ -257,7 +257,7 @@ class DcpReader:
         by_index = any(isinstance(k, int) for g in groups for k in g.get("params", []))
         state = {
             _index_key(key) if by_index else key: {
-                name: values[v.key] if name == "step" and isinstance(v, _Leaf) else v
+                name: values[v.key] if name == "step" and isinstance(v, _Stored) else v
                 for name, v in entries.items()
             }
             for key, entries in osd["state"].items()
@@ -268,15 +268,15 @@ class DcpReader:
         return self._index
 
     def read(self, name: str, key: str) -> torch.Tensor:
-        leaf = self._leaves.get((name, key))
-        if leaf is None or leaf.spec is None:
+        stored = self._stored.get((name, key))
+        if stored is None or stored.spec is None:
             raise ConversionError(f"{self.path}: no state {key!r} for parameter {name!r}")
-        tensor = self.file.load({leaf.key: leaf.spec})[leaf.key]
+        tensor = self.file.load({stored.key: stored.spec})[stored.key]
         assert isinstance(tensor, torch.Tensor)
         return tensor
 
     def close(self) -> None:
-        self._leaves = {}
+        self._stored = {}
         self.file.whole.close()
 
 
@@ -286,21 +286,21 @@ def _index_key(key: Any) -> Any:
 
 
 def _spec_of(value: Any) -> TensorSpec | None:
-    return value.spec if isinstance(value, _Leaf) else None
+    return value.spec if isinstance(value, _Stored) else None
 
 
-def _leaves_in(node: Any) -> list[_Leaf]:
-    if isinstance(node, _Leaf):
+def _stored_in(node: Any) -> list[_Stored]:
+    if isinstance(node, _Stored):
         return [node]
     if isinstance(node, Mapping):
-        return [leaf for value in node.values() for leaf in _leaves_in(value)]
+        return [stored for value in node.values() for stored in _stored_in(value)]
     if isinstance(node, list):
-        return [leaf for value in node for leaf in _leaves_in(value)]
+        return [stored for value in node for stored in _stored_in(value)]
     return []
 
 
 def _substitute(node: Any, values: Mapping[str, Any]) -> Any:
-    if isinstance(node, _Leaf):
+    if isinstance(node, _Stored):
         return values[node.key]
     if isinstance(node, Mapping):
         return {k: _substitute(v, values) for k, v in node.items()}
@@ -388,7 +388,7 @@ class DcpWriter:
             index,
             flavour=self.options.flavour or index.notes.get(NOTE_FLAVOUR, "torch"),
             keyed_by_name=self.layout != "dcp-streaming",
-            leaf=placeholder,
+            value_of=placeholder,
             names=self.options.names if self.layout == "dcp-streaming" else None,
         )
         if self.layout == "dcp-flat":

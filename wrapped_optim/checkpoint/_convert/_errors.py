@@ -1,4 +1,4 @@
-"""The converter's one error type (a leaf module: it imports nothing of the package but the
+"""The converter's one error type (it imports nothing of the package but the
 base error)."""
 
 from __future__ import annotations

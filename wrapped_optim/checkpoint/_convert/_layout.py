@@ -1,6 +1,6 @@
 """The torch ``state_dict()`` shape (``state`` + ``param_groups``) read into a StateIndex and
 built back from one: shared by the torch.save and DCP formats, whose trees differ only in
-their leaves (tensors or tensor metadata) and keys (indices or names).
+their values (tensors or tensor metadata) and keys (indices or names).
 
 Two flavours of that shape exist: torch.optim's, with a ``step`` per parameter, and the
 precision-aware one (TE FusedAdam's portable format, ``PrecisionAwareAdamW``'s), with the
@@ -80,7 +80,7 @@ def _param_record(
 ) -> tuple[ParamRecord, dict[str, Any], list[str], torch.dtype | None]:
     where = f"{source}: parameter {name!r}"
     state: dict[str, TensorSpec] = {}
-    leaves: dict[str, Any] = {}
+    values: dict[str, Any] = {}
     nones: list[str] = []
     step: float | None = None
     step_dtype: torch.dtype | None = None
@@ -107,20 +107,20 @@ def _param_record(
                 "to convert"
             )
         state[canonical] = spec
-        leaves[canonical] = value
+        values[canonical] = value
     shapes = [spec.shape for spec in state.values() if spec.numel]
     shape = shapes[0] if shapes else next((s.shape for s in state.values()), ())
     try:
         record = ParamRecord(name=name, group=group, shape=shape, state=state, step=step)
     except ValueError as error:
         raise ConversionError(f"{source}: {error}") from error
-    return record, leaves, nones, step_dtype
+    return record, values, nones, step_dtype
 
 
 def index_from_state_dict(
     osd: Mapping[str, Any], *, source: str, options: FormatOptions, spec_of: SpecOf
 ) -> tuple[StateIndex, dict[tuple[str, str], Any]]:
-    """The index of a ``state``/``param_groups`` mapping, and each state's leaf by
+    """The index of a ``state``/``param_groups`` mapping, and each state value by
     ``(name, key)``. Step values must be concrete (tensors or numbers) in ``osd``."""
     groups_raw = osd.get("param_groups")
     state_raw = osd.get("state")
@@ -135,7 +135,7 @@ def index_from_state_dict(
         )
     params: list[ParamRecord] = []
     groups: list[GroupRecord] = []
-    leaves: dict[tuple[str, str], Any] = {}
+    values: dict[tuple[str, str], Any] = {}
     nones: dict[str, list[str]] = {}
     group_steps: list[float | None] = []
     step_dtypes: set[torch.dtype] = set()
@@ -152,7 +152,7 @@ def index_from_state_dict(
                     record.name, number, record.shape, record.state, group_steps[-1]
                 )
             params.append(_checked_shape(record, options, names, key, source))
-            leaves.update({(record.name, k): v for k, v in found.items()})
+            values.update({(record.name, k): v for k, v in found.items()})
             if none_keys:
                 nones[record.name] = none_keys
             if step_dtype is not None:
@@ -171,7 +171,7 @@ def index_from_state_dict(
         index = StateIndex(params=params, groups=groups, source=source, notes=notes)
     except ValueError as error:
         raise ConversionError(f"{source}: {error}") from error
-    return index, leaves
+    return index, values
 
 
 def _checked_shape(
@@ -242,10 +242,10 @@ def state_dict_from_index(
     *,
     flavour: Flavour,
     keyed_by_name: bool,
-    leaf: Callable[[ParamRecord, str, TensorSpec], Any],
+    value_of: Callable[[ParamRecord, str, TensorSpec], Any],
     names: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """The ``state``/``param_groups`` mapping of ``index`` with ``leaf(param, key, spec)``
+    """The ``state``/``param_groups`` mapping of ``index`` with ``value_of(param, key, spec)``
     for every state tensor, keyed by names or by index (in the destination's order)."""
     if keyed_by_name and index.notes.get(NOTE_INDEX_NAMES):
         raise ConversionError(
@@ -264,7 +264,7 @@ def state_dict_from_index(
         if flavour == "torch" and param.step is not None:
             entries["step"] = torch.tensor(param.step, dtype=step_dtype)
         for key, spec in param.state.items():
-            entries[MASTER_PARAM if key == MASTER else key] = leaf(param, key, spec)
+            entries[MASTER_PARAM if key == MASTER else key] = value_of(param, key, spec)
         for key in nones.get(name, ()):
             entries[key] = None
         if entries:

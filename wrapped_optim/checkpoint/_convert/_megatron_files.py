@@ -109,12 +109,12 @@ class DcpTensors:
     """One DCP directory, read one tensor at a time on the CPU, without a process group."""
 
     def __init__(self, path: Path) -> None:
-        from wrapped_optim.checkpoint._snapshot import snapshot_reader
+        from wrapped_optim.checkpoint._pinned import pinned_reader
 
         self.path = path
         self._scopes = ExitStack()
         try:
-            self._reader = self._scopes.enter_context(snapshot_reader(str(path), None))
+            self._reader = self._scopes.enter_context(pinned_reader(str(path), None))
             metadata = self._reader.read_metadata()
         except Exception as error:
             self._scopes.close()

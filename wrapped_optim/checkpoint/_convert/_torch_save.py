@@ -119,7 +119,7 @@ class TorchSaveReader:
         except InspectError as error:
             raise ConversionError(str(error)) from error
         self.location, osd = find_optimizer_state_dict(tree, str(self.path), options.location)
-        self._index, self._leaves = index_from_state_dict(
+        self._index, self._stored = index_from_state_dict(
             osd, source=f"{self.path} (torch.save)", options=options, spec_of=_spec_of
         )
         self._tree: Any = tree
@@ -129,13 +129,13 @@ class TorchSaveReader:
 
     def read(self, name: str, key: str) -> torch.Tensor:
         try:
-            value = self._leaves[(name, key)]
+            value = self._stored[(name, key)]
         except KeyError:
             raise ConversionError(f"{self.path}: no state {key!r} for parameter {name!r}") from None
         return value.detach().view(value.shape)  # a view: the file mapping stays ours
 
     def close(self) -> None:
-        self._leaves = {}
+        self._stored = {}
         self._tree = None
 
 
@@ -234,7 +234,7 @@ class TorchSaveWriter:
             index,
             flavour=self.options.flavour or index.notes.get(NOTE_FLAVOUR, "torch"),
             keyed_by_name=False,
-            leaf=slot,
+            value_of=slot,
             names=self.options.names,
         )
         buffer = io.BytesIO()
