@@ -25,7 +25,7 @@ from wrapped_optim._adapters.megatron_fsdp import (
     needs_grad_cast,
     swap_grad,
 )
-from wrapped_optim.fsdp import FSDPAwareOptimizer, init_optimizer_state
+from wrapped_optim.fsdp import FSDPAwareOptimizer, _zero_counter, init_optimizer_state
 from wrapped_optim.wrapper import OptimizerWrapper
 
 LOW = [torch.bfloat16, torch.float16]
@@ -72,6 +72,7 @@ class RecordingSGD(torch.optim.SGD):
         super().__init__(params, **kw)
         self.seen: list[list[tuple[torch.dtype, int]]] = []
         self.hyper: list[tuple[Any, float, float]] = []  # (lr object, lr value, weight decay)
+        self.grad_dtypes: list[list[Any]] = []  # each param's grad_dtype during the step
         self.fail_next = False
 
     def step(self, closure: Any = None) -> Any:
@@ -82,6 +83,9 @@ class RecordingSGD(torch.optim.SGD):
                 for p in g["params"]
                 if p.grad is not None
             ]
+        )
+        self.grad_dtypes.append(
+            [p.grad_dtype for g in self.param_groups for p in g["params"] if p.grad is not None]
         )
         group = self.param_groups[0]
         self.hyper.append((group["lr"], float(group["lr"]), float(group["weight_decay"])))
@@ -607,6 +611,32 @@ def test_init_respects_a_precision_aware_stack() -> None:
     inner = RecordingSGD(params, lr=0.1, momentum=0.9)
     assert init_optimizer_state(FSDPAwareOptimizer(inner, precision_aware=True))
     assert inner.seen[0][0][0] == torch.bfloat16
+    # The zero grads keep the param's own grad_dtype, which an inner step may read.
+    assert inner.grad_dtypes == [[torch.bfloat16]]
+
+
+def test_a_step_sees_grad_dtype_of_the_cast_grads_and_gets_the_original_back() -> None:
+    params = make_params([(3,), (2, 2)], torch.bfloat16)
+    inner = RecordingSGD(params, lr=0.1)
+    opt = FSDPAwareOptimizer(inner)
+    give_grads(params, seed=1)
+    opt.step()
+    assert inner.grad_dtypes == [[torch.float32, torch.float32]]
+    assert [p.grad_dtype for p in params] == [torch.bfloat16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("value", [True, None, "3"])
+def test_a_step_counter_that_is_no_number_is_left_alone(value: Any) -> None:
+    state = {"step": value}
+    _zero_counter(state, "step")
+    assert state["step"] is value
+
+
+@pytest.mark.parametrize("value", [7, 2.5, torch.tensor(4.0)])
+def test_a_numeric_step_counter_is_zeroed_keeping_its_type(value: Any) -> None:
+    state = {"step": value}
+    _zero_counter(state, "step")
+    assert type(state["step"]) is type(value) and state["step"] == 0
 
 
 class FailingGroupStepAdam(GroupStepAdam):
