@@ -79,6 +79,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/test_transfers.py",
             "tests/test_staging_buffers.py",
             "tests/test_staging_device_state.py",
+            "tests/test_staging_engine_edges.py",
         ],
     ),
     "_staging.ledger": (

@@ -4,10 +4,11 @@ CPU with checkable effects.
 
 While the :class:`DeviceOnCpu` mode is active:
 
-* tensors registered with :meth:`DeviceOnCpu.put_on_device` (and views of them, and tensors
-  a factory makes with ``device="cuda..."``) are "device" tensors: ``is_cuda`` is True and,
-  when the mode is given a CUDA ``device``, ``.device`` reports it (otherwise ``.device``
-  stays the CPU, the model the megatron-core shim in ``tests/megatron_real`` uses);
+* tensors registered with :meth:`DeviceOnCpu.put_on_device` (and views of them, what is
+  computed from them, and tensors a factory makes with ``device="cuda..."``) are "device"
+  tensors: ``is_cuda`` is True and, when the mode is given a CUDA ``device``, ``.device``
+  reports it (otherwise ``.device`` stays the CPU, the model the megatron-core shim in
+  ``tests/megatron_real`` uses); ``to`` between device and host is a copy;
 * ``torch.empty`` poisons what it returns (NaN for floats), so an element nothing wrote is
   seen;
 * ``pin_memory=True`` is recorded and dropped (no pinned allocator on a CPU-only torch);
@@ -100,6 +101,7 @@ class DeviceOnCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         pinned = bool(kwargs.pop("pin_memory", False))
         result = func(*args, **kwargs)
+        self._propagate(args, kwargs, result)
         if func is torch.empty:
             result.fill_(float("nan") if result.is_floating_point() else -1)
             if on_device:
@@ -109,6 +111,17 @@ class DeviceOnCpu(TorchFunctionMode):
                 self.pinned.append(result)
                 self._pinned_storages.add(_storage(result))
         return result
+
+    def _propagate(self, args: Any, kwargs: dict[str, Any], result: Any) -> None:
+        """What is computed from device tensors is a device tensor (an in-place op on a host
+        tensor leaves it a host tensor)."""
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not any(self.on_device(a) for a in inputs):
+            return
+        host = {_storage(a) for a in inputs if not self.on_device(a)}
+        for out in result if isinstance(result, tuple | list) else (result,):
+            if isinstance(out, torch.Tensor) and _storage(out) not in host:
+                self.put_on_device(out)
 
     def _to(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``to`` across the device/host line is a copy; on either side, torch's ``to``."""

@@ -85,9 +85,20 @@ def _assert_on_host(
                 assert value.data_ptr() not in stored, name
 
 
-@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
+def _not_stored(state_dict: Any, opt: Any) -> None:
+    """No compressed state of ``state_dict`` is the holder's own storage."""
+    stored = {v.data_ptr() for e in opt.state.values() for v in e.values() if v.dim() > 0}
+    for entry in state_dict["state"].values():
+        assert not {entry[name].data_ptr() for name in COMPRESSED} & stored
+
+
+@pytest.mark.parametrize(
+    ("chunked", "default_dtype"),
+    [(True, FP32), (True, torch.float64), (False, FP32)],
+    ids=["chunked", "chunked-float64-default", "whole"],
+)
 def test_device_state_on_a_cpu_device_is_staged_through_one_chunk_of_scratch(
-    chunked: bool, monkeypatch: pytest.MonkeyPatch
+    chunked: bool, default_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     opt, _ = _holder()
     bare = opt.state_dict()
@@ -95,14 +106,22 @@ def test_device_state_on_a_cpu_device_is_staged_through_one_chunk_of_scratch(
     _on_device(mode, opt)
     spy = _Spy(mode)
     spy.install(monkeypatch)
-    with (
-        mode,
-        DeviceMemoryProbe() as probe,
-        staged_save(opt, chunk_bytes=CHUNK_BYTES, chunked=chunked) as stats,
-    ):
-        result = opt.state_dict()
+    torch.set_default_dtype(default_dtype)  # the host copies are FP32 whatever the default
+    try:
+        with (
+            mode,
+            DeviceMemoryProbe() as probe,
+            staged_save(opt, chunk_bytes=CHUNK_BYTES, chunked=chunked) as stats,
+        ):
+            result = opt.state_dict()
+    finally:
+        torch.set_default_dtype(FP32)
     assert_state_dict_equal(bare, result, names=("bare", "staged"))
-    _assert_on_host(mode, result, opt)
+    _not_stored(result, opt)
+    # FP32 state in CPU memory is handed out live, as the bare optimizer does.
+    for index, param in enumerate(opt.param_groups[0]["params"]):
+        live = opt.state[param]["master_param"]
+        assert result["state"][index]["master_param"].data_ptr() == live.data_ptr()
     assert device_ledger.live_bytes == 0
     if chunked:
         spy.check_chunks(device_scratch=False)
