@@ -91,6 +91,28 @@ def test_a_holder_that_caches_its_expansion_gets_a_copy_in_the_checkpoint() -> N
     assert not staged & cached
 
 
+def test_only_a_stored_tensor_no_larger_than_the_param_is_read_in_chunks() -> None:
+    param = torch.zeros(4)
+
+    class Holder:
+        state = {
+            param: {
+                "codes": torch.zeros(2, dtype=torch.uint8),  # block-scaled: smaller
+                "same": torch.zeros(4, dtype=BF16),
+                "padded": torch.zeros(5, dtype=BF16),
+                "number": 1.0,
+            }
+        }
+
+    holder = Holder()
+    assert engine._stored_state(holder, param, "codes") is holder.state[param]["codes"]
+    assert engine._stored_state(holder, param, "same") is holder.state[param]["same"]
+    for name in ("padded", "number", "missing"):
+        assert engine._stored_state(holder, param, name) is None
+    assert engine._stored_state(holder, torch.zeros(4), "same") is None
+    assert engine._stored_state(object(), param, "same") is None
+
+
 # ----------------------------------------------------------------------------------------
 # load
 # ----------------------------------------------------------------------------------------

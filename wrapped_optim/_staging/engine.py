@@ -481,7 +481,7 @@ def _no_copy_gate(leaf: LeafContext) -> str | None:
     mapping = _dtype_map(inner)
     if mapping is None or not callable(getattr(inner, "set_scaled_state", None)):
         return f"{type(inner).__name__} is not a FusedAdam-like holder"
-    if not callable(getattr(inner, "load_state_dict", None)):
+    if not callable(inner.load_state_dict):  # a torch optimizer's, unless replaced
         return f"{type(inner).__name__} has no load_state_dict"
     if getattr(inner, "master_weights", False):
         return "master_weights is on"
