@@ -19,6 +19,7 @@ from wrapped_optim._staging.engine import (
     no_copy_decisions,
     staged_load,
     staged_save,
+    staging_decisions,
 )
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 from wrapped_optim.testing import assert_state_dict_equal
@@ -66,6 +67,65 @@ def test_accessor_called_by_keyword_is_staged_in_chunks_and_extra_arguments_are_
         assert stats.chunked_reads == 3 and stats.whole_tensor_reads == 1
     for value in [*calls, whole]:
         assert torch.equal(value, expected)
+
+
+def test_calls_the_engine_does_not_stage_reach_the_holder_with_their_keywords() -> None:
+    class Extra(PrecisionAwareAdamW):  # type: ignore[misc]
+        def get_unscaled_state(self, param: Any, state_name: str, dtype: Any = None) -> Any:
+            if state_name == "unlisted":  # a state its dtype map does not name: FP32
+                return torch.full(param.shape, 2.0)
+            value = super().get_unscaled_state(param, state_name)
+            return value if dtype is None else value.to(dtype)
+
+        def read_unscaled_state_chunk(self, param: Any, name: str, start: int, out: Any) -> None:
+            # The chunk reader may call the accessor itself, by keyword.
+            whole = self.get_unscaled_state(param=param, state_name=name)
+            out.copy_(whole.view(-1)[start : start + out.numel()])
+
+    opt, params = _holder(Extra)
+    expected = opt.get_unscaled_state(params[0], "exp_avg")
+    with staged_save(opt, chunk_bytes=16) as stats:
+        half = opt.get_unscaled_state(param=params[0], state_name="exp_avg", dtype=FP16)
+        unlisted = opt.get_unscaled_state(params[0], "unlisted")
+        chunked = opt.get_unscaled_state(params[0], "exp_avg")
+    assert half.dtype == FP16 and torch.equal(half, expected.to(FP16))
+    assert torch.equal(unlisted, torch.full((10,), 2.0))
+    assert torch.equal(chunked, expected)
+    assert (stats.whole_tensor_reads, stats.direct_reads, stats.chunked_reads) == (1, 1, 1)
+
+
+def test_a_dtype_map_that_is_no_mapping_is_no_precision_aware_holder() -> None:
+    class Listed(torch.optim.SGD):
+        name_to_dtype_map = ["exp_avg"]
+
+    opt = Listed([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    (decision,) = staging_decisions(opt)
+    assert decision.reason == "Listed is not a precision-aware holder"
+
+
+@pytest.mark.parametrize("accessor", [3, None])
+def test_accessor_errors_name_the_holder_and_what_it_got(accessor: Any) -> None:
+    opt, params = _holder(te_style(PrecisionAwareAdamW))
+    opt.get_unscaled_state = accessor
+    kind = type(accessor).__name__
+    message = (
+        f"checkpoint staging requires TEStylePrecisionAwareAdamW.get_unscaled_state() to be "
+        f"callable: TEStylePrecisionAwareAdamW declares precision-aware state "
+        f"(name_to_dtype_map) but its get_unscaled_state is a {kind}; give it TE FusedAdam's "
+        "state accessors"
+    )
+    with pytest.raises(RuntimeError) as error, staged_save(opt):
+        pass
+    assert str(error.value) == message
+
+    opt.get_unscaled_state = lambda param, state_name: (1.0,)
+    with pytest.raises(TypeError) as error, staged_save(opt):
+        opt.get_unscaled_state(params[0], "exp_avg")
+    assert str(error.value) == (
+        "TEStylePrecisionAwareAdamW.get_unscaled_state() must return a torch.Tensor for "
+        "checkpoint staging, but returned a tuple for state 'exp_avg'; the holder's state "
+        "accessor does not follow TE FusedAdam's contract"
+    )
 
 
 def test_a_holder_that_caches_its_expansion_gets_a_copy_in_the_checkpoint() -> None:
