@@ -25,7 +25,12 @@ from wrapped_optim._adapters.megatron_fsdp import (
     needs_grad_cast,
     swap_grad,
 )
-from wrapped_optim.fsdp import FSDPAwareOptimizer, _zero_counter, init_optimizer_state
+from wrapped_optim.fsdp import (
+    FSDPAwareOptimizer,
+    _restore_grads,
+    _zero_counter,
+    init_optimizer_state,
+)
 from wrapped_optim.wrapper import OptimizerWrapper
 
 LOW = [torch.bfloat16, torch.float16]
@@ -623,6 +628,18 @@ def test_a_step_sees_grad_dtype_of_the_cast_grads_and_gets_the_original_back() -
     opt.step()
     assert inner.grad_dtypes == [[torch.float32, torch.float32]]
     assert [p.grad_dtype for p in params] == [torch.bfloat16, torch.bfloat16]
+
+
+def test_putting_grads_back_restores_every_param_and_raises_the_first_failure() -> None:
+    params = make_params([(2,), (3,), (4,)], None)
+    grads = [torch.ones(2), torch.zeros(5), torch.ones(4)]  # the second cannot go back
+    swapped: list[Any] = [(p, g, None) for p, g in zip(params, grads, strict=True)]
+    swapped.insert(0, (params[0], torch.zeros(7), None))  # put back last: fails too
+    with pytest.raises(RuntimeError) as error:
+        _restore_grads(swapped)
+    assert "[5]" in str(error.value)  # the first failure, in restore order (last to first)
+    assert swapped == []
+    assert params[2].grad is grads[2] and params[0].grad is grads[0]
 
 
 @pytest.mark.parametrize("value", [True, None, "3"])
