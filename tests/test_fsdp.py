@@ -753,6 +753,27 @@ def test_init_then_load_keeps_loaded_sgd_momentum(in_place: bool) -> None:
         assert_bitwise(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
 
 
+def test_the_first_step_drops_only_the_placeholders_nothing_loaded() -> None:
+    params = make_params([(3,), (2,), (4,), (2,)], None)
+    opt = sgd(params, {"dampening": 0.1})
+    assert init_optimizer_state(opt)
+    placeholders = [opt.state[p]["momentum_buffer"] for p in params]  # kept alive
+    loaded = torch.full((3,), 0.5)
+    opt.state[params[0]]["momentum_buffer"] = loaded  # replaced
+    del opt.state[params[1]]  # dropped by a load
+    placeholders[2].fill_(0.25)  # written in place
+    give_grads(params, seed=1)  # params[3]: untouched
+    grads = [p.grad.clone() for p in params]
+    opt.step()
+    buffers = [opt.state[p]["momentum_buffer"] for p in params]
+    assert buffers[0] is loaded
+    assert torch.equal(loaded, torch.full((3,), 0.5).mul_(0.9).add_(grads[0], alpha=0.9))
+    assert torch.equal(buffers[2], torch.full((4,), 0.25).mul_(0.9).add_(grads[2], alpha=0.9))
+    for index in (1, 3):  # created from the grad, as on an untouched optimizer
+        assert buffers[index] is not placeholders[index]
+        assert torch.equal(buffers[index], grads[index])
+
+
 def test_a_copy_made_before_the_first_step_treats_the_placeholders_as_real() -> None:
     # Documented limit: torch does not copy an optimizer's hooks, so the marking is lost.
     param = torch.nn.Parameter(torch.ones(1))
