@@ -25,7 +25,12 @@ from wrapped_optim._adapters.megatron_fsdp import (
     needs_grad_cast,
     swap_grad,
 )
-from wrapped_optim.fsdp import FSDPAwareOptimizer, init_optimizer_state
+from wrapped_optim.fsdp import (
+    FSDPAwareOptimizer,
+    _restore_grads,
+    _zero_counter,
+    init_optimizer_state,
+)
 from wrapped_optim.wrapper import OptimizerWrapper
 
 LOW = [torch.bfloat16, torch.float16]
@@ -72,6 +77,7 @@ class RecordingSGD(torch.optim.SGD):
         super().__init__(params, **kw)
         self.seen: list[list[tuple[torch.dtype, int]]] = []
         self.hyper: list[tuple[Any, float, float]] = []  # (lr object, lr value, weight decay)
+        self.grad_dtypes: list[list[Any]] = []  # each param's grad_dtype during the step
         self.fail_next = False
 
     def step(self, closure: Any = None) -> Any:
@@ -82,6 +88,9 @@ class RecordingSGD(torch.optim.SGD):
                 for p in g["params"]
                 if p.grad is not None
             ]
+        )
+        self.grad_dtypes.append(
+            [p.grad_dtype for g in self.param_groups for p in g["params"] if p.grad is not None]
         )
         group = self.param_groups[0]
         self.hyper.append((group["lr"], float(group["lr"]), float(group["weight_decay"])))
@@ -607,6 +616,44 @@ def test_init_respects_a_precision_aware_stack() -> None:
     inner = RecordingSGD(params, lr=0.1, momentum=0.9)
     assert init_optimizer_state(FSDPAwareOptimizer(inner, precision_aware=True))
     assert inner.seen[0][0][0] == torch.bfloat16
+    # The zero grads keep the param's own grad_dtype, which an inner step may read.
+    assert inner.grad_dtypes == [[torch.bfloat16]]
+
+
+def test_a_step_sees_grad_dtype_of_the_cast_grads_and_gets_the_original_back() -> None:
+    params = make_params([(3,), (2, 2)], torch.bfloat16)
+    inner = RecordingSGD(params, lr=0.1)
+    opt = FSDPAwareOptimizer(inner)
+    give_grads(params, seed=1)
+    opt.step()
+    assert inner.grad_dtypes == [[torch.float32, torch.float32]]
+    assert [p.grad_dtype for p in params] == [torch.bfloat16, torch.bfloat16]
+
+
+def test_putting_grads_back_restores_every_param_and_raises_the_first_failure() -> None:
+    params = make_params([(2,), (3,), (4,)], None)
+    grads = [torch.ones(2), torch.zeros(5), torch.ones(4)]  # the second cannot go back
+    swapped: list[Any] = [(p, g, None) for p, g in zip(params, grads, strict=True)]
+    swapped.insert(0, (params[0], torch.zeros(7), None))  # put back last: fails too
+    with pytest.raises(RuntimeError) as error:
+        _restore_grads(swapped)
+    assert "[5]" in str(error.value)  # the first failure, in restore order (last to first)
+    assert swapped == []
+    assert params[2].grad is grads[2]
+
+
+@pytest.mark.parametrize("value", [True, None, "3"])
+def test_a_step_counter_that_is_no_number_is_left_alone(value: Any) -> None:
+    state = {"step": value}
+    _zero_counter(state, "step")
+    assert state["step"] is value
+
+
+@pytest.mark.parametrize("value", [7, 2.5, torch.tensor(4.0)])
+def test_a_numeric_step_counter_is_zeroed_keeping_its_type(value: Any) -> None:
+    state = {"step": value}
+    _zero_counter(state, "step")
+    assert type(state["step"]) is type(value) and state["step"] == 0
 
 
 class FailingGroupStepAdam(GroupStepAdam):
@@ -704,6 +751,27 @@ def test_init_then_load_keeps_loaded_sgd_momentum(in_place: bool) -> None:
     for p, q in zip(params, saved, strict=True):
         assert_bitwise(p.data, q.data)
         assert_bitwise(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+
+
+def test_the_first_step_drops_only_the_placeholders_nothing_loaded() -> None:
+    params = make_params([(3,), (2,), (4,), (2,)], None)
+    opt = sgd(params, {"dampening": 0.1})
+    assert init_optimizer_state(opt)
+    placeholders = [opt.state[p]["momentum_buffer"] for p in params]  # kept alive
+    loaded = torch.full((3,), 0.5)
+    opt.state[params[0]]["momentum_buffer"] = loaded  # replaced
+    del opt.state[params[1]]  # dropped by a load
+    placeholders[2].fill_(0.25)  # written in place
+    give_grads(params, seed=1)  # params[3]: untouched
+    grads = [p.grad.clone() for p in params]
+    opt.step()
+    buffers = [opt.state[p]["momentum_buffer"] for p in params]
+    assert buffers[0] is loaded
+    assert torch.equal(loaded, torch.full((3,), 0.5).mul_(0.9).add_(grads[0], alpha=0.9))
+    assert torch.equal(buffers[2], torch.full((4,), 0.25).mul_(0.9).add_(grads[2], alpha=0.9))
+    for index in (1, 3):  # created from the grad, as on an untouched optimizer
+        assert buffers[index] is not placeholders[index]
+        assert torch.equal(buffers[index], grads[index])
 
 
 def test_a_copy_made_before_the_first_step_treats_the_placeholders_as_real() -> None:

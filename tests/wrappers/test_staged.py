@@ -450,6 +450,7 @@ def test_same_holder_reached_twice_is_staged_once() -> None:
     chained = chained_optimizer([distributed(holder), distributed(holder)])
     decisions = staging_decisions(chained)
     assert [d.reason for d in decisions] == ["eligible", "already staged"]
+    assert [(d.index, d.eligible) for d in decisions] == [(0, True), (1, False)]
     with staged_save(chained) as stats:
         holder.state_dict()
     assert stats.staged_holders == 1
@@ -863,6 +864,10 @@ def test_dtensor_params_are_handed_through_unstaged(tmp_path: Any) -> None:
             staged = stack.state_dict()
         assert stack.last_stats.passthrough_reads == 2
         assert stack.last_stats.chunked_reads == 0 and probe.peak_extra_bytes == 0
+        with staged_save(opt) as stats:  # a call by keyword is handed through as it is
+            by_keyword = opt.get_unscaled_state(param=p, state_name="exp_avg")
+        assert stats.passthrough_reads == 1
+        assert torch.equal(by_keyword.full_tensor(), bare["state"][0]["exp_avg"].full_tensor())
         for name in ("exp_avg", "exp_avg_sq"):
             value = staged["state"][0][name]
             assert type(value) is type(bare["state"][0][name])

@@ -20,6 +20,10 @@ __all__ = ["DeviceScratch", "PinnedPool", "copy_chunks_through_pinned"]
 _FP32 = torch.float32
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 class DeviceScratch:
     """The device buffer a chunked read decodes into: one chunk at most, one at a time.
 
@@ -36,7 +40,6 @@ class DeviceScratch:
     def __init__(self, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
         self._buffer: torch.Tensor | None = None
-        self._bytes = 0
 
     def chunk_numel(self, dtype: torch.dtype) -> int:
         return max(1, self.chunk_bytes // torch.empty((), dtype=dtype).element_size())
@@ -54,15 +57,13 @@ class DeviceScratch:
         self.close()  # release before allocating: one buffer alive at a time
         buffer = torch.empty(numel, dtype=dtype, device=device)
         self._buffer = buffer
-        self._bytes = buffer.numel() * buffer.element_size()
-        device_ledger.allocate(self._bytes)
+        device_ledger.allocate(_nbytes(buffer))
         return buffer
 
     def close(self) -> None:
-        if self._buffer is not None:
-            self._buffer = None
-            device_ledger.release(self._bytes)
-            self._bytes = 0
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            device_ledger.release(_nbytes(buffer))
 
 
 class PinnedPool:

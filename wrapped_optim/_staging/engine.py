@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -187,10 +186,9 @@ def staging_decisions(stack: Any) -> list[LeafDecision]:
 # Save staging
 # --------------------------------------------------------------------------------------
 def _stored_state(holder: Any, param: torch.Tensor, name: str) -> torch.Tensor | None:
-    state = getattr(holder, "state", None)
     try:
-        stored = state[param][name] if state is not None else None
-    except (KeyError, TypeError):
+        stored = holder.state[param][name]
+    except (AttributeError, KeyError, TypeError):  # no state (None or absent), none for param
         return None
     # The expansion has the parameter's shape; the storage may be smaller (block-scaled
     # codes: a byte or half a byte per value), never larger.
@@ -483,7 +481,7 @@ def _no_copy_gate(leaf: LeafContext) -> str | None:
     mapping = _dtype_map(inner)
     if mapping is None or not callable(getattr(inner, "set_scaled_state", None)):
         return f"{type(inner).__name__} is not a precision-aware holder"
-    if not callable(getattr(inner, "load_state_dict", None)):
+    if not callable(inner.load_state_dict):  # a torch optimizer's, unless replaced
         return f"{type(inner).__name__} has no load_state_dict"
     if getattr(inner, "master_weights", False):
         return "master_weights is on"
@@ -492,7 +490,7 @@ def _no_copy_gate(leaf: LeafContext) -> str | None:
     for name in sorted(_ADAM_MOMENTS):
         if mapping.get(name, _FP32) != _FP32:
             return f"{name} is stored as {mapping[name]}, not FP32"
-    for group in getattr(inner, "param_groups", []):
+    for group in inner.param_groups:  # a distributed optimizer's leaf: a torch optimizer
         for param in group["params"]:
             if param.dtype != _FP32:
                 return f"a parameter is {param.dtype}, not FP32"
@@ -594,13 +592,3 @@ def fp32_no_copy_load(stack: Any, *, stats: StagingStats | None = None) -> Itera
     finally:
         if stats.adoptions > adoptions_before:
             _release_allocator_cache()
-
-
-def chunk_count(numel: int, chunk_bytes: int, itemsize: int = 4) -> int:
-    """How many chunks of ``chunk_bytes`` a state of ``numel`` elements is staged in.
-
-    Example:
-        >>> chunk_count(10, 16)
-        3
-    """
-    return math.ceil(numel / max(1, chunk_bytes // itemsize)) if numel else 0
