@@ -121,3 +121,16 @@ def test_list_shows_every_format(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for name in ("torch-save", "dcp", "dcp-flat", "dcp-streaming"):
         assert f"\n{name} " in f"\n{out}"
+
+
+def test_param_remainders_is_refused_for_a_source_without_remainders(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src, dst = checkpoint / "optimizer.pt", checkpoint / "dcp"
+    spec = f"{checkpoint / 'mymodel.py'}:build"
+    argv = ["convert", str(src), str(dst), "--to", "dcp", "--model", spec, "--param-remainders"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "param_remainders: a torch-save source" in err
+    assert "megatron-fully-reshardable" in err
+    assert not dst.exists()

@@ -165,6 +165,7 @@ def run_convert(args: argparse.Namespace) -> int:
             moments=getattr(args, "moments", None),
             master=getattr(args, "master", None),
             layout=getattr(args, "layout", None),
+            param_remainders=getattr(args, "param_remainders", False),
             source_format=getattr(args, "source_format", None),
             location=getattr(args, "location", None),
             under=getattr(args, "under", None),
@@ -293,6 +294,12 @@ def _add_convert_command(commands: Any) -> None:
         "--layout",
         choices=["torch", "precision-aware"],
         help="state-dict layout of the destination (default: the source's)",
+    )
+    convert.add_argument(
+        "--param-remainders",
+        action="store_true",
+        help="the source keeps FP32 masters as bf16 weights plus int16 remainders "
+        "(store_param_remainders): rebuild them (megatron-fully-reshardable)",
     )
     convert.add_argument("--location", help="which optimizer, where the source holds several")
     convert.add_argument("--under", help="DCP destination: the key to put the state under")

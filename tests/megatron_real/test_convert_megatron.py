@@ -439,3 +439,45 @@ def test_precision_aware_remainders_rebuild_the_fp32_master_bitwise(
     assert torch.equal(plain.read(name, MASTER).reshape(-1), live[f"module.{name}/param"].float())
     plain.close()
     reader.close()
+
+
+def test_cli_param_remainders_carries_the_rebuilt_master_to_dcp(
+    precision: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from wrapped_optim._cli import main
+    from wrapped_optim._formats.remainders import join_master
+    from wrapped_optim.checkpoint._convert._formats import get_format
+    from wrapped_optim.checkpoint._convert._options import FormatOptions
+
+    src, out = precision["ckpt"] / "dist", tmp_path / "dcp"
+    argv = ["convert", str(src), str(out), "--to", "dcp", "--no-progress", "--verify"]
+    assert main([*argv, "--param-remainders"]) == 0
+    assert "megatron-fully-reshardable -> dcp" in capsys.readouterr().out
+    saved = precision["saved"]
+    live = whole_model_space([rank["space"] for rank in saved])
+    weights = saved[0]["weights"]
+    dcp_format = get_format("dcp")
+    assert dcp_format.reader is not None
+    written = dcp_format.reader(out, FormatOptions())
+    try:
+        params = written.index().params
+        assert params
+        for param in params:
+            remainder = live[f"module.{param.name}/param"]
+            master = join_master(weights[param.name].reshape(-1), remainder)
+            got = written.read(param.name, MASTER)
+            assert got.dtype == torch.float32
+            assert mismatches({"m": master}, {"m": got.reshape(-1)}) == [], param.name
+    finally:
+        written.close()
+    # Without the flag the destination would hold the remainders as masters: the CLI's
+    # output differs, which is what the flag is for.
+    plain = tmp_path / "plain"
+    assert main([*argv[:2], str(plain), *argv[3:]]) == 0
+    other = dcp_format.reader(plain, FormatOptions())
+    try:
+        name = other.index().params[0].name
+        stored = live[f"module.{name}/param"].float()
+        assert torch.equal(other.read(name, MASTER).reshape(-1), stored)
+    finally:
+        other.close()

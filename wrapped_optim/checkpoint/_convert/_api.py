@@ -18,7 +18,12 @@ import torch
 from wrapped_optim.checkpoint._commit import CheckpointCommit, resolve_checkpoint_path
 from wrapped_optim.checkpoint._convert._canonical import StateIndex, StateReader
 from wrapped_optim.checkpoint._convert._errors import ConversionError
-from wrapped_optim.checkpoint._convert._formats import Format, detect_format, get_format
+from wrapped_optim.checkpoint._convert._formats import (
+    Format,
+    detect_format,
+    get_format,
+    known_formats,
+)
 from wrapped_optim.checkpoint._convert._names import ParameterNames, as_names, names_from_model
 from wrapped_optim.checkpoint._convert._options import FormatOptions
 from wrapped_optim.checkpoint._convert._transforms import (
@@ -114,7 +119,13 @@ def _stderr_progress() -> Progress:
 
 
 def _options(
-    names: Any, model: Any, dp: int | None, trusted: bool, location: str | None, layout: Any
+    names: Any,
+    model: Any,
+    dp: int | None,
+    trusted: bool,
+    location: str | None,
+    layout: Any,
+    param_remainders: bool = False,
 ) -> FormatOptions:
     if model is not None and names is not None:
         raise TypeError("pass model= or names=, not both")
@@ -131,6 +142,7 @@ def _options(
         trusted=trusted,
         location=location,
         flavour=layout,
+        param_remainders=param_remainders,
     )
 
 
@@ -173,6 +185,7 @@ def convert(
     moments: Literal["fp32", "bf16", "fp16", "fp8"] | None = None,
     master: Literal["fp32", "fp16", "none"] | None = None,
     layout: Literal["torch", "precision-aware"] | None = None,
+    param_remainders: bool = False,
     source_format: str | None = None,
     location: str | None = None,
     under: str | None = None,
@@ -203,6 +216,10 @@ def convert(
         layout: the destination's state-dict layout: torch.optim's (a ``step`` per
             parameter) or ``precision-aware`` (TE FusedAdam's portable format,
             ``PrecisionAwareAdamW``'s); default: the source's.
+        param_remainders: the source (a ``megatron-fully-reshardable`` checkpoint of a
+            precision-aware run with ``store_param_remainders``) holds int16 remainders
+            where the FP32 main param would be: rebuild each master, exactly, from its
+            remainder and the bf16 model weight saved beside it.
         source_format: the source's format, when detection should not decide.
         location: which optimizer, in a checkpoint holding several (as ``inspect`` names
             them).
@@ -250,7 +267,13 @@ def convert(
             f"dp={dp}: {target.name} holds whole tensors, which load at any data-parallel "
             "size; dp applies to formats sharded by DP rank"
         )
-    options = _options(names, model, dp, trusted, location, layout)
+    if param_remainders and not source.remainders:
+        raise ConversionError(
+            f"param_remainders: a {source.name} source keeps no int16 remainders to rebuild "
+            "masters from; the option applies to "
+            + ", ".join(f.name for f in known_formats() if f.remainders)
+        )
+    options = _options(names, model, dp, trusted, location, layout, param_remainders)
     reader = source.reader(Path(src), attrs.evolve(options, location=location))
     try:
         index, changes = plan(reader.index(), moments=moments, master=master)

@@ -59,6 +59,8 @@ class Format:
             plain DCP sets a higher one).
         sharded: the writer lays state out for a data-parallel size (``dp_size`` /
             ``--dp``); a format of whole tensors loads at any DP size and refuses ``dp``.
+        remainders: the reader rebuilds FP32 masters kept as bf16 weights plus int16
+            remainders (``FormatOptions.param_remainders``); others refuse the option.
     """
 
     name: str
@@ -69,6 +71,7 @@ class Format:
     directory: bool
     priority: int = 0
     sharded: bool = False
+    remainders: bool = False
 
 
 _FORMAT_MODULES = (

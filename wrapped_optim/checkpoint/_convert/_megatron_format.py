@@ -27,7 +27,9 @@ __all__ = ["FORMATS"]
 
 
 def _reader(path: Path, options: FormatOptions) -> MegatronFullyReshardableReader:
-    return MegatronFullyReshardableReader(path, key=options.location or "optimizer")
+    return MegatronFullyReshardableReader(
+        path, key=options.location or "optimizer", param_remainders=options.param_remainders
+    )
 
 
 def _writer(path: Path, options: FormatOptions) -> MegatronFullyReshardableWriter:
@@ -55,7 +57,9 @@ def _detects(name: str) -> Callable[[Path], bool]:
     return lambda path: path.is_dir() and detect_megatron(path) == name
 
 
-def _format(name: str, summary: str, reader: ReaderFactory, writer: Any = None) -> Format:
+def _format(
+    name: str, summary: str, reader: ReaderFactory, writer: Any = None, remainders: bool = False
+) -> Format:
     return Format(
         name=name,
         summary=summary,
@@ -64,6 +68,7 @@ def _format(name: str, summary: str, reader: ReaderFactory, writer: Any = None) 
         detect=_detects(name),
         directory=True,
         priority=10,  # before the plain DCP check
+        remainders=remainders,
     )
 
 
@@ -74,6 +79,7 @@ FORMATS = (
         "are the model's sharded keys)",
         _reader,
         _writer,
+        remainders=True,
     ),
     _format(
         DP_RESHARDABLE,

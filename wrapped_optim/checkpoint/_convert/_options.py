@@ -32,6 +32,9 @@ class FormatOptions:
         flavour: the state-dict layout a writer of that shape writes: torch.optim's
             (``step`` per parameter) or the precision-aware one (TE FusedAdam's portable
             format: the step in each group); None keeps the source's.
+        param_remainders: the source keeps each FP32 master as the bf16 model weight plus
+            an int16 remainder (``store_param_remainders``); a reader that can, rebuilds the
+            master from both.
     """
 
     names: tuple[str, ...] | None = attrs.field(default=None, converter=_names)
@@ -40,3 +43,4 @@ class FormatOptions:
     trusted: bool = False
     location: str | None = None
     flavour: Literal["torch", "precision-aware"] | None = None
+    param_remainders: bool = False
