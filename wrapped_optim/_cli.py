@@ -287,7 +287,13 @@ def _add_convert_command(commands: Any) -> None:
     convert.add_argument("--list", action="store_true", help="list the formats and exit")
     convert.add_argument("--model", metavar="MODULE:CALLABLE", help=_MODEL_HELP)
     convert.add_argument("--names", metavar="FILE", help="a names file (wrapped-optim names)")
-    convert.add_argument("--dp", type=int, metavar="N", help="DP size of a sharded destination")
+    convert.add_argument(
+        "--dp",
+        type=int,
+        metavar="N",
+        help="DP size of a sharded destination; with --moments fp8, of the run that loads it "
+        "(one FP8 scale per DP shard)",
+    )
     convert.add_argument("--moments", choices=["fp32", "bf16", "fp16", "fp8"])
     convert.add_argument("--master", choices=["fp32", "fp16", "none"])
     convert.add_argument(

@@ -21,6 +21,7 @@ from wrapped_optim.checkpoint._convert._megatron_bucketed import (
 )
 from wrapped_optim.checkpoint._convert._megatron_buckets import ParamList
 from wrapped_optim.checkpoint._convert._megatron_files import MegatronFormatError
+from wrapped_optim.checkpoint._convert._megatron_scales import megatron_fp8_pieces
 from wrapped_optim.checkpoint._convert._options import FormatOptions
 
 __all__ = ["FORMATS"]
@@ -69,6 +70,7 @@ def _format(
         directory=True,
         priority=10,  # before the plain DCP check
         remainders=remainders,
+        fp8_scales=megatron_fp8_pieces if writer is not None else None,
     )
 
 
