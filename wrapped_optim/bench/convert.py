@@ -181,7 +181,13 @@ def _child(root: Path, case: str) -> None:
         seconds = time.perf_counter() - start
     print(json.dumps({"seconds": seconds, "hwm_growth": proc_status("VmHWM") - base,
                       "anon_growth": anon.peak - base_anon}))  # fmt: skip
-    shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink()
+    kept = root / "optimizer.pt"
+    if (src_fmt, dst_fmt) == ("dcp", "torch-save") and not kept.exists():
+        target.rename(kept)  # the torch-save source of later cases: no second conversion
+    elif target.is_dir():
+        shutil.rmtree(target, ignore_errors=True)
+    else:
+        target.unlink()
 
 
 def _evict(path: Path) -> None:
