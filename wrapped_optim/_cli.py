@@ -165,6 +165,7 @@ def run_convert(args: argparse.Namespace) -> int:
             moments=getattr(args, "moments", None),
             master=getattr(args, "master", None),
             layout=getattr(args, "layout", None),
+            param_remainders=getattr(args, "param_remainders", False),
             source_format=getattr(args, "source_format", None),
             location=getattr(args, "location", None),
             under=getattr(args, "under", None),
@@ -286,13 +287,25 @@ def _add_convert_command(commands: Any) -> None:
     convert.add_argument("--list", action="store_true", help="list the formats and exit")
     convert.add_argument("--model", metavar="MODULE:CALLABLE", help=_MODEL_HELP)
     convert.add_argument("--names", metavar="FILE", help="a names file (wrapped-optim names)")
-    convert.add_argument("--dp", type=int, metavar="N", help="DP size of a sharded destination")
+    convert.add_argument(
+        "--dp",
+        type=int,
+        metavar="N",
+        help="DP size of a sharded destination; with --moments fp8, of the run that loads it "
+        "(one FP8 scale per DP shard)",
+    )
     convert.add_argument("--moments", choices=["fp32", "bf16", "fp16", "fp8"])
     convert.add_argument("--master", choices=["fp32", "fp16", "none"])
     convert.add_argument(
         "--layout",
         choices=["torch", "precision-aware"],
         help="state-dict layout of the destination (default: the source's)",
+    )
+    convert.add_argument(
+        "--param-remainders",
+        action="store_true",
+        help="the source keeps FP32 masters as bf16 weights plus int16 remainders "
+        "(store_param_remainders): rebuild them (megatron-fully-reshardable)",
     )
     convert.add_argument("--location", help="which optimizer, where the source holds several")
     convert.add_argument("--under", help="DCP destination: the key to put the state under")

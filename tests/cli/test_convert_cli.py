@@ -121,3 +121,31 @@ def test_list_shows_every_format(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for name in ("torch-save", "dcp", "dcp-flat", "dcp-streaming"):
         assert f"\n{name} " in f"\n{out}"
+
+
+def test_param_remainders_is_refused_for_a_source_without_remainders(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src, dst = checkpoint / "optimizer.pt", checkpoint / "dcp"
+    spec = f"{checkpoint / 'mymodel.py'}:build"
+    argv = ["convert", str(src), str(dst), "--to", "dcp", "--model", spec, "--param-remainders"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "param_remainders: a torch-save source" in err
+    assert "megatron-fully-reshardable" in err
+    assert not dst.exists()
+
+
+def test_fp8_dp_is_refused_where_the_destination_keeps_whole_tensors(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src, dst = checkpoint / "optimizer.pt", checkpoint / "dcp"
+    spec = f"{checkpoint / 'mymodel.py'}:build"
+    argv = ["convert", str(src), str(dst), "--to", "dcp", "--model", spec]
+    assert main([*argv, "--moments", "fp8", "--dp", "2", "--allow-lossy"]) == 2
+    err = capsys.readouterr().err
+    assert "dp=2: dcp holds whole tensors" in err and "megatron-fully-reshardable" in err
+    assert not dst.exists()
+    assert main([*argv, "--moments", "fp8", "--allow-lossy", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("lossy ") == 8  # every moment of the 4 parameters, with its error

@@ -78,3 +78,65 @@ def test_lightning_checkpoint(tmp_path: Path) -> None:
     back = _round_trip(saved, tmp_path, names_from_model(model, optimizer), trusted=False)
     (expected,) = torch.load(saved, weights_only=False)["optimizer_states"]
     _same(expected, back)
+
+
+def test_accelerate_save_state_through_dcp_and_back_resumes_bitwise(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real Accelerate run's ``optimizer.bin``, converted by the command line to DCP,
+    loads into a torch optimizer bitwise; converted back and put in place of the original,
+    ``load_state`` resumes the run exactly as the uninterrupted one."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from docs.guides.examples import accelerate_loop
+    from docs.guides.examples.toy import build_model
+    from wrapped_optim._cli import main
+
+    built: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = []
+
+    def make(model: torch.nn.Module) -> torch.optim.Optimizer:
+        built.append((model, torch.optim.AdamW(model.parameters(), lr=1e-2)))
+        return built[-1][1]
+
+    run = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        final = accelerate_loop.train(make, epochs=2, checkpoint_dir=run, save_after=1)
+    uninterrupted = {n: p.detach().clone() for n, p in final.named_parameters()}
+    saved: dict[str, Any] = torch.load(run / "optimizer.bin", weights_only=True)
+    spec = "docs.guides.examples.toy:build_model"
+    dcp_dir, back = tmp_path / "dcp", tmp_path / "optimizer.bin"
+    common = ["--model", spec, "--verify", "--no-progress"]
+    assert main(["convert", str(run / "optimizer.bin"), str(dcp_dir), "--to", "dcp", *common]) == 0
+    assert "torch-save -> dcp" in capsys.readouterr().out
+
+    # DCP -> a fresh torch optimizer, by name, as FSDP2 / torchtitan load it.
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5)  # the loop's initial_lr
+    state = get_optimizer_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(dcp_dir), no_dist=True)
+    set_optimizer_state_dict(model, optimizer, state)
+    _same(saved, optimizer.state_dict())
+
+    # DCP -> optimizer.bin again, in place of Accelerate's own, and resumed by load_state.
+    assert main(["convert", str(dcp_dir), str(back), "--to", "torch-save", *common]) == 0
+    _same(saved, torch.load(back, weights_only=True))
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(run, resumed_dir)
+    shutil.copyfile(back, resumed_dir / "optimizer.bin")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed = accelerate_loop.train(
+            make, epochs=2, checkpoint_dir=resumed_dir, save_after=1, resume=True
+        )
+    for name, value in resumed.named_parameters():
+        assert torch.equal(value, uninterrupted[name]), name

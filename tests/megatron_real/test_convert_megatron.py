@@ -530,3 +530,192 @@ def test_precision_aware_remainders_rebuild_the_fp32_master_bitwise(
     assert torch.equal(plain.read(name, MASTER).reshape(-1), live[f"module.{name}/param"].float())
     plain.close()
     reader.close()
+
+
+def test_cli_param_remainders_carries_the_rebuilt_master_to_dcp(
+    precision: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from wrapped_optim._cli import main
+    from wrapped_optim._formats.remainders import join_master
+    from wrapped_optim.checkpoint._convert._formats import get_format
+    from wrapped_optim.checkpoint._convert._options import FormatOptions
+
+    src, out = precision["ckpt"] / "dist", tmp_path / "dcp"
+    argv = ["convert", str(src), str(out), "--to", "dcp", "--no-progress", "--verify"]
+    assert main([*argv, "--param-remainders"]) == 0
+    assert "megatron-fully-reshardable -> dcp" in capsys.readouterr().out
+    saved = precision["saved"]
+    live = whole_model_space([rank["space"] for rank in saved])
+    weights = saved[0]["weights"]
+    dcp_format = get_format("dcp")
+    assert dcp_format.reader is not None
+    written = dcp_format.reader(out, FormatOptions())
+    try:
+        params = written.index().params
+        assert params
+        for param in params:
+            remainder = live[f"module.{param.name}/param"]
+            master = join_master(weights[param.name].reshape(-1), remainder)
+            got = written.read(param.name, MASTER)
+            assert got.dtype == torch.float32
+            assert mismatches({"m": master}, {"m": got.reshape(-1)}) == [], param.name
+    finally:
+        written.close()
+    # Without the flag the destination would hold the remainders as masters: the CLI's
+    # output differs, which is what the flag is for.
+    plain = tmp_path / "plain"
+    assert main([*argv[:2], str(plain), *argv[3:]]) == 0
+    other = dcp_format.reader(plain, FormatOptions())
+    try:
+        name = other.index().params[0].name
+        stored = live[f"module.{name}/param"].float()
+        assert torch.equal(other.read(name, MASTER).reshape(-1), stored)
+    finally:
+        other.close()
+
+
+# --------------------------------------------------------------------------------------
+# FP8 moments across a DP change: each rank's shard of a parameter has its own scale under
+# Megatron's precision-aware optimizer, so the converter quantizes for the destination's
+# shards; the resumed run then holds exactly the values written.
+# --------------------------------------------------------------------------------------
+FP8_HIDDEN = 16  # first.weight straddles the two DP ranks' shares of the bucket
+
+
+def _fp8_run(rank: int, root: Path) -> dict[str, Any]:
+    from tests.megatron_real.precision_aware import build_precision_aware
+
+    with megatron_session():
+        model, optimizer = build_precision_aware("fp8_remainders", hidden=FP8_HIDDEN)
+        optimizer = route_optimizer(optimizer, "wrap")
+        train(model, optimizer, range(SAVE_AT), rank)
+        save(model, optimizer, root, "fully_reshardable")
+        params = [(n, tuple(p.shape)) for n, p in model.module.named_parameters()]
+        return {"params": params, "space": model_space_state(model, optimizer)}
+
+
+def _save_fp8(rank: int, world: int, root: str) -> dict[str, Any]:
+    """FP8-moment runs saved at DP 2, then (rank 0 alone) at DP 1."""
+    from tests.distributed.conftest import become_solo
+    from tests.megatron_real.precision_aware import install_te_stand_in
+
+    install_te_stand_in()
+    out = {"dp2": _fp8_run(rank, Path(root, "dp2"))}
+    become_solo(rank)
+    if rank == 0:
+        out["dp1"] = _fp8_run(0, Path(root, "dp1"))
+    return out
+
+
+def _resume_fp8_one(rank: int, model_dir: Path, optimizer_dir: Path) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    from tests.megatron_real.precision_aware import build_precision_aware
+
+    with megatron_session():
+        model, optimizer = build_precision_aware("fp8_remainders", 1, hidden=FP8_HIDDEN)
+        optimizer = route_optimizer(optimizer, "wrap")
+        model_sd = model.module.sharded_state_dict()
+        loaded = dist_checkpointing.load({"model": model_sd}, str(model_dir))
+        model.module.load_state_dict(loaded["model"])
+        model_sd = model.module.sharded_state_dict()
+        request = optimizer.sharded_state_dict(
+            model_sd, True, metadata=metadata("fully_reshardable")
+        )
+        state = dist_checkpointing.load({"optimizer": request}, str(optimizer_dir))
+        with torch.no_grad():
+            optimizer.load_state_dict(state["optimizer"])
+        return model_space_state(model, optimizer)
+
+
+def _resume_fp8(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The DP 1 save converted for DP 2, resumed on 2 ranks; then (rank 0 alone) the DP 2
+    save converted for DP 1."""
+    from tests.distributed.conftest import become_solo
+    from tests.megatron_real.precision_aware import install_te_stand_in
+
+    install_te_stand_in()
+    base = Path(root)
+    out = {"to2": _resume_fp8_one(rank, base / "dp1" / "dist", base / "to2")}
+    become_solo(rank)
+    if rank == 0:
+        out["to1"] = _resume_fp8_one(0, base / "dp2" / "dist", base / "to1")
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_moves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from wrapped_optim.checkpoint import ParameterNames, convert
+
+    root = tmp_path_factory.mktemp("convert_fp8")
+    launch = Launcher(root, cuda_shim=False, timeout_s=900)
+    saved = launch(_save_fp8, 2, str(root))
+    params = saved[0]["dp2"]["params"]
+    names = ParameterNames([n for n, _ in params], [s for _, s in params])
+    reports = {}
+    for label, source, dp in (("to2", "dp1", 2), ("to1", "dp2", 1)):
+        reports[label] = convert(
+            root / source / "dist",
+            root / label,
+            to=FULLY_RESHARDABLE,
+            moments="fp8",
+            dp=dp,
+            names=names,
+            allow_lossy=True,
+        )
+    resumed = launch(_resume_fp8, 2, str(root))
+    return {"root": root, "saved": saved, "names": names, "reports": reports, "resumed": resumed}
+
+
+@pytest.mark.parametrize("move", ["to2", "to1"])
+def test_fp8_moments_rescaled_for_the_destination_dp_resume_as_written(
+    fp8_moves: dict[str, Any], move: str
+) -> None:
+    root, report = fp8_moves["root"], fp8_moves["reports"][move]
+    spaces = [rank[move] for rank in fp8_moves["resumed"] if move in rank]
+    assert len(spaces) == (2 if move == "to2" else 1)
+    loaded = whole_model_space(spaces)
+    source = megatron_reader(root / ("dp1" if move == "to2" else "dp2") / "dist")
+    written = megatron_reader(root / move)
+    try:
+        params = written.index().params
+        assert params
+        for param in params:
+            for key in ("exp_avg", "exp_avg_sq"):
+                values = written.read(param.name, key).reshape(-1)
+                got = loaded[f"module.{param.name}/{key}"]
+                assert mismatches({"v": values}, {"v": got}) == [], (param.name, key)
+                before = source.read(param.name, key).reshape(-1).double()
+                error = float((values.double() - before).abs().max())
+                assert report.lossy[f"{param.name}:{key}"] == error
+    finally:
+        source.close()
+        written.close()
+
+
+def test_fp8_scales_follow_megatrons_dp_shards(fp8_moves: dict[str, Any]) -> None:
+    """The pieces are Megatron's own shards (each DP-2 rank's range of every parameter),
+    and one parameter at least straddles the ranks, so the layout decides its values."""
+    from wrapped_optim.checkpoint._convert._megatron_scales import megatron_fp8_pieces
+    from wrapped_optim.checkpoint._convert._options import FormatOptions
+    from wrapped_optim.checkpoint._convert._transforms import fp8_values
+
+    names = fp8_moves["names"]
+    written = megatron_reader(fp8_moves["root"] / "to2")
+    try:
+        index = written.index()
+        options = FormatOptions(names=names.names, shapes=names.shapes, dp_size=2)
+        pieces = megatron_fp8_pieces(index, options)
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for rank in fp8_moves["saved"]:  # the DP 2 run's own ranges, rank by rank
+            for key, (start, end, _) in rank["dp2"]["space"].items():
+                name, _, state = key.partition("/")
+                if state == "exp_avg" and end > start:
+                    ranges.setdefault(name.removeprefix("module."), []).append((start, end))
+        assert {n: tuple(sorted(r)) for n, r in ranges.items()} == pieces
+        split = [n for n, p in pieces.items() if len(p) > 1]
+        assert split, pieces
+        whole = fp8_values(written.read(split[0], "exp_avg"))
+        assert not torch.equal(whole, written.read(split[0], "exp_avg"))
+    finally:
+        written.close()

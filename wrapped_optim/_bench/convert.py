@@ -45,30 +45,66 @@ def _shapes(params: int) -> list[tuple[int, ...]]:
     return [(ROWS, COLS)] * count + [(COLS,)] * count
 
 
-def _write_sources(root: Path, params: int) -> tuple[int, int]:
-    import torch
-    import torch.distributed.checkpoint as dcp
+class _Synthetic:
+    """A random AdamW state handed out one tensor at a time (a canonical-form reader), so
+    the sources of any size are written without holding the state in memory."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], master: bool) -> None:
+        import torch
+
+        from wrapped_optim.checkpoint._convert._canonical import (
+            MASTER,
+            GroupRecord,
+            ParamRecord,
+            StateIndex,
+            TensorSpec,
+        )
+
+        keys = ("exp_avg", "exp_avg_sq", *((MASTER,) if master else ()))
+        self.names = [f"layers.{i}.weight" for i in range(len(shapes))]
+        params = [
+            ParamRecord(name, 0, shape, {k: TensorSpec(shape, torch.float32) for k in keys}, 10.0)
+            for name, shape in zip(self.names, shapes, strict=True)
+        ]
+        options = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+        self._index = StateIndex(params, [GroupRecord(options, self.names)], source="bench")
+        self._seed = {(name, key): 3 * i + j for i, name in enumerate(self.names)
+                      for j, key in enumerate(keys)}  # fmt: skip
+
+    def index(self) -> Any:
+        return self._index
+
+    def read(self, name: str, key: str) -> Any:
+        import torch
+
+        generator = torch.Generator().manual_seed(self._seed[name, key])
+        shape = self._index.param(name).shape
+        if key == "exp_avg_sq":
+            return torch.rand(shape, generator=generator)
+        return torch.randn(shape, generator=generator)
+
+    def close(self) -> None:
+        pass
+
+
+def _write_sources(root: Path, params: int, master: bool = False) -> tuple[int, int]:
+    """The DCP source (streamed, one tensor at a time) and the names file."""
+    from wrapped_optim.checkpoint._convert._dcp import DcpWriter
+    from wrapped_optim.checkpoint._convert._options import FormatOptions
 
     shapes = _shapes(params)
-    generator = torch.Generator().manual_seed(0)
-    state: dict[int, dict[str, Any]] = {}
-    for index, shape in enumerate(shapes):
-        state[index] = {
-            "step": torch.tensor(10.0),
-            "exp_avg": torch.randn(shape, generator=generator),
-            "exp_avg_sq": torch.rand(shape, generator=generator),
-        }
-    groups = [{"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
-               "params": list(range(len(shapes)))}]  # fmt: skip
-    names = [f"layers.{i}.weight" for i in range(len(shapes))]
-    torch.save({"state": state, "param_groups": groups}, root / "optimizer.pt")
-    by_name = {names[i]: v for i, v in state.items()}
-    groups_by_name = [{**groups[0], "params": names}]
-    dcp.save({"state": by_name, "param_groups": groups_by_name}, checkpoint_id=root / "dcp",
-             no_dist=True)  # fmt: skip
-    (root / "names.json").write_text(json.dumps(names))
-    total = sum(2 * 4 * _numel(s) for s in shapes)
-    return total, sum(_numel(s) for s in shapes)
+    synthetic = _Synthetic(shapes, master)
+    DcpWriter(root / "dcp", FormatOptions(), "dcp").write(synthetic.index(), synthetic)
+    (root / "names.json").write_text(json.dumps(synthetic.names))
+    per_param = 4 * (3 if master else 2)
+    return sum(per_param * _numel(s) for s in shapes), sum(_numel(s) for s in shapes)
+
+
+def _torch_save_source(root: Path) -> None:
+    """The ``torch.save`` source, converted from the DCP one (not timed)."""
+    from wrapped_optim.checkpoint import convert
+
+    convert(root / "dcp", root / "optimizer.pt", to="torch-save", names=root / "names.json")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -143,7 +179,13 @@ def _child(root: Path, case: str) -> None:
         seconds = time.perf_counter() - start
     print(json.dumps({"seconds": seconds, "hwm_growth": proc_status("VmHWM") - base,
                       "anon_growth": anon.peak - base_anon}))  # fmt: skip
-    shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink()
+    kept = root / "optimizer.pt"
+    if (src_fmt, dst_fmt) == ("dcp", "torch-save") and not kept.exists():
+        target.rename(kept)  # the torch-save source of later cases: no second conversion
+    elif target.is_dir():
+        shutil.rmtree(target, ignore_errors=True)
+    else:
+        target.unlink()
 
 
 def _evict(path: Path) -> None:
@@ -161,22 +203,38 @@ def _evict(path: Path) -> None:
 def _run_child(root: Path, case: str, cold: bool = False) -> dict[str, Any]:
     if cold:
         _evict(_source(root, case.partition(":")[0]))
+    load_before = os.getloadavg()[0]
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(128 << 10))
     cmd = [sys.executable, "-m", "wrapped_optim._bench.convert", "--child", str(root), case]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{case} failed:\n{out.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result["load"] = (load_before, os.getloadavg()[0])
     return result
 
 
-def _collect(params: int, rounds: int, cold: bool = False) -> dict[str, Any]:
+def _collect(
+    params: int,
+    rounds: int,
+    cold: bool = False,
+    master: bool = False,
+    cases: tuple[tuple[str, str], ...] = CASES,
+) -> dict[str, Any]:
+    """Runs ``cases``, those reading DCP first; the ``torch.save`` source is made (from the
+    DCP one, untimed) when a case first needs it, and the DCP source is deleted once no case
+    reads it, so the disk holds at most two copies of the state at a time."""
     with tempfile.TemporaryDirectory(dir=os.environ.get("WRAPPED_OPTIM_BENCH_DIR")) as tmp:
         root = Path(tmp)
-        state_bytes, params = _write_sources(root, params)
+        state_bytes, params = _write_sources(root, params, master)
         largest = 4 * ROWS * COLS
+        ordered = sorted(cases, key=lambda case: case[0] != "dcp")
         rows = []
-        for src, dst in CASES:
+        for number, (src, dst) in enumerate(ordered):
+            if src == "torch-save" and not (root / "optimizer.pt").exists():
+                _torch_save_source(root)
+            if all(later != "dcp" for later, _ in ordered[number:]) and (root / "dcp").exists():
+                shutil.rmtree(root / "dcp")
             best: dict[str, dict[str, Any]] = {}
             for _ in range(rounds):
                 for kind in ("copy", dst):
@@ -185,7 +243,7 @@ def _collect(params: int, rounds: int, cold: bool = False) -> dict[str, Any]:
                         best[kind] = result
             rows.append({"source": src, "target": dst, "convert": best[dst], "copy": best["copy"]})
     return {"params": params, "state_bytes": state_bytes, "largest": largest, "rows": rows,
-            "cold": cold, "load": os.getloadavg()[0]}  # fmt: skip
+            "cold": cold, "master": master, "load": os.getloadavg()[0]}  # fmt: skip
 
 
 def _render(data: dict[str, Any]) -> str:
@@ -194,22 +252,30 @@ def _render(data: dict[str, Any]) -> str:
         "## Converting optimizer checkpoints",
         "",
         f"AdamW state of {data['params'] / 1e6:,.0f}M parameters: "
-        f"{data['state_bytes'] / mib:,.0f} MiB of moments, largest tensor "
+        f"{data['state_bytes'] / mib:,.0f} MiB of moments"
+        f"{' and FP32 masters' if data.get('master') else ''}, largest tensor "
         f"{data['largest'] / mib:,.0f} MiB. Best of the rounds, each in a fresh process, the "
         f"source {'cold (evicted from the page cache)' if data.get('cold') else 'warm'}; "
         f"load average {data.get('load', 0.0):.1f} at the end.",
         "",
-        "| conversion | convert s | copy s | ratio | peak RSS growth | peak anonymous growth |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| conversion | convert s | copy s | ratio | peak RSS growth | peak anonymous growth "
+        "| load average (convert; copy) |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in data["rows"]:
         conv, copy = row["convert"], row["copy"]
         lines.append(
             f"| `{row['source']}` -> `{row['target']}` | {conv['seconds']:.2f} | "
             f"{copy['seconds']:.2f} | {conv['seconds'] / copy['seconds']:.2f}x | "
-            f"{conv['hwm_growth'] / mib:,.0f} MiB | {conv['anon_growth'] / mib:,.0f} MiB |"
+            f"{conv['hwm_growth'] / mib:,.0f} MiB | {conv['anon_growth'] / mib:,.0f} MiB | "
+            f"{_load(conv)}; {_load(copy)} |"
         )
     return "\n".join(lines)
+
+
+def _load(result: dict[str, Any]) -> str:
+    before, after = result.get("load", (0.0, 0.0))
+    return f"{before:.1f} -> {after:.1f}"
 
 
 def run(quick: bool = False, rounds: int | None = None, cold: bool = False) -> str:
@@ -225,12 +291,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cold", action="store_true", help="read every source from disk")
+    parser.add_argument("--master", action="store_true", help="an FP32 master per parameter too")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="SRC:DST",
+        help="the conversions to run (default: " + " ".join(f"{a}:{b}" for a, b in CASES) + ")",
+    )
     args = parser.parse_args(argv)
     if args.child:
         _child(Path(args.child[0]), args.child[1])
         return
+    cases = tuple(tuple(c.split(":", 1)) for c in args.cases) if args.cases else CASES
     if args.params:
-        print(_render(_collect(args.params, args.rounds or 2, args.cold)))
+        data = _collect(args.params, args.rounds or 2, args.cold, args.master, cases)
+        print(_render(data))
     else:
         print(run(args.quick, args.rounds, args.cold))
 

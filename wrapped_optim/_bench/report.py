@@ -516,7 +516,8 @@ def render_report(
         parts += [
             f"Measured by hand, outside these topics: [{BY_HAND_PAGE}]({TOPIC_DIR}/{BY_HAND_PAGE})"
             " (the every-step stale-master watch, the CPU kernel and the demo on a busy machine,"
-            " the staged save on Megatron's precision-aware DistributedOptimizer).",
+            " the staged save on Megatron's precision-aware DistributedOptimizer, the checkpoint"
+            " converter at 92M and 1.5B parameters).",
             "",
         ]
     if plots_note:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
@@ -26,6 +26,7 @@ from tests.cpu_peak import SLACK, peak_cpu_bytes
 from wrapped_optim.checkpoint import (
     ConversionError,
     OptimizerCheckpointError,
+    ParameterNames,
     convert,
     load_optimizer,
     names_from_model,
@@ -333,21 +334,67 @@ def test_lossy_moments_are_refused_then_reported(tmp_path: Path) -> None:
     )
 
 
-def test_fp8_moments_hold_e4m3_values_with_a_per_tensor_scale(tmp_path: Path) -> None:
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), exponent=st.integers(-30, 10))
+@example(seed=0, exponent=0)  # a tensor whose first E4M3 values do not survive TE's reload
+def test_fp8_moments_load_into_an_fp8_optimizer_as_written(seed: int, exponent: int) -> None:
+    """The converted values are what an FP8-moment PrecisionAwareAdamW holds after loading
+    them, and what TE's plain ``amax / 448`` re-quantization on load keeps bit for bit; the
+    report's error is the largest distance from the source."""
+    import tempfile
+
     from wrapped_optim._formats.codecs import FP8_E4M3, decode, encode
 
-    model = Model([(16,)], torch.float32)
+    def e4m3(x: torch.Tensor) -> torch.Tensor:
+        stored, scale = encode(x, FP8_E4M3)
+        return decode(stored, FP8_E4M3, scale)
+
+    model = Model([(3, 40), (7,)], torch.float32)
+    source = PrecisionAwareAdamW(model.parameters())
+    train(model, source, 1, seed=1)
+    state = source.state_dict()
+    g = torch.Generator().manual_seed(seed)
+    for entry in state["state"].values():
+        entry["exp_avg"] = torch.randn(entry["exp_avg"].shape, generator=g) * 2.0**exponent
+        entry["exp_avg_sq"] = torch.rand(entry["exp_avg_sq"].shape, generator=g) * 2.0**exponent
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(state, Path(tmp, "a.pt"))
+        report = convert(
+            Path(tmp, "a.pt"), Path(tmp, "b.pt"), to="torch-save", moments="fp8", allow_lossy=True
+        )
+        written = torch.load(Path(tmp, "b.pt"))
+    fp8 = PrecisionAwareAdamW(
+        model.parameters(), exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8
+    )
+    fp8.load_state_dict(written)
+    loaded = fp8.state_dict()
+    for index, entry in state["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = written["state"][index][key]
+            assert got.dtype == torch.float32
+            assert bits_equal(loaded["state"][index][key], got), (index, key)
+            assert bits_equal(e4m3(got), got), (index, key)  # TE's reload keeps it
+            once = e4m3(entry[key])
+            assert torch.allclose(got, once, rtol=2**-20, atol=0), (index, key)  # one scale
+            error = float((got.double() - entry[key].double()).abs().max())
+            assert report.lossy[f"{index}:{key}"] == error
+
+
+def test_fp8_scales_per_dp_shard_only_where_the_destination_keeps_them(tmp_path: Path) -> None:
+    model = Model([(4, 50)], torch.float32)
     opt = make_optimizer("adamw", model, 1)
     train(model, opt, 1, seed=1)
     torch.save(opt.state_dict(), tmp_path / "a.pt")
-    report = convert(
-        tmp_path / "a.pt", tmp_path / "b.pt", to="torch-save", moments="fp8", allow_lossy=True
-    )
-    source = opt.state_dict()["state"][0]["exp_avg"]
-    expected = decode(*encode(source, FP8_E4M3)[:1], FP8_E4M3, encode(source, FP8_E4M3)[1])
-    got = torch.load(tmp_path / "b.pt")["state"][0]["exp_avg"]
-    assert got.dtype == torch.float32 and bits_equal(got, expected)
-    assert 0 < report.lossy["0:exp_avg"] <= float(source.abs().max()) / 16
+    names = ParameterNames(["0"], [(4, 50)])
+    with pytest.raises(ConversionError, match=r"dp=2: dcp holds whole tensors.*megatron-fully"):
+        convert(tmp_path / "a.pt", tmp_path / "b", to="dcp", moments="fp8", dp=2,
+                allow_lossy=True, names=names)  # fmt: skip
+    with pytest.raises(ConversionError, match=r"dp=2: dcp holds whole tensors"):
+        convert(tmp_path / "a.pt", tmp_path / "b", to="dcp", dp=2, names=names)
+    with pytest.raises(ConversionError, match=r"DP 2.*name it"):
+        convert(tmp_path / "a.pt", tmp_path / "c", to="megatron-fully-reshardable",
+                moments="fp8", dp=2, allow_lossy=True)  # fmt: skip
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
 def test_dropping_the_master_is_lossy(tmp_path: Path) -> None:

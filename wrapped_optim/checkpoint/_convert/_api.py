@@ -18,7 +18,12 @@ import torch
 from wrapped_optim.checkpoint._commit import CheckpointCommit, resolve_checkpoint_path
 from wrapped_optim.checkpoint._convert._canonical import StateIndex, StateReader
 from wrapped_optim.checkpoint._convert._errors import ConversionError
-from wrapped_optim.checkpoint._convert._formats import Format, detect_format, get_format
+from wrapped_optim.checkpoint._convert._formats import (
+    Format,
+    detect_format,
+    get_format,
+    known_formats,
+)
 from wrapped_optim.checkpoint._convert._names import ParameterNames, as_names, names_from_model
 from wrapped_optim.checkpoint._convert._options import FormatOptions
 from wrapped_optim.checkpoint._convert._transforms import (
@@ -114,7 +119,13 @@ def _stderr_progress() -> Progress:
 
 
 def _options(
-    names: Any, model: Any, dp: int | None, trusted: bool, location: str | None, layout: Any
+    names: Any,
+    model: Any,
+    dp: int | None,
+    trusted: bool,
+    location: str | None,
+    layout: Any,
+    param_remainders: bool = False,
 ) -> FormatOptions:
     if model is not None and names is not None:
         raise TypeError("pass model= or names=, not both")
@@ -135,6 +146,7 @@ def _options(
         location=location,
         flavour=layout,
         dtypes=dtypes,
+        param_remainders=param_remainders,
     )
 
 
@@ -177,6 +189,7 @@ def convert(
     moments: Literal["fp32", "bf16", "fp16", "fp8"] | None = None,
     master: Literal["fp32", "fp16", "none"] | None = None,
     layout: Literal["torch", "precision-aware"] | None = None,
+    param_remainders: bool = False,
     source_format: str | None = None,
     location: str | None = None,
     under: str | None = None,
@@ -200,13 +213,22 @@ def convert(
         model: a model (or ``(model, optimizer)``) naming the parameters of index-keyed
             checkpoints (``torch.save`` state dicts, ``dcp-streaming``).
         names: the same from ``names_from_model``, a names file, or a list of names.
-        dp: the data-parallel size a sharded destination is written for.
+        dp: the data-parallel size a sharded destination is written for; with
+            ``moments="fp8"``, the DP size of the run that loads the destination, where its
+            optimizer keeps a scale per DP shard (Megatron's distributed optimizer: name the
+            model too).
         moments: store ``exp_avg``/``exp_avg_sq`` as fp32, bf16, fp16, or fp8 (values of
-            an FP8 E4M3 store with a per-tensor scale, kept as their FP32 expansion).
+            an FP8 E4M3 store with TE's per-tensor scale, recomputed from the FP32 values
+            for each piece the destination's optimizer holds, kept as their FP32
+            expansion; an FP8 source moving to another DP size is re-scaled this way).
         master: keep the master as fp32 or fp16, or drop it (``none``).
         layout: the destination's state-dict layout: torch.optim's (a ``step`` per
             parameter) or ``precision-aware`` (TE FusedAdam's portable format,
             ``PrecisionAwareAdamW``'s); default: the source's.
+        param_remainders: the source (a ``megatron-fully-reshardable`` checkpoint of a
+            precision-aware run with ``store_param_remainders``) holds int16 remainders
+            where the FP32 main param would be: rebuild each master, exactly, from its
+            remainder and the bf16 model weight saved beside it.
         source_format: the source's format, when detection should not decide.
         location: which optimizer, in a checkpoint holding several (as ``inspect`` names
             them).
@@ -249,22 +271,35 @@ def convert(
         raise ConversionError(
             f"the converter cannot {'read' if which == source.name else 'write'} {which}"
         )
-    if dp is not None and not target.sharded:
+    scaled_by_shard = moments == "fp8" and target.fp8_scales is not None
+    if dp is not None and not target.sharded and not scaled_by_shard:
         raise ConversionError(
             f"dp={dp}: {target.name} holds whole tensors, which load at any data-parallel "
-            "size; dp applies to formats sharded by DP rank"
+            "size; dp applies to formats sharded by DP rank, and to fp8 moments for a "
+            "runtime that keeps a scale per DP shard ("
+            + ", ".join(f.name for f in known_formats() if f.fp8_scales is not None)
+            + ")"
         )
-    options = _options(names, model, dp, trusted, location, layout)
+    if param_remainders and not source.remainders:
+        raise ConversionError(
+            f"param_remainders: a {source.name} source keeps no int16 remainders to rebuild "
+            "masters from; the option applies to "
+            + ", ".join(f.name for f in known_formats() if f.remainders)
+        )
+    options = _options(names, model, dp, trusted, location, layout, param_remainders)
     reader = source.reader(Path(src), attrs.evolve(options, location=location))
     try:
         index, changes = plan(reader.index(), moments=moments, master=master)
         if not allow_lossy:
             refuse_lossy(changes, target.name)
-        transformed = TransformingReader(reader, index, changes)
+        write_options = attrs.evolve(options, location=under)
+        pieces = None
+        if scaled_by_shard and dp is not None and target.fp8_scales is not None:
+            pieces = target.fp8_scales(index, write_options)
+        transformed = TransformingReader(reader, index, changes, pieces)
         shown = _stderr_progress() if progress is True else (progress or None)
         counting = _Counting(transformed, index, shown)
         destination = resolve_checkpoint_path(dst)
-        write_options = attrs.evolve(options, location=under)
         with _staged(destination, target.directory) as staging:
             target.writer(staging, write_options).write(index, counting)
         transformed.dropped_errors()

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
 
-from wrapped_optim.checkpoint._convert._canonical import StateReader, StateWriter
+from wrapped_optim.checkpoint._convert._canonical import StateIndex, StateReader, StateWriter
 from wrapped_optim.checkpoint._convert._errors import ConversionError
 from wrapped_optim.checkpoint._convert._options import FormatOptions
 
@@ -42,6 +42,7 @@ __all__ = ["Format", "detect_format", "get_format", "known_formats", "register_f
 
 ReaderFactory = Callable[[Path, FormatOptions], StateReader]
 WriterFactory = Callable[[Path, FormatOptions], StateWriter]
+ScalePieces = Callable[[StateIndex, FormatOptions], Mapping[str, Sequence[tuple[int, int]]]]
 
 
 @attrs.frozen
@@ -59,6 +60,14 @@ class Format:
             plain DCP sets a higher one).
         sharded: the writer lays state out for a data-parallel size (``dp_size`` /
             ``--dp``); a format of whole tensors loads at any DP size and refuses ``dp``.
+        remainders: the reader rebuilds FP32 masters kept as bf16 weights plus int16
+            remainders (``FormatOptions.param_remainders``); others refuse the option.
+        fp8_scales: where the runtime that loads this format at ``FormatOptions.dp_size``
+            keeps one FP8 scale: per parameter, the flat ranges of its elements each rank's
+            optimizer holds as one tensor. ``moments="fp8"`` with ``dp`` quantizes by them;
+            None: the whole tensor (a runtime that keeps whole parameters), and ``dp``
+            refused for a format that is not ``sharded``. A sharded format whose runtime
+            keeps a scale per shard sets it.
     """
 
     name: str
@@ -69,6 +78,8 @@ class Format:
     directory: bool
     priority: int = 0
     sharded: bool = False
+    remainders: bool = False
+    fp8_scales: ScalePieces | None = None
 
 
 _FORMAT_MODULES = (

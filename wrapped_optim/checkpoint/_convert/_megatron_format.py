@@ -25,13 +25,16 @@ from wrapped_optim.checkpoint._convert._megatron_bucketed import (
 )
 from wrapped_optim.checkpoint._convert._megatron_buckets import ParamList
 from wrapped_optim.checkpoint._convert._megatron_files import MegatronFormatError
+from wrapped_optim.checkpoint._convert._megatron_scales import megatron_fp8_pieces
 from wrapped_optim.checkpoint._convert._options import FormatOptions
 
 __all__ = ["FORMATS"]
 
 
 def _reader(path: Path, options: FormatOptions) -> MegatronFullyReshardableReader:
-    return MegatronFullyReshardableReader(path, key=options.location or "optimizer")
+    return MegatronFullyReshardableReader(
+        path, key=options.location or "optimizer", param_remainders=options.param_remainders
+    )
 
 
 def _writer(path: Path, options: FormatOptions) -> MegatronFullyReshardableWriter:
@@ -74,7 +77,13 @@ def _detects(name: str) -> Callable[[Path], bool]:
 
 
 def _format(
-    name: str, summary: str, reader: ReaderFactory, writer: Any = None, *, sharded: bool = False
+    name: str,
+    summary: str,
+    reader: ReaderFactory,
+    writer: Any = None,
+    *,
+    sharded: bool = False,
+    remainders: bool = False,
 ) -> Format:
     return Format(
         name=name,
@@ -85,6 +94,8 @@ def _format(
         directory=True,
         priority=10,  # before the plain DCP check
         sharded=sharded,
+        remainders=remainders,
+        fp8_scales=megatron_fp8_pieces if writer is not None else None,
     )
 
 
@@ -95,6 +106,7 @@ FORMATS = (
         "are the model's sharded keys)",
         _reader,
         _writer,
+        remainders=True,
     ),
     _format(
         DP_RESHARDABLE,

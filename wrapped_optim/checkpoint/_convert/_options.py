@@ -34,6 +34,9 @@ class FormatOptions:
             format: the step in each group); None keeps the source's.
         dtypes: each named parameter's dtype (``str(torch.dtype)``), where a model gave
             them: bucket-space Megatron writers name the grad buffers by them.
+        param_remainders: the source keeps each FP32 master as the bf16 model weight plus
+            an int16 remainder (``store_param_remainders``); a reader that can, rebuilds the
+            master from both.
     """
 
     names: tuple[str, ...] | None = attrs.field(default=None, converter=_names)
@@ -43,3 +46,4 @@ class FormatOptions:
     location: str | None = None
     flavour: Literal["torch", "precision-aware"] | None = None
     dtypes: tuple[str, ...] | None = attrs.field(default=None, converter=_names)
+    param_remainders: bool = False

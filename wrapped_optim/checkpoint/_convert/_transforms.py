@@ -3,7 +3,10 @@
 * moments (``exp_avg``, ``exp_avg_sq``) to fp32, bf16, fp16 or fp8: a cast to the torch
   dtype for the first three; fp8 keeps the values an FP8 E4M3 store with TE's per-tensor
   scale holds, as the FP32 expansion the on-disk formats carry (no format on disk keeps FP8
-  codes: TE's and Megatron's checkpoints hold FP32 expansions);
+  codes: TE's and Megatron's checkpoints hold FP32 expansions). The scale is the one the
+  destination's optimizer will compute: one per piece of the parameter it holds (a DP
+  shard, under Megatron's distributed optimizer), recomputed from the FP32 values, and the
+  values are those its load re-quantizes to the same bits;
 * the master (``MASTER``) to fp32, fp16, or none (dropped).
 
 Widening is lossless; narrowing, fp8 and dropping a master are lossy and refused unless
@@ -12,7 +15,7 @@ asked for, then reported with the largest absolute error per tensor.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import attrs
@@ -33,9 +36,15 @@ __all__ = [
     "MOMENT_CHOICES",
     "MOMENT_KEYS",
     "Change",
+    "Pieces",
     "TransformingReader",
+    "fp8_values",
     "plan",
 ]
+
+Pieces = Mapping[str, Sequence[tuple[int, int]]]
+"""Per parameter name, the flat element ranges ``[start, end)`` that each hold one FP8 scale
+in the destination's optimizer (absent: the whole tensor)."""
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 MomentChoice = Literal["fp32", "bf16", "fp16", "fp8"]
@@ -139,14 +148,72 @@ def _max_error(before: torch.Tensor, after: torch.Tensor | None) -> float:
     return float((after.double() - before.double()).abs().max())
 
 
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    stored, scale = encode(x, FP8_E4M3)
+    return decode(stored, FP8_E4M3, scale)
+
+
+def _e4m3_stable(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as an E4M3 store under its own scale (amax / 448) holds it, quantized again
+    until that changes nothing: the loading optimizer quantizes what it reads once more, and
+    the decoded amax can land one ulp off the first scale (about 1 tensor in 100), which
+    moves every value by an ulp. The fixed point, reached in one more pass, loads as itself."""
+    value = _e4m3(x)
+    for _ in range(3):
+        again = _e4m3(value)
+        if torch.equal(again, value):
+            break
+        value = again
+    return value
+
+
+def fp8_values(
+    tensor: torch.Tensor, pieces: Sequence[tuple[int, int]] | None = None
+) -> torch.Tensor:
+    """The FP32 values an FP8 E4M3 store keeps of ``tensor``, one per-tensor scale for each
+    flat range of ``pieces`` (None: the whole tensor), as the destination computes them.
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([1.0, 100.0, 1.0, 2.0])
+        >>> [round(v, 3) for v in fp8_values(x).tolist()]  # one scale: 100 / 448
+        [1.004, 100.0, 1.004, 2.009]
+        >>> [round(v, 3) for v in fp8_values(x, [(0, 2), (2, 4)]).tolist()]  # two
+        [1.004, 100.0, 1.0, 2.0]
+    """
+    flat = tensor.float().reshape(-1)
+    if pieces is None:
+        return _e4m3_stable(flat).reshape(tensor.shape)
+    out = torch.empty_like(flat)
+    covered = 0
+    for start, end in pieces:
+        if start != covered or end <= start:
+            raise ConversionError(
+                f"fp8 scale pieces {list(pieces)} do not cover the {flat.numel()} elements in order"
+            )
+        out[start:end] = _e4m3_stable(flat[start:end])
+        covered = end
+    if covered != flat.numel():
+        raise ConversionError(
+            f"fp8 scale pieces {list(pieces)} cover {covered} of {flat.numel()} elements"
+        )
+    return out.reshape(tensor.shape)
+
+
 class TransformingReader:
     """``reader`` with ``changes`` applied as tensors are read; lossy changes' largest
-    absolute errors collect in ``errors`` (by ``"name:key"``)."""
+    absolute errors collect in ``errors`` (by ``"name:key"``). ``pieces``: where FP8 values
+    get one scale each (the destination's layout; absent names: the whole tensor)."""
 
     def __init__(
-        self, reader: StateReader, index: StateIndex, changes: Mapping[tuple[str, str], Change]
+        self,
+        reader: StateReader,
+        index: StateIndex,
+        changes: Mapping[tuple[str, str], Change],
+        pieces: Pieces | None = None,
     ) -> None:
         self.reader, self._index, self.changes = reader, index, changes
+        self.pieces: Pieces = pieces or {}
         self.errors: dict[str, float] = {}
 
     def index(self) -> StateIndex:
@@ -159,11 +226,7 @@ class TransformingReader:
             return tensor
         if change.to is None:
             raise ConversionError(f"parameter {name!r}: state {key!r} was dropped")
-        if change.fp8:
-            stored, scale = encode(tensor.float(), FP8_E4M3)
-            out = decode(stored, FP8_E4M3, scale)
-        else:
-            out = tensor.to(change.to)
+        out = fp8_values(tensor, self.pieces.get(name)) if change.fp8 else tensor.to(change.to)
         if not change.lossless:
             self.errors[f"{name}:{key}"] = _max_error(tensor, out)
         return out
