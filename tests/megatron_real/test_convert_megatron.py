@@ -645,7 +645,8 @@ def _resume_fp8(rank: int, world: int, root: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def fp8_moves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from wrapped_optim.checkpoint import ParameterNames, convert
+    from wrapped_optim.checkpoint import convert
+    from wrapped_optim.checkpoint._convert._names import ParameterNames
 
     root = tmp_path_factory.mktemp("convert_fp8")
     launch = Launcher(root, cuda_shim=False, timeout_s=900)

@@ -1,6 +1,6 @@
 """Edges of the staging engine the main suite (tests/test_staged.py) does not reach: accessor
 calls by keyword, holders that cache their expansions, the chunked load's chunk size and
-device bound, which fp16 writes are protected, the no-copy gates on a minimal FusedAdam-like
+device bound, which fp16 writes are protected, the no-copy gates on a minimal precision-aware
 holder, which state dicts count as plain FP32 Adam state, and the allocator-cache release."""
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def test_no_copy_gates_on_a_minimal_fused_adam_like_holder() -> None:
 
     holder.set_scaled_state = None  # type: ignore[assignment, method-assign]
     (decision,) = no_copy_decisions(_distributed(holder))
-    assert decision.reason == "_FusedAdamLike is not a FusedAdam-like holder"
+    assert decision.reason == "_FusedAdamLike is not a precision-aware holder"
 
     holder = _FusedAdamLike()
     holder.load_state_dict = 3  # type: ignore[assignment, method-assign]
@@ -265,7 +265,7 @@ class _NoSetter(torch.optim.SGD):
 def test_no_copy_gate_needs_a_scaled_state_setter() -> None:
     holder = _NoSetter([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     (decision,) = no_copy_decisions(_distributed(holder))
-    assert decision.reason == "_NoSetter is not a FusedAdam-like holder"
+    assert decision.reason == "_NoSetter is not a precision-aware holder"
 
 
 def _plain_state(params: int = 2) -> dict[str, Any]:

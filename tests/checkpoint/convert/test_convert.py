@@ -26,7 +26,6 @@ from tests.cpu_peak import SLACK, peak_cpu_bytes
 from wrapped_optim.checkpoint import (
     ConversionError,
     OptimizerCheckpointError,
-    ParameterNames,
     convert,
     load_optimizer,
     names_from_model,
@@ -40,6 +39,7 @@ from wrapped_optim.checkpoint._convert._formats import (
     known_formats,
     register_format,
 )
+from wrapped_optim.checkpoint._convert._names import ParameterNames
 from wrapped_optim.fsdp import init_optimizer_state
 from wrapped_optim.optimizers import PrecisionAwareAdamW
 

@@ -36,7 +36,7 @@ class ParameterNames:
     converter then checks that each state fits its parameter).
 
     Example:
-        >>> from wrapped_optim.checkpoint import ParameterNames
+        >>> from wrapped_optim.checkpoint._convert._names import ParameterNames
         >>> ParameterNames(["0.weight", "0.bias"], [(2, 3), (2,)]).shapes
         ((2, 3), (2,))
     """
