@@ -23,6 +23,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+CHECKPOINT_TESTS = [
+    "tests/test_checkpoint.py",
+    "tests/test_checkpoint_atomic.py",
+    "tests/test_undo_journal.py",
+    "tests/test_load_rollback_options.py",
+    "tests/test_resume_hyperparameters.py",
+    "tests/test_load_limits.py",
+    "tests/test_load_regressions.py",
+    "tests/test_checkpoint_faults.py",
+    "tests/test_checkpoint_common.py",
+    "tests/test_checkpoint_snapshot.py",
+    "tests/test_checkpoint_commit.py",
+    "tests/test_checkpoint_undo.py",
+]
+
 # module -> (the files mutmut mutates, the tests that cover them)
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     "wrapper": (["wrapped_optim/wrapper.py"], ["tests/test_wrapper.py", "tests/test_stack.py"]),
@@ -58,17 +73,24 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             ),
         ],
     ),
-    "checkpoint": (
-        ["wrapped_optim/checkpoint/*.py"],
-        [
-            "tests/test_checkpoint.py",
-            "tests/test_checkpoint_atomic.py",
-            "tests/test_undo_journal.py",
-            "tests/test_load_rollback_options.py",
-            "tests/test_resume_hyperparameters.py",
-            "tests/test_load_limits.py",
-            "tests/test_load_regressions.py",
-        ],
+    "checkpoint": (["wrapped_optim/checkpoint/*.py"], CHECKPOINT_TESTS),
+    # The same package one file at a time, each against the tests that check that file
+    # (the whole package's run takes hours on a shared two-core box).
+    "checkpoint._common": (
+        ["wrapped_optim/checkpoint/_common.py"],
+        ["tests/test_checkpoint_common.py", "tests/test_checkpoint_faults.py"],
+    ),
+    "checkpoint._commit": (
+        ["wrapped_optim/checkpoint/_commit.py"],
+        ["tests/test_checkpoint_commit.py", "tests/test_checkpoint_faults.py"],
+    ),
+    "checkpoint._undo": (
+        ["wrapped_optim/checkpoint/_undo.py"],
+        ["tests/test_checkpoint_undo.py", "tests/test_checkpoint_faults.py"],
+    ),
+    "checkpoint._snapshot": (
+        ["wrapped_optim/checkpoint/_snapshot.py"],
+        ["tests/test_checkpoint_snapshot.py", "tests/test_checkpoint_faults.py"],
     ),
     "_staging": (
         ["wrapped_optim/_staging/*.py"],

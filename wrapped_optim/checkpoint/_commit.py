@@ -57,7 +57,8 @@ class _SaveLock:
         self.fd: int | None = None
 
     def acquire(self, target: Path) -> None:
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        # POSIX only (fcntl): O_NOFOLLOW and O_CLOEXEC exist on every system this runs on.
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(self.path, flags, 0o600)
         except OSError as error:
@@ -236,7 +237,7 @@ class CheckpointCommit:
                     _rescue_side_files(self.old, self.target)
                     _remove(self.old)
             _remove(self.staging)
-            self.staging.mkdir(parents=True)
+            self.staging.mkdir()  # beside the target, whose parent was just made
         _barrier(self.process_group)
 
     def commit(self) -> None:
