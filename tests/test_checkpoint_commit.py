@@ -124,37 +124,22 @@ def test_side_files_are_hard_linked_not_copied(tmp_path: Path) -> None:
     assert (target / "config.json").stat().st_ino == inode
 
 
-def test_a_commit_cut_between_its_renames_is_rolled_back_by_the_next_save(
-    tmp_path: Path,
-) -> None:
-    _checkpoint(tmp_path / ".ckpt.old", "old", **{"config.json": "cfg"})
-    assert committed_directory(tmp_path / "ckpt") == (tmp_path / ".ckpt.old").resolve()
+@pytest.mark.parametrize("cut", ["between the renames", "after the renames"])
+def test_a_cut_commit_is_recovered_by_the_next_save(cut: str, tmp_path: Path) -> None:
+    _checkpoint(tmp_path / ".ckpt.old", "old", **{"config.json": "cfg", "notes.txt": "old"})
+    expected = {".metadata": "meta old", "__0_0.distcp": "data old", "notes.txt": "old"}
+    read_from = tmp_path / ".ckpt.old"
+    if cut == "after the renames":  # finished: the old side files join the new checkpoint
+        _checkpoint(tmp_path / "ckpt", "new", **{"notes.txt": "new"})
+        expected = {".metadata": "meta new", "__0_0.distcp": "data new", "notes.txt": "new"}
+        read_from = tmp_path / "ckpt"
+    assert committed_directory(tmp_path / "ckpt") == read_from.resolve()
     commit = CheckpointCommit(tmp_path / "ckpt", process_group=None)
     commit.prepare()
-    assert _tree(tmp_path / "ckpt") == {
-        ".metadata": "meta old",
-        "__0_0.distcp": "data old",
-        "config.json": "cfg",
-    }
+    assert _tree(tmp_path / "ckpt") == {**expected, "config.json": "cfg"}
     assert not commit.old.exists()
     commit.abort()
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-
-
-def test_a_commit_cut_after_its_renames_is_finished_by_the_next_save(tmp_path: Path) -> None:
-    _checkpoint(tmp_path / ".ckpt.old", "old", **{"config.json": "cfg", "notes.txt": "old"})
-    _checkpoint(tmp_path / "ckpt", "new", **{"notes.txt": "new"})
-    assert committed_directory(tmp_path / "ckpt") == (tmp_path / "ckpt").resolve()
-    commit = CheckpointCommit(tmp_path / "ckpt", process_group=None)
-    commit.prepare()
-    assert _tree(tmp_path / "ckpt") == {
-        ".metadata": "meta new",
-        "__0_0.distcp": "data new",
-        "config.json": "cfg",
-        "notes.txt": "new",
-    }
-    assert not commit.old.exists()
-    commit.abort()
 
 
 def test_a_stale_staging_directory_is_cleared(tmp_path: Path) -> None:
