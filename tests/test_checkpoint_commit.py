@@ -388,21 +388,6 @@ def test_an_old_directory_that_cannot_all_be_removed_does_not_fail_the_commit(
     again.abort()
 
 
-def test_a_save_leaves_a_working_directory_outside_the_checkpoint_alone(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    (tmp_path / "elsewhere").mkdir()
-    monkeypatch.chdir(tmp_path / "elsewhere")
-    commit = CheckpointCommit(tmp_path / "ckpt", process_group=None)
-    commit.prepare()
-    _staged(commit, "new")
-    (tmp_path / "elsewhere").rmdir()
-    (tmp_path / "elsewhere").mkdir()  # another directory under the same name
-    commit.commit()
-    with pytest.raises(FileNotFoundError):
-        os.getcwd()  # still the one it was in
-
-
 def test_a_child_process_started_during_a_save_does_not_inherit_the_lock(
     tmp_path: Path,
 ) -> None:

@@ -44,6 +44,7 @@ def test_restore_puts_back_written_bytes_entries_and_options(tmp_path: Path) -> 
     entry_a, exp_avg = opt.state[a], opt.state[a]["exp_avg"]
     writes = [("a.exp_avg", exp_avg), ("b.exp_avg_sq", opt.state[b]["exp_avg_sq"])]
     undo = _Undo.take(opt, writes, with_params=False, journal_dir=tmp_path, piece_bytes=8)
+    assert (undo.journal.directory, undo.journal.piece_bytes) == (os.fspath(tmp_path), 8)
     undo.keep("a.exp_avg")
     exp_avg.fill_(7.0)  # the load reads into the live tensor...
     undo.keep("b.exp_avg_sq")
@@ -108,7 +109,9 @@ def test_a_holders_scales_are_put_back_with_its_stored_state(tmp_path: Path) -> 
     params = [torch.nn.Parameter(torch.linspace(-1, 1, 8))]
     opt = _stepped(PrecisionAwareAdamW(params, lr=0.1, exp_avg_dtype=torch.uint8))
     before = copy.deepcopy(opt.state_dict())
-    stored = [(("s", name), t) for name, t in opt.state[params[0]].items() if t.numel() > 1]
+    entry = opt.state[params[0]]
+    tensors = dict(entry)
+    stored = [(("s", name), t) for name, t in entry.items() if t.numel() > 1]
     undo = _Undo.take(opt, stored, with_params=False, journal_dir=tmp_path)
     assert undo.tables is not None
     for key, _ in stored:
@@ -116,9 +119,14 @@ def test_a_holders_scales_are_put_back_with_its_stored_state(tmp_path: Path) -> 
     for p in params:
         p.grad = torch.full_like(p, -4.0)
     opt.step()  # writes the stored state in place and rescales it
+    stepped = params[0].detach().clone()
     undo.restore()
     undo.close()
     assert_state_dict_equal(opt.state_dict(), before)
+    # the same entry and tensors (a wrapper may alias them), not copies taken at the start
+    assert opt.state[params[0]] is entry
+    assert all(entry[name] is tensor for name, tensor in tensors.items())
+    assert torch.equal(params[0], stepped)  # no wrapper: the weights were not kept
 
 
 def test_a_plain_optimizer_keeps_no_tables_and_no_own_undo(tmp_path: Path) -> None:

@@ -162,10 +162,11 @@ def _refuse_planted(path: Path) -> None:
 
 
 def _link_or_copy(source: str, destination: str) -> None:
+    """A file linked (or copied); never a symlink, which ``_link_side_files`` recreates."""
     try:
-        os.link(source, destination, follow_symlinks=False)
+        os.link(source, destination)
     except OSError:  # a filesystem without hard links
-        shutil.copy2(source, destination, follow_symlinks=False)
+        shutil.copy2(source, destination)
 
 
 def _link_side_files(target: Path, staging: Path) -> None:
