@@ -4,17 +4,20 @@ ours, the leaf finder's refusal of Megatron containers, and how saved keys are r
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from wrapped_optim import OptimizerWrapper
 from wrapped_optim._formats.errors import UndoJournalError
-from wrapped_optim.checkpoint import OptimizerCheckpointError
+from wrapped_optim.checkpoint import OptimizerCheckpointError, load_optimizer
 from wrapped_optim.checkpoint._common import (
     _int_key,
     _leaf_of,
@@ -22,6 +25,7 @@ from wrapped_optim.checkpoint._common import (
     _raise_ours,
     unreadable_checkpoint,
 )
+from wrapped_optim.testing import assert_state_dict_equal
 
 _TAIL = (
     "\nNothing was loaded: the optimizer is as it was. The checkpoint is damaged or "
@@ -180,3 +184,20 @@ def test_a_key_path_comes_from_the_planner_data_or_is_the_key_itself() -> None:
     assert _path_of(metadata, "other") == ("other",)
     assert _path_of(Metadata(state_dict_metadata={}), "w") == ("w",)
     assert _path_of(Metadata(state_dict_metadata={}, planner_data=[1]), "w") == ("w",)
+
+
+def test_a_state_key_that_only_looks_numeric_is_named_as_no_param(tmp_path: Path) -> None:
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    param.grad = torch.ones(2)
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"] = {"\u00b2": saved["state"][0]}  # "²": a digit to str.isdigit(), not to int()
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(OptimizerCheckpointError) as raised:
+        load_optimizer(opt, tmp_path)
+    assert str(raised.value).startswith(
+        "param '\u00b2': the checkpoint has state for a param that no param group lists"
+    )
+    assert_state_dict_equal(opt.state_dict(), before)
