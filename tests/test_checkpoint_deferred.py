@@ -68,6 +68,16 @@ def test_compressed_states_are_promised_and_read_slice_by_slice(
         ]
 
 
+def test_an_fp32_state_beside_a_compressed_one_is_real_in_the_state_dict() -> None:
+    param = torch.nn.Parameter(torch.randn(6))
+    opt = _stepped(PrecisionAwareAdamW([param], lr=0.1, exp_avg_sq_dtype=torch.uint8))
+    state_dict, deferred = _placeholder_state_dict(opt)
+    assert sorted(deferred) == [(0, "exp_avg_sq")]
+    exp_avg = state_dict["state"][0]["exp_avg"]
+    assert not exp_avg.is_meta
+    assert torch.equal(exp_avg, opt.get_unscaled_state(param, "exp_avg"))
+
+
 def test_a_whole_read_of_an_fp32_state_is_a_copy_not_the_state() -> None:
     param = torch.nn.Parameter(torch.randn(6))
     opt = _stepped(_WholeStatesOnly([param], lr=0.1, exp_avg_dtype=torch.float32))
@@ -132,6 +142,13 @@ def test_a_state_dict_owned_by_nobody_is_handed_out_as_it_is() -> None:
         assert out.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
     offset = torch.empty(0).set_(base.untyped_storage(), 4, (4,))  # type: ignore[call-overload]
     assert _owned_cpu_copy(offset) is not offset
+    bf16 = torch.arange(8.0, dtype=torch.bfloat16)[1:5]
+    assert _owned_cpu_copy(bf16).dtype == torch.bfloat16
+    assert torch.equal(_owned_cpu_copy(bf16), bf16)
+    strided = torch.empty_strided((2, 3), (1, 2))  # no base, its own storage, not contiguous
+    strided.copy_(torch.arange(6.0).reshape(2, 3))
+    out = _owned_cpu_copy(strided)
+    assert out is not strided and out.is_contiguous() and torch.equal(out, strided)
     with_grad = torch.ones(3, requires_grad=True)
     out = _owned_cpu_copy(with_grad)
     assert out is not with_grad and not out.requires_grad and torch.equal(out, torch.ones(3))
