@@ -57,7 +57,8 @@ class _SaveLock:
         self.fd: int | None = None
 
     def acquire(self, target: Path) -> None:
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        # POSIX only (fcntl): O_NOFOLLOW and O_CLOEXEC exist on every system this runs on.
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(self.path, flags, 0o600)
         except OSError as error:
@@ -161,10 +162,11 @@ def _refuse_planted(path: Path) -> None:
 
 
 def _link_or_copy(source: str, destination: str) -> None:
+    """A file linked (or copied); never a symlink, which ``_link_side_files`` recreates."""
     try:
-        os.link(source, destination, follow_symlinks=False)
+        os.link(source, destination)
     except OSError:  # a filesystem without hard links
-        shutil.copy2(source, destination, follow_symlinks=False)
+        shutil.copy2(source, destination)
 
 
 def _link_side_files(target: Path, staging: Path) -> None:
@@ -236,7 +238,7 @@ class CheckpointCommit:
                     _rescue_side_files(self.old, self.target)
                     _remove(self.old)
             _remove(self.staging)
-            self.staging.mkdir(parents=True)
+            self.staging.mkdir()  # beside the target, whose parent was just made
         _barrier(self.process_group)
 
     def commit(self) -> None:

@@ -22,6 +22,7 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 """Largest tensor chunk (in expanded bytes) that is materialised at once: 64 MiB."""
 
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+_INT = re.compile(r"-?[0-9]+")
 
 
 def _leaf_of(optimizer: Any) -> torch.optim.Optimizer:
@@ -57,7 +58,8 @@ def _path_of(metadata: Metadata, fqn: str) -> tuple[Any, ...]:
 
 
 def _int_key(key: Any) -> Any:
-    return int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+    """A saved key that was an int (``"3"``, ``"-1"``) as that int; any other key as it is."""
+    return int(key) if isinstance(key, str) and _INT.fullmatch(key) else key
 
 
 def _failures(exc: CheckpointException) -> Iterator[tuple[int, BaseException]]:

@@ -39,7 +39,7 @@ def _relative_paths(metadata: Metadata) -> set[str]:
 
 def _confined(relative: str, where: Path) -> None:
     parts = Path(relative).parts
-    if Path(relative).is_absolute() or not parts or any(p in ("..", "") for p in parts):
+    if Path(relative).is_absolute() or not parts or ".." in parts:
         raise OptimizerCheckpointError(
             f"{where}: .metadata names the data file {relative!r}, outside the checkpoint "
             "directory; this is not a checkpoint save_optimizer or dcp.save wrote"
