@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from test_cpu_kernel import reference_moment, reference_step, same_bits
 
 from wrapped_optim._formats import codecs, remainders
-from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
-from wrapped_optim.optimizers import _fused_gpu as fused_gpu
+from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers.kernels import cpu_kernel
+from wrapped_optim.optimizers.precision_adamw import _fused_gpu as fused_gpu
 
 pytest.importorskip("triton")
 

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-import wrapped_optim.optimizers._offload_layout as offload_layout
+import wrapped_optim.optimizers.hybrid_offload._layout as offload_layout
 from tests.kernel_support import needs_kernel
-from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW, cpu_kernel
-from wrapped_optim.optimizers import _precision_paths as precision_paths
-from wrapped_optim.optimizers._hybrid_offload import fused_plan
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
+from wrapped_optim.optimizers.hybrid_offload._optimizer import fused_plan
+from wrapped_optim.optimizers.kernels import cpu_kernel
+from wrapped_optim.optimizers.precision_adamw import _step as precision_paths
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from wrapped_optim.optimizers import PrecisionAwareAdamW
-from wrapped_optim.optimizers import _torch_step as torch_step
+from wrapped_optim.optimizers.precision_adamw import _torch_step as torch_step
 
 FP16 = torch.float16
 

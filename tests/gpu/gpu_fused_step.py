@@ -27,8 +27,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
-from wrapped_optim.optimizers import _fused_gpu as fused_gpu
+from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers.kernels import cpu_kernel
+from wrapped_optim.optimizers.precision_adamw import _fused_gpu as fused_gpu
 
 from ._report import Section, main_of, require_cuda, row_table
 

@@ -3,12 +3,13 @@ parameter, and the step of one param group.
 
 Per parameter with a gradient, the first that applies: torch's fused AdamW kernel where its
 state needs no conversion (one call per device and dtype, as ``torch.optim.AdamW(fused=True)``
-does); the compiled CPU kernel (:mod:`~wrapped_optim.optimizers._kernel_step`, one call per
-group); the fused GPU kernel (:mod:`~wrapped_optim.optimizers._fused_gpu`); a packed call
-shared by small parameters; the per-parameter sliced path
-(:mod:`~wrapped_optim.optimizers._torch_step`). :func:`kernel_would_update` is the one answer
-to "would the step hand this parameter to the CPU kernel", which HybridOffloadOptimizer's
-fused host step asks too.
+does); the compiled CPU kernel
+(:mod:`~wrapped_optim.optimizers.precision_adamw._kernel_step`, one call per group); the fused
+GPU kernel (:mod:`~wrapped_optim.optimizers.precision_adamw._fused_gpu`); a packed call shared
+by small parameters; the per-parameter sliced path
+(:mod:`~wrapped_optim.optimizers.precision_adamw._torch_step`). :func:`kernel_would_update` is
+the one answer to "would the step hand this parameter to the CPU kernel", which
+HybridOffloadOptimizer's fused host step asks too.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ import torch
 from torch import Tensor
 
 from wrapped_optim._adapters.dtensor import local_tensor
-from wrapped_optim.optimizers import _block_step, _fused_gpu, _torch_step
-from wrapped_optim.optimizers._kernel_step import KernelOperands, kernel_operands, kernel_update
-from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw import _block_step, _fused_gpu, _torch_step
+from wrapped_optim.optimizers.precision_adamw._kernel_step import (
+    KernelOperands,
+    kernel_operands,
+    kernel_update,
+)
+from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
 
 __all__ = ["kernel_would_update", "step_group"]
 
@@ -61,7 +66,8 @@ def kernel_would_update(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
         >>> opt.initialize_state(p, False)

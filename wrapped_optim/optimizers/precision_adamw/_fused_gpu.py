@@ -4,7 +4,7 @@ combination (three where fp16/FP8 state needs a new scale), no host synchronisat
 The sliced torch path expands each 64K slice of state to FP32, updates it and encodes it
 back, 5 to 41 kernel launches per slice: on a GPU the step is launch-bound. Here the
 parameters of one group are bucketed by device and format combination, and each bucket is
-updated by the kernels of :mod:`~wrapped_optim.optimizers._fused_gpu_kernel`, multi-tensor
+updated by the kernels of :mod:`~wrapped_optim.optimizers.kernels._triton_adamw`, multi-tensor
 style: a device table holds each tensor's operand addresses, element count, first program and
 scale addresses, a block map names each program's tensor. Both are cached per optimizer,
 group and combination, and rebuilt only when an address or size changes (typically the
@@ -26,15 +26,15 @@ remainder master (bf16 parameter); an FP32 parameter's master (FP32 or fp16) is 
 a copy of it, as the torch path does; contiguous storage; ``fused`` not ``True`` (that asks
 for torch's kernel); triton importable.
 
-Its arithmetic is the CPU kernel's (:mod:`~wrapped_optim.optimizers.cpu_kernel`), bit for bit:
-TE's formula in float32 with single roundings, the codecs' amax, scales, multipliers and
+Its arithmetic is the CPU kernel's (:mod:`~wrapped_optim.optimizers.kernels.cpu_kernel`), bit for
+bit: TE's formula in float32 with single roundings, the codecs' amax, scales, multipliers and
 roundings. The test suite runs these very kernels on CPU through Triton's interpreter
 (``TRITON_INTERPRET=1``) against the single-rounding reference, and compiles them for sm_90.
 
 Example:
     >>> import torch
     >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
-    >>> from wrapped_optim.optimizers import _fused_gpu
+    >>> from wrapped_optim.optimizers.precision_adamw import _fused_gpu
     >>> p = torch.nn.Parameter(torch.zeros(4))
     >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
     >>> opt.initialize_state(p, False)
@@ -60,7 +60,7 @@ from torch.autograd.graph import increment_version
 
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import codecs
-from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
 
 __all__ = ["BLOCK", "applicable", "available", "launches_per_step", "update_group"]
 
@@ -76,7 +76,7 @@ _VALUE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, codecs.FP
 _PARAM_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MASTER_NONE, _MASTER_FP32, _MASTER_REMAINDER, _MASTER_FP16 = 0, 1, 2, 3
 _COLUMNS, _SLOTS = 10, 3
-_KERNEL_MODULE = "wrapped_optim.optimizers._fused_gpu_kernel"
+_KERNEL_MODULE = "wrapped_optim.optimizers.kernels._triton_adamw"
 # Devices the kernel is launched on. Tests add "cpu" (with TRITON_INTERPRET=1, Triton's
 # interpreter runs the same kernel on host tensors).
 _DEVICE_TYPES = {"cuda"}
@@ -232,7 +232,7 @@ def applicable(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+        >>> from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> applicable(PrecisionLayout(), {}, {}, p, torch.ones(4))  # no state yet
         False

@@ -1,7 +1,7 @@
 """Which parameters of a :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` step the
 compiled CPU kernel updates, and the call that updates them.
 
-The kernel (:mod:`wrapped_optim.optimizers.cpu_kernel`) reads every operand in its stored
+The kernel (:mod:`wrapped_optim.optimizers.kernels.cpu_kernel`) reads every operand in its stored
 format, so it takes CPU parameters whose state would otherwise need conversion passes: FP32,
 bf16, fp16 or FP8 moments (the scaled ones with their per-tensor scales) beside an FP32
 parameter, or beside a bf16 parameter with an FP32 master or int16 remainder. Everything else
@@ -20,8 +20,8 @@ from torch import Tensor
 
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import blocks, codecs
-from wrapped_optim.optimizers import cpu_kernel
-from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+from wrapped_optim.optimizers.kernels import cpu_kernel
+from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
 
 __all__ = ["KernelOperands", "kernel_enabled", "kernel_operands", "kernel_update"]
 
@@ -37,7 +37,7 @@ def kernel_enabled(layout: PrecisionLayout) -> bool:
     its ``cpu_kernel`` setting allows it and the kernel could be built.
 
     Example:
-        >>> from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+        >>> from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
         >>> kernel_enabled(PrecisionLayout(cpu_kernel=False))
         False
     """
@@ -59,7 +59,8 @@ def kernel_operands(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> p = torch.nn.Parameter(torch.zeros(2, 3))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_sq_dtype=torch.uint8)
         >>> opt.initialize_state(p, False)
@@ -118,7 +119,8 @@ def kernel_update(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], lr=0.5, exp_avg_dtype=torch.bfloat16)
         >>> opt.initialize_state(p, False)

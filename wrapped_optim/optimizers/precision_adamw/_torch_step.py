@@ -1,11 +1,11 @@
 """PrecisionAwareAdamW's torch step paths, on any device.
 
-Three paths (:mod:`~wrapped_optim.optimizers._precision_paths` picks one per parameter):
+Three paths (:mod:`~wrapped_optim.optimizers.precision_adamw._step` picks one per parameter):
 torch's fused AdamW on the stored tensors themselves (:func:`direct_views`), many small
 parameters packed into one fused call (:func:`packable` / :func:`update_packed`), or one
 parameter slice by slice with a two-pass scale update for fp16/FP8 state (:func:`update`).
 Each takes explicit tensors, the param group's options and the optimizer's
-:class:`~wrapped_optim.optimizers._precision_layout.PrecisionLayout`.
+:class:`~wrapped_optim.optimizers.precision_adamw._layout.PrecisionLayout`.
 
 Nothing here waits for the device: the step count reaches a kernel as a device tensor filled
 by a kernel (:func:`step_tensor`), never through a host copy or ``.item()``. The FP32
@@ -25,8 +25,8 @@ from torch import Tensor
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import codecs
 from wrapped_optim._formats.remainders import join_master, split_master_into
-from wrapped_optim.optimizers import _fused_gpu
-from wrapped_optim.optimizers._precision_layout import STATE_NAMES, PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw import _fused_gpu
+from wrapped_optim.optimizers.precision_adamw._layout import STATE_NAMES, PrecisionLayout
 
 __all__ = [
     "StepLock",
@@ -180,7 +180,7 @@ def use_fused(layout: PrecisionLayout, device: torch.device, group: _Group) -> b
     """Whether the FP32 update on ``device`` is torch's fused kernel (else TE's formula).
 
     Example:
-        >>> from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+        >>> from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
         >>> group = {"bias_correction": True}
         >>> use_fused(PrecisionLayout(), torch.device("cpu"), group)
         True
