@@ -21,6 +21,7 @@ from wrapped_optim.optimizers.precision_adamw._kernel_step import (
     kernel_operands,
     kernel_update,
 )
+from wrapped_optim.optimizers.precision_adamw._operand import Operand
 from wrapped_optim.optimizers.precision_adamw._optimizer import PrecisionAwareAdamW
 
 __all__ = ["kernel_step_copies", "kernel_steps_copy"]
@@ -48,9 +49,9 @@ def kernel_steps_copy(
     state = optimizer.state.get(copy)
     if not state:
         return False
-    scales = optimizer.scales.get(copy, {})
+    operand = Operand(copy, copy, state, optimizer.scales.get(copy, {}))
     # Through the module, so that the router's answer is the one asked, whoever replaced it.
-    return _step.kernel_would_update(optimizer.layout, state, scales, copy, copy, group)
+    return _step.kernel_would_update(optimizer.layout, operand, group)
 
 
 def kernel_step_copies(
@@ -75,9 +76,8 @@ def kernel_step_copies(
     """
     calls: list[KernelOperands] = []
     for param, copy, grad in updates:
-        operands = kernel_operands(
-            optimizer.layout, optimizer.state[copy], optimizer.scales.get(copy, {}), copy, grad
-        )
+        operand = Operand(copy, grad, optimizer.state[copy], optimizer.scales.get(copy, {}))
+        operands = kernel_operands(optimizer.layout, operand)
         if operands is None:  # the caller asked kernel_steps_copy: the optimizer changed since
             raise RuntimeError(
                 "the fused host step lost a parameter the kernel reads: the host "

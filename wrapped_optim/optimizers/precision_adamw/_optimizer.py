@@ -472,7 +472,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     self.initialize_state(p, layout.uses_remainder(p))
             _paths.step_group(
                 layout, group, pairs, states=self.state, scales=self._scales,
-                scratch=self._scratch, owner=self, group_index=index,
+                scratch=self._scratch, group_index=index,
             )  # fmt: skip
 
     def _warn_skipped_once(self, index: int, skipped: int, group: dict[str, Any]) -> None:
