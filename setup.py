@@ -25,12 +25,12 @@ except ImportError:  # setuptools < 70.1 (pyproject asks for newer; --no-build-i
     from wheel.bdist_wheel import bdist_wheel  # type: ignore[no-redef]
 
 _HERE = Path(__file__).resolve().parent
-_KERNEL = "wrapped_optim.optimizers._adamw_cpu_kernel"
+_KERNEL = "wrapped_optim.optimizers.kernels._adamw_cpu_kernel"
 
 
 def _kernel_build() -> ModuleType:
-    """wrapped_optim/optimizers/_kernel_build.py, loaded alone (the package imports torch)."""
-    path = _HERE / "wrapped_optim" / "optimizers" / "_kernel_build.py"
+    """wrapped_optim/optimizers/kernels/_build.py, loaded alone (the package imports torch)."""
+    path = _HERE / "wrapped_optim" / "optimizers" / "kernels" / "_build.py"
     spec = importlib.util.spec_from_file_location("_wrapped_optim_kernel_build", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -99,7 +99,9 @@ class PlatformWheel(bdist_wheel):
 
 kernel_sources = sorted(
     str(path.relative_to(_HERE))
-    for path in (_HERE / "wrapped_optim" / "optimizers").glob("_adamw_cpu*.[ch]")
+    for path in (_HERE / "wrapped_optim" / "optimizers" / "kernels" / "csrc").glob(
+        "_adamw_cpu*.[ch]"
+    )
 )
 setup(
     ext_modules=[Extension(_KERNEL, sources=kernel_sources, optional=True)],

@@ -82,11 +82,17 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # (the whole package's run takes hours on a shared two-core box).
     "checkpoint._common": (
         ["wrapped_optim/checkpoint/_common.py"],
-        ["tests/checkpoint/test_checkpoint_common.py", "tests/checkpoint/test_checkpoint_faults.py"],
+        [
+            "tests/checkpoint/test_checkpoint_common.py",
+            "tests/checkpoint/test_checkpoint_faults.py",
+        ],
     ),
     "checkpoint._commit": (
         ["wrapped_optim/checkpoint/_commit.py"],
-        ["tests/checkpoint/test_checkpoint_commit.py", "tests/checkpoint/test_checkpoint_faults.py"],
+        [
+            "tests/checkpoint/test_checkpoint_commit.py",
+            "tests/checkpoint/test_checkpoint_faults.py",
+        ],
     ),
     "checkpoint._undo": (
         ["wrapped_optim/checkpoint/_undo.py"],
@@ -94,11 +100,17 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "checkpoint._pinned": (
         ["wrapped_optim/checkpoint/_pinned.py"],
-        ["tests/checkpoint/test_checkpoint_pinned.py", "tests/checkpoint/test_checkpoint_faults.py"],
+        [
+            "tests/checkpoint/test_checkpoint_pinned.py",
+            "tests/checkpoint/test_checkpoint_faults.py",
+        ],
     ),
     "checkpoint._deferred": (
         ["wrapped_optim/checkpoint/_deferred.py"],
-        ["tests/checkpoint/test_checkpoint_deferred.py", "tests/checkpoint/test_checkpoint_faults.py"],
+        [
+            "tests/checkpoint/test_checkpoint_deferred.py",
+            "tests/checkpoint/test_checkpoint_faults.py",
+        ],
     ),
     # Not measured yet: these three against the whole package's tests.
     **{

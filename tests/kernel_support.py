@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from wrapped_optim._formats import blocks, remainders
-from wrapped_optim.optimizers import cpu_kernel
+from wrapped_optim.optimizers.kernels import cpu_kernel
 
 # gcc or clang is part of every supported build machine; without one the kernel is off and
 # these tests say so instead of passing vacuously.

@@ -242,3 +242,87 @@ def test_no_function_is_over_the_length_limit() -> None:
     assert sorted(long) == [], (
         f"functions over {MAX_FUNCTION_LINES} lines: split them into named steps"
     )
+
+
+# ----------------------------------------------------------------------------------------
+# Faces
+# ----------------------------------------------------------------------------------------
+#: Imports of another package's private module the package keeps, each with why.
+CROSSINGS = {
+    ("wrapped_optim._env_report", "wrapped_optim.optimizers.kernels._build"): (
+        "`wrapped-optim env` reports how the kernel is built: compiler, packaged library"
+    ),
+    ("wrapped_optim._bench.hybrid", "wrapped_optim.optimizers.hybrid_offload._grads"): (
+        "the benchmark times each phase of the offloaded step apart"
+    ),
+    ("wrapped_optim._bench.hybrid", "wrapped_optim.optimizers.hybrid_offload._host_step"): (
+        "the benchmark times the fused host step apart"
+    ),
+    ("wrapped_optim._bench.hybrid", "wrapped_optim.optimizers.hybrid_offload._optimizer"): (
+        "the benchmark plans the fused host step to time it apart"
+    ),
+    ("wrapped_optim._bench.hybrid", "wrapped_optim.optimizers.hybrid_offload._step"): (
+        "the benchmark times the copies around the sub-optimizers' steps apart"
+    ),
+    ("wrapped_optim.checkpoint._convert._dcp", "wrapped_optim.inspection._readers"): (
+        "the converter reads checkpoints with the inspector's readers"
+    ),
+    ("wrapped_optim.checkpoint._convert._torch_save", "wrapped_optim.inspection._readers"): (
+        "the converter reads checkpoints with the inspector's readers"
+    ),
+}
+
+
+def _owner(module: str) -> str | None:
+    """The package whose plumbing ``module`` is: the path before its first private part
+    (None for a public module). Everything inside that package may import it: the top
+    level's private modules (``_formats``, ``_adapters``, ``_rollback``, ...) are the floor
+    every package stands on, ``optimizers/_step_checks.py`` the optimizers' floor."""
+    parts = module.split(".")
+    for index, part in enumerate(parts):
+        if part.startswith("_"):
+            return ".".join(parts[:index])
+    return None
+
+
+def _crossings() -> set[tuple[str, str]]:
+    paths = _modules()
+    found = set()
+    for name, path in paths.items():
+        for imported in _imports(path.read_text(), name, set(paths), path.name == "__init__.py"):
+            owner = _owner(imported)
+            if owner is not None and name != owner and not name.startswith(owner + "."):
+                found.add((name, imported))
+    return found
+
+
+def test_the_face_rule_tells_plumbing_from_floor() -> None:
+    assert _owner("wrapped_optim.optimizers.precision_adamw._step") == (
+        "wrapped_optim.optimizers.precision_adamw"
+    )
+    assert _owner("wrapped_optim._formats.codecs") == "wrapped_optim"
+    assert _owner("wrapped_optim.optimizers.kernels.cpu_kernel") is None
+
+
+def test_packages_meet_through_their_faces() -> None:
+    """No module imports another package's private module (its plumbing): the optimizer
+    families reach each other and the kernels through the faces, and the kernels import
+    neither family."""
+    assert sorted(_crossings() - set(CROSSINGS)) == []
+    assert sorted(set(CROSSINGS) - _crossings()) == []  # a crossing gone leaves the list
+
+
+def test_the_kernels_know_no_optimizer() -> None:
+    paths = _modules()
+    kernels = "wrapped_optim.optimizers.kernels"
+    families = (
+        "wrapped_optim.optimizers.precision_adamw",
+        "wrapped_optim.optimizers.hybrid_offload",
+    )
+    imported = {
+        target
+        for name, path in paths.items()
+        if name == kernels or name.startswith(kernels + ".")
+        for target in _imports(path.read_text(), name, set(paths), path.name == "__init__.py")
+    }
+    assert sorted(t for t in imported if t.startswith(families)) == []

@@ -67,7 +67,19 @@ PUBLIC_API: dict[str, list[str]] = {
         "from_torch_adam",
         "to_torch_adam",
     ],
-    "wrapped_optim.optimizers.cpu_kernel": ["KernelStatus", "LOOP_FAMILIES", "status", "use_loops"],
+    "wrapped_optim.optimizers.precision_adamw": [
+        "PrecisionAwareAdamW",
+        "kernel_step_copies",
+        "kernel_steps_copy",
+    ],
+    "wrapped_optim.optimizers.hybrid_offload": ["HybridOffloadOptimizer"],
+    "wrapped_optim.optimizers.kernels": ["cpu_kernel"],
+    "wrapped_optim.optimizers.kernels.cpu_kernel": [
+        "KernelStatus",
+        "LOOP_FAMILIES",
+        "status",
+        "use_loops",
+    ],
     "wrapped_optim.checkpoint": [
         "ConversionError",
         "OptimizerCheckpointError",

@@ -109,7 +109,7 @@ def test_partial_snapshot_restores_storage_bytes_and_scales() -> None:
 def test_atomic_step_with_params_left_out_restores_scales(monkeypatch: pytest.MonkeyPatch) -> None:
     """PrecisionAwareAdamW(atomic_step=True) snapshots only the params with a gradient: a
     step that raises part-way leaves their FP8 bytes and scales as they were."""
-    from wrapped_optim.optimizers import _torch_step
+    from wrapped_optim.optimizers.precision_adamw import _torch_step
 
     params = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
     opt = PrecisionAwareAdamW(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from wrapped_optim.optimizers import _kernel_build
+from wrapped_optim.optimizers.kernels import _build as _kernel_build
 
 ROOT = Path(__file__).resolve().parents[1]
 PLATFORM = f"manylinux_2_17_{platform.machine()}"
@@ -60,7 +60,7 @@ def test_the_release_wheel_is_manylinux_and_runs_the_demo_alone(tmp_path: Path) 
     assert wheel.name.endswith(f"-py3-none-manylinux2014_{platform.machine()}.{PLATFORM}.whl")
     with zipfile.ZipFile(wheel) as archive:
         metadata = archive.read("wrapped_optim-0.1.0.dist-info/WHEEL").decode()
-        library = archive.read(f"wrapped_optim/optimizers/{_kernel_build.packaged_name()}")
+        library = archive.read(f"wrapped_optim/optimizers/kernels/{_kernel_build.packaged_name()}")
         assert not [n for n in archive.namelist() if ".libs/" in n]  # nothing grafted
     assert f"Tag: py3-none-{PLATFORM}" in metadata
     assert max(glibc_versions_needed(library)) <= (2, 17)

@@ -14,7 +14,8 @@ import sys
 import torch
 
 import wrapped_optim
-from wrapped_optim.optimizers import _kernel_build, cpu_kernel
+from wrapped_optim.optimizers.kernels import _build as _kernel_build
+from wrapped_optim.optimizers.kernels import cpu_kernel
 
 __all__ = ["collect", "format_rows"]
 
@@ -55,7 +56,7 @@ def _kernel_rows() -> list[tuple[str, str]]:
     status = cpu_kernel.status()
     if status.available:
         state = "available" + (", OpenMP threads" if status.parallel else ", one thread")
-        packaged = status.library is not None and status.library.parent == _kernel_build.SOURCE_DIR
+        packaged = status.library is not None and status.library.parent == _kernel_build.LIBRARY_DIR
         origin = "built with the package" if packaged else "built at run time into the cache"
         rows = [
             ("CPU kernel", state),

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from wrapped_optim._bench import _adam_peers, precision_adam
-from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
+from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers.kernels import cpu_kernel
 
 
 def test_quality_shows_a_wrong_or_imprecise_optimizer() -> None:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from tests.param_builders import train_on_random_grads
 from wrapped_optim.checkpoint import load_optimizer, save_optimizer
 from wrapped_optim.optimizers import PrecisionAwareAdamW
-from wrapped_optim.optimizers._hybrid_offload import HybridOffloadOptimizer
+from wrapped_optim.optimizers.hybrid_offload._optimizer import HybridOffloadOptimizer
 from wrapped_optim.testing import assert_state_dict_equal, checkpoint_roundtrip
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -17,7 +17,7 @@ import pytest
 import wrapped_optim
 from wrapped_optim._bench import _topics, report
 from wrapped_optim._cli import main
-from wrapped_optim.optimizers import cpu_kernel
+from wrapped_optim.optimizers.kernels import cpu_kernel
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,8 +5,9 @@ else torch's AdamW), ``torch.optim.AdamW`` or ``HybridDeviceOptimizer``
 (``DistributedOptimizer.__init__``, distrib_optimizer.py:514), so it refuses the portable
 optimizers the library ships -- :class:`~wrapped_optim.PrecisionAwareAdamW` (standing in for
 TE's FusedAdam, which does not install here) and
-:class:`~wrapped_optim.optimizers._hybrid_offload.HybridOffloadOptimizer` (precision-aware mode
-included). With torch's AdamW or Megatron's HybridDeviceOptimizer inside, the tests use the
+:class:`~wrapped_optim.optimizers.hybrid_offload._optimizer.HybridOffloadOptimizer`
+(precision-aware mode included). With torch's AdamW or Megatron's HybridDeviceOptimizer inside, the
+tests use the
 real class (``tests/megatron_real``); the ChainedOptimizer around this double is always the
 real one, so the double carries the MegatronOptimizer surface that ``ChainedOptimizer.step``
 calls (``prepare_grads``, ``get_grad_norm``, ``get_grad_stats_parallel_group``,

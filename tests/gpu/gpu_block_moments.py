@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from wrapped_optim.optimizers import PrecisionAwareAdamW, _block_step, cpu_kernel
+from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers.kernels import cpu_kernel
+from wrapped_optim.optimizers.precision_adamw import _block_step
 
 from ._report import Section, main_of, require_cuda, row_table
 

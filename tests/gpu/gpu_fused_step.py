@@ -27,8 +27,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
-from wrapped_optim.optimizers import _fused_gpu as fused_gpu
+from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers.kernels import cpu_kernel
+from wrapped_optim.optimizers.precision_adamw import _fused_gpu as fused_gpu
+from wrapped_optim.optimizers.precision_adamw._operand import Operand
 
 from ._report import Section, main_of, require_cuda, row_table
 
@@ -97,6 +99,10 @@ def _make(name: str, sizes: tuple[int, ...], device: str, **extra: Any) -> Any:
     return opt, params, [[g.to(device) for g in per_step] for per_step in grads]
 
 
+def _operands(opt: PrecisionAwareAdamW, pairs: list[tuple[Any, Any]]) -> list[Operand]:
+    return [Operand(p, g, opt.state[p], opt.scales.get(p, {})) for p, g in pairs]
+
+
 def _pairs(params: list[Any], grads: list[Any], step: int) -> list[tuple[Any, Any]]:
     return [(p, g[step]) for p, g in zip(params, grads, strict=True)]
 
@@ -116,7 +122,7 @@ def _step(opt: PrecisionAwareAdamW, params: list[Any], grads: list[Any], step: i
     group["step"] = group.get("step", 0) + 1
     pairs = _pairs(params, grads, step)
     fused_gpu.update_group(
-        opt.layout, opt.state, opt.scales, pairs, group, owner=opt, group_index=0
+        opt.layout, _operands(opt, pairs), group, tables=opt._scratch.launch_tables, group_index=0
     )
 
 
@@ -229,7 +235,7 @@ def rows(name: str, device: str = "cuda", *, large: bool = True) -> list[tuple[s
     for p in params:
         opt.initialize_state(p, opt.layout.uses_remainder(p))
     taken = all(
-        fused_gpu.applicable(opt.layout, opt.state[p], opt.scales.get(p, {}), p, g)
+        fused_gpu.applicable(opt.layout, Operand(p, g, opt.state[p], opt.scales.get(p, {})))
         for p, g in _pairs(params, grads, 0)
     )
     out.append((f"{name}: fused path taken", taken, f"{len(params)} params in one group"))
@@ -239,9 +245,7 @@ def rows(name: str, device: str = "cuda", *, large: bool = True) -> list[tuple[s
     error = _no_sync_step(opt, params, grads, device)
     out.append((f"{name}: no host synchronisation in step", not error, error))
     grads = [[g[0], g[1], g[1]] for g in grads]
-    launches = fused_gpu.launches_per_step(
-        opt.layout, opt.state, opt.scales, _pairs(params, grads, 2)
-    )
+    launches = fused_gpu.launches_per_step(opt.layout, _operands(opt, _pairs(params, grads, 2)))
     expected = f"{launches} 0 0"
     counts = _launch_counts(opt, params, grads, device)
     out.append((f"{name}: kernels per step (ours, other, copies)", counts == expected,

@@ -17,7 +17,7 @@ import torch
 
 from wrapped_optim._formats import codecs
 from wrapped_optim.optimizers import PrecisionAwareAdamW
-from wrapped_optim.optimizers import _precision_state as precision_state
+from wrapped_optim.optimizers.precision_adamw import _state as precision_state
 
 from ._report import Section, main_of, require_cuda
 

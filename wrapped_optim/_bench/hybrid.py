@@ -26,10 +26,10 @@ import torch
 from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.optimizers import HybridOffloadOptimizer
-from wrapped_optim.optimizers._fused_host_step import run as run_fused
-from wrapped_optim.optimizers._hybrid_offload import fused_plan
-from wrapped_optim.optimizers._offload_grads import give_grads
-from wrapped_optim.optimizers._offload_step import copy_back, sync_groups
+from wrapped_optim.optimizers.hybrid_offload._grads import give_grads
+from wrapped_optim.optimizers.hybrid_offload._host_step import run as run_fused
+from wrapped_optim.optimizers.hybrid_offload._optimizer import fused_plan
+from wrapped_optim.optimizers.hybrid_offload._step import copy_back, sync_groups
 
 _TENSORS = 10
 

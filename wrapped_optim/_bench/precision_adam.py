@@ -487,7 +487,8 @@ def render(data: dict[str, Any]) -> str:
         "cores, which the interleaved rounds and best-of-N figures spread over all rows alike.",
         "",
         "How: torch's fused AdamW needs parameter, gradient and moments in one dtype. The "
-        "compiled kernel (`wrapped_optim.optimizers.cpu_kernel`, C built at first use with the "
+        "compiled kernel (`wrapped_optim.optimizers.kernels.cpu_kernel`, C built "
+        "at first use with the "
         "system compiler, AVX-512/AVX2/baseline clones, no floating-point contraction so every "
         "clone gives the same bits) reads each stored operand once in its own format, applies "
         "TE's update in FP32 and writes back: 20 bytes per parameter for bf16 moments against "

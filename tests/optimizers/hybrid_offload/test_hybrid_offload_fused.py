@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.kernel_support import needs_kernel
-from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW, cpu_kernel
-from wrapped_optim.optimizers import _fused_host_step as fused_host_step
-from wrapped_optim.optimizers._hybrid_offload import fused_plan
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
+from wrapped_optim.optimizers.hybrid_offload import _host_step as fused_host_step
+from wrapped_optim.optimizers.hybrid_offload._optimizer import fused_plan
+from wrapped_optim.optimizers.kernels import cpu_kernel
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

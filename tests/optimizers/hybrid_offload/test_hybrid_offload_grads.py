@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wrapped_optim.optimizers import HybridOffloadOptimizer, cpu_kernel
+from wrapped_optim.optimizers import HybridOffloadOptimizer
+from wrapped_optim.optimizers.kernels import cpu_kernel
 
 
 class CopyingAdamW(torch.optim.AdamW):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from wrapped_optim.optimizers import HybridOffloadOptimizer
-from wrapped_optim.optimizers import _transfers as transfers
+from wrapped_optim.optimizers.hybrid_offload import _transfers as transfers
 
 
 class FakeStream:

@@ -24,7 +24,9 @@ from tests.kernel_support import (
     same_block_results,
 )
 from wrapped_optim._formats import blocks, codecs, remainders
-from wrapped_optim.optimizers import PrecisionAwareAdamW, _kernel_build, cpu_kernel
+from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers.kernels import _build as _kernel_build
+from wrapped_optim.optimizers.kernels import cpu_kernel
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from tests.kernel_support import CPU_FAMILIES, needs_kernel, param_and_master, running
 from wrapped_optim._formats import codecs
-from wrapped_optim.optimizers import cpu_kernel
+from wrapped_optim.optimizers.kernels import cpu_kernel
 
 FP32, BF16, FP16, FP8 = torch.float32, torch.bfloat16, torch.float16, codecs.FP8_E4M3
 MOMENTS = [FP32, BF16, FP16, FP8]

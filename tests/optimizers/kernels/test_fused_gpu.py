@@ -18,8 +18,10 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from wrapped_optim._formats import codecs, remainders
-from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
-from wrapped_optim.optimizers import _fused_gpu as fused_gpu
+from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers.kernels import cpu_kernel
+from wrapped_optim.optimizers.precision_adamw import _fused_gpu as fused_gpu
+from wrapped_optim.optimizers.precision_adamw._operand import Operand
 
 from .test_cpu_kernel import reference_moment, reference_step, same_bits
 
@@ -162,7 +164,15 @@ def _build(
 
 
 def _applicable(opt: PrecisionAwareAdamW, p: torch.Tensor, g: torch.Tensor) -> bool:
-    return fused_gpu.applicable(opt.layout, opt.state.get(p, {}), opt.scales.get(p, {}), p, g)
+    return fused_gpu.applicable(
+        opt.layout, Operand(p, g, opt.state.get(p, {}), opt.scales.get(p, {}))
+    )
+
+
+def _operands(
+    opt: PrecisionAwareAdamW, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[Operand]:
+    return [Operand(p, g, opt.state[p], opt.scales.get(p, {})) for p, g in pairs]
 
 
 def _expected(
@@ -257,12 +267,10 @@ def test_group_kernel_equals_the_reference_and_codecs_bitwise(
     want = [_expected(opt, p, g, group) for p, g in zip(params, grads, strict=True)]
     pairs = list(zip(params, grads, strict=True))
     assert all(_applicable(opt, p, g) for p, g in pairs)
-    expected_launches = fused_gpu.launches_per_step(opt.layout, opt.state, opt.scales, pairs)  # type: ignore[arg-type]
+    expected_launches = fused_gpu.launches_per_step(opt.layout, _operands(opt, pairs))  # type: ignore[arg-type]
     with pytest.MonkeyPatch.context() as patch, counting_launches() as launches:
         patch.setattr(fused_gpu, "BLOCK", 64)
-        fused_gpu.update_group(
-            opt.layout, opt.state, opt.scales, pairs, group, owner=opt, group_index=0
-        )  # type: ignore[arg-type]
+        fused_gpu.update_group(opt.layout, _operands(opt, pairs), group, tables={}, group_index=0)  # type: ignore[arg-type]
     assert len(launches) == expected_launches
     for p, w in zip(params, want, strict=True):
         _check(opt, p, w)
@@ -281,7 +289,7 @@ def test_one_launch_per_combination_three_when_scaled(launches: list[str]) -> No
         group = {**opt.param_groups[0], "step": 2}
         want = [_expected(opt, p, g, group) for p, g in zip(params, grads, strict=True)]
         pairs = list(zip(params, grads, strict=True))
-        fused_gpu.update_group(opt.layout, opt.state, opt.scales, pairs, group, owner=opt)
+        fused_gpu.update_group(opt.layout, _operands(opt, pairs), group, tables={})
         assert len(launches) == 3 * per_combo
         if per_combo == 3:
             assert launches[:3] == ["adamw_group_kernel", "finalize_kernel", "adamw_group_kernel"]
@@ -404,9 +412,7 @@ def test_off_the_kernel_devices_nothing_applies() -> None:
     assert not _applicable(opt, p, torch.ones(8))
     with pytest.raises(ValueError, match="does not apply"):
         pairs = [(p, torch.ones(8))]
-        fused_gpu.update_group(
-            opt.layout, opt.state, opt.scales, pairs, opt.param_groups[0], owner=opt
-        )
+        fused_gpu.update_group(opt.layout, _operands(opt, pairs), opt.param_groups[0], tables={})
 
 
 # ----------------------------------------------------------------------------- sm_90 build

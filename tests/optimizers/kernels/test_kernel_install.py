@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from tests.kernel_support import needs_kernel
-from wrapped_optim.optimizers import _kernel_build, cpu_kernel
+from wrapped_optim.optimizers.kernels import _build as _kernel_build
+from wrapped_optim.optimizers.kernels import cpu_kernel
 
 ROOT = Path(__file__).resolve().parents[3]
 OTHER_UID = 65534  # "nobody": a real owner that is not this user
@@ -67,7 +68,7 @@ def test_the_packaged_library_is_loaded_without_building(
     tree = tmp_path / "site"
     shutil.copytree(ROOT / "wrapped_optim", tree / "wrapped_optim",
                     ignore=shutil.ignore_patterns("__pycache__", "*.so"))  # fmt: skip
-    packaged = tree / "wrapped_optim" / "optimizers" / _kernel_build.packaged_name()
+    packaged = tree / "wrapped_optim" / "optimizers" / "kernels" / _kernel_build.packaged_name()
     shutil.copy(session_library, packaged)
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": str(tree), "WRAPPED_OPTIM_KERNEL_CACHE": str(cache),
@@ -88,11 +89,11 @@ def test_a_stale_packaged_library_is_not_loaded(tmp_path: Path, session_library:
     tree = tmp_path / "site"
     shutil.copytree(ROOT / "wrapped_optim", tree / "wrapped_optim",
                     ignore=shutil.ignore_patterns("__pycache__", "*.so"))  # fmt: skip
-    optimizers = tree / "wrapped_optim" / "optimizers"
-    shutil.copy(session_library, optimizers / _kernel_build.packaged_name(optimizers))
-    main = optimizers / "_adamw_cpu.c"
+    kernels = tree / "wrapped_optim" / "optimizers" / "kernels"
+    shutil.copy(session_library, kernels / _kernel_build.packaged_name(kernels / "csrc"))
+    main = kernels / "csrc" / "_adamw_cpu.c"
     main.write_text(main.read_text() + "\n/* changed */\n")
-    assert _kernel_build.packaged_name(optimizers) != _kernel_build.packaged_name()
+    assert _kernel_build.packaged_name(kernels / "csrc") != _kernel_build.packaged_name()
     env = {**os.environ, "PYTHONPATH": str(tree), "CC": "/bin/false", "PATH": str(tmp_path),
            "WRAPPED_OPTIM_KERNEL_CACHE": str(tmp_path / "cache")}  # fmt: skip
     code = "from wrapped_optim.optimizers import cpu_kernel; print(cpu_kernel.status().library)"
@@ -103,7 +104,7 @@ def test_a_stale_packaged_library_is_not_loaded(tmp_path: Path, session_library:
 
 
 def test_the_fallback_build_says_so_once(fresh: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="wrapped_optim.optimizers.cpu_kernel"):
+    with caplog.at_level(logging.INFO, logger="wrapped_optim.optimizers.kernels.cpu_kernel"):
         assert cpu_kernel.status().available
         cpu_kernel._reset_for_tests()
         assert cpu_kernel.status().available  # cached now: no second message

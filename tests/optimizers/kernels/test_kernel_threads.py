@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.kernel_support import needs_kernel
-from wrapped_optim.optimizers import _kernel_threads, cpu_kernel
+from wrapped_optim.optimizers.kernels import _threads as _kernel_threads
+from wrapped_optim.optimizers.kernels import cpu_kernel
 
 
 def write(path: Path, text: str) -> None:

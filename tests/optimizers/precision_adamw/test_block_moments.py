@@ -25,7 +25,8 @@ from tests.kernel_support import (
     same_block_results,
 )
 from wrapped_optim._formats import blocks
-from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
+from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers.kernels import cpu_kernel
 
 FORMATS = list(blocks.BLOCK_FORMATS)
 HYPER: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
@@ -382,8 +383,8 @@ def interpreted_kernel_run(name: str, adam_w_mode: bool, out: str) -> None:
     host (interpreted), saved to ``out``."""
     import numpy as np
 
-    from wrapped_optim.optimizers import _block_step
-    from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+    from wrapped_optim.optimizers.precision_adamw import _block_step
+    from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
 
     _block_step._DEVICE_TYPES.add("cpu")
     fmt = blocks.BlockFormat(name, 32)
@@ -426,7 +427,7 @@ def interpreted_training(out: str) -> None:
     """A child process's work (``TRITON_INTERPRET=1`` set before triton is imported): two
     steps of an int4 optimizer with the CPU kernel off, on the host through the Triton block
     kernel; its parameters, codes and scales saved to ``out``."""
-    from wrapped_optim.optimizers import _block_step
+    from wrapped_optim.optimizers.precision_adamw import _block_step
 
     _block_step._DEVICE_TYPES.add("cpu")
     params = _model(6)
@@ -470,7 +471,7 @@ def test_hybrid_offload_steps_block_moments_fused_and_unfused_alike(name: str) -
     fused host step (grad in, update and bf16 param out in one kernel pass) gives the
     unfused step's bits, and its state_dict resumes exactly."""
     from wrapped_optim.optimizers import HybridOffloadOptimizer
-    from wrapped_optim.optimizers._hybrid_offload import fused_plan
+    from wrapped_optim.optimizers.hybrid_offload._optimizer import fused_plan
 
     def build(fused: bool, params: list[torch.nn.Parameter]) -> HybridOffloadOptimizer:
         return HybridOffloadOptimizer(

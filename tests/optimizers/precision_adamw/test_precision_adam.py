@@ -19,8 +19,8 @@ from wrapped_optim._adapters.precision import (
 )
 from wrapped_optim._formats import codecs, remainders
 from wrapped_optim.optimizers import PrecisionAwareAdamW
-from wrapped_optim.optimizers import _precision_state as precision_state
-from wrapped_optim.optimizers import _torch_step as torch_step
+from wrapped_optim.optimizers.precision_adamw import _state as precision_state
+from wrapped_optim.optimizers.precision_adamw import _torch_step as torch_step
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
 

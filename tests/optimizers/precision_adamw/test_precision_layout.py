@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wrapped_optim.optimizers import PrecisionAwareAdamW
-from wrapped_optim.optimizers._precision_layout import STATE_NAMES, PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw._layout import STATE_NAMES, PrecisionLayout
 
 MOMENTS = [torch.float32, torch.float16, torch.bfloat16, torch.uint8]
 

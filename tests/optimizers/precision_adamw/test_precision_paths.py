@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-import wrapped_optim.optimizers._offload_layout as offload_layout
+import wrapped_optim.optimizers.hybrid_offload._layout as offload_layout
 from tests.kernel_support import needs_kernel
-from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW, cpu_kernel
-from wrapped_optim.optimizers import _precision_paths as precision_paths
-from wrapped_optim.optimizers._hybrid_offload import fused_plan
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
+from wrapped_optim.optimizers.hybrid_offload._optimizer import fused_plan
+from wrapped_optim.optimizers.kernels import cpu_kernel
+from wrapped_optim.optimizers.precision_adamw import _step as precision_paths
+from wrapped_optim.optimizers.precision_adamw._operand import Operand
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -50,7 +52,7 @@ def test_kernel_would_update_is_what_the_step_does(
         p.grad = torch.randn(p.shape).to(dtype)
     predicted = [
         precision_paths.kernel_would_update(
-            opt.layout, opt.state[p], opt.scales.get(p, {}), p, p.grad, group
+            opt.layout, Operand(p, p.grad, opt.state[p], opt.scales.get(p, {})), group
         )
         for p in params
     ]
@@ -90,8 +92,8 @@ def test_the_fused_host_step_asks_the_optimizer(monkeypatch: pytest.MonkeyPatch)
     assert [e.param for e in fused_plan(opt)] == params
     asked: list[torch.Tensor] = []
 
-    def says_no(layout: Any, state: Any, scales: Any, param: Any, grad: Any, group: Any) -> bool:
-        asked.append(param)
+    def says_no(layout: Any, operand: Any, group: Any) -> bool:
+        asked.append(operand.param)
         return False
 
     monkeypatch.setattr(precision_paths, "kernel_would_update", says_no)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from wrapped_optim.optimizers import PrecisionAwareAdamW
-from wrapped_optim.optimizers import _torch_step as torch_step
+from wrapped_optim.optimizers.precision_adamw import _torch_step as torch_step
+from wrapped_optim.optimizers.precision_adamw._operand import Operand
 
 FP16 = torch.float16
 
@@ -22,9 +23,8 @@ def _update(
     opt: PrecisionAwareAdamW, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]
 ) -> None:
     """The sliced path of one parameter, with ``opt``'s operands and its own workspace."""
-    torch_step.update(
-        opt.layout, opt.state[param], opt.scales[param], param, grad, group, opt._scratch
-    )
+    operand = Operand(param, grad, opt.state[param], opt.scales[param])
+    torch_step.update(opt.layout, operand, group, opt._scratch)
 
 
 def _two_params_opt() -> tuple[PrecisionAwareAdamW, list[torch.nn.Parameter]]:

@@ -3,12 +3,13 @@ parameter, and the step of one param group.
 
 Per parameter with a gradient, the first that applies: torch's fused AdamW kernel where its
 state needs no conversion (one call per device and dtype, as ``torch.optim.AdamW(fused=True)``
-does); the compiled CPU kernel (:mod:`~wrapped_optim.optimizers._kernel_step`, one call per
-group); the fused GPU kernel (:mod:`~wrapped_optim.optimizers._fused_gpu`); a packed call
-shared by small parameters; the per-parameter sliced path
-(:mod:`~wrapped_optim.optimizers._torch_step`). :func:`kernel_would_update` is the one answer
-to "would the step hand this parameter to the CPU kernel", which HybridOffloadOptimizer's
-fused host step asks too.
+does); the compiled CPU kernel
+(:mod:`~wrapped_optim.optimizers.precision_adamw._kernel_step`, one call per group); the fused
+GPU kernel (:mod:`~wrapped_optim.optimizers.precision_adamw._fused_gpu`); a packed call shared
+by small parameters; the per-parameter sliced path
+(:mod:`~wrapped_optim.optimizers.precision_adamw._torch_step`). :func:`kernel_would_update` is
+the one answer to "would the step hand this parameter to the CPU kernel", which
+HybridOffloadOptimizer's fused host step asks too.
 """
 
 from __future__ import annotations
@@ -20,9 +21,14 @@ import torch
 from torch import Tensor
 
 from wrapped_optim._adapters.dtensor import local_tensor
-from wrapped_optim.optimizers import _block_step, _fused_gpu, _torch_step
-from wrapped_optim.optimizers._kernel_step import KernelOperands, kernel_operands, kernel_update
-from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw import _block_step, _fused_gpu, _torch_step
+from wrapped_optim.optimizers.precision_adamw._kernel_step import (
+    KernelOperands,
+    kernel_operands,
+    kernel_update,
+)
+from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw._operand import Operand
 
 __all__ = ["kernel_would_update", "step_group"]
 
@@ -32,32 +38,19 @@ _Group = Mapping[str, Any]
 
 
 def _fast_path(
-    layout: PrecisionLayout,
-    state: _State,
-    scales: _State,
-    param: Tensor,
-    grad: Tensor,
-    group: _Group,
+    layout: PrecisionLayout, operand: Operand, group: _Group
 ) -> tuple[_Views | None, KernelOperands | None]:
-    """torch's fused kernel views of ``param`` when its state needs no conversion, else the
+    """torch's fused kernel views of ``operand`` when its state needs no conversion, else the
     compiled CPU kernel's operands when the kernel reads its formats, else neither."""
-    views = _torch_step.direct_views(layout, state, param, grad, group)
+    views = _torch_step.direct_views(layout, operand, group)
     if views is not None:
         return views, None
-    return None, kernel_operands(layout, state, scales, param, grad)
+    return None, kernel_operands(layout, operand)
 
 
-def kernel_would_update(
-    layout: PrecisionLayout,
-    state: _State,
-    scales: _State,
-    param: Tensor,
-    grad: Tensor,
-    group: _Group,
-) -> bool:
-    """Whether a step of ``layout`` hands ``param`` (with its ``state``, ``scales`` and
-    ``grad``) to the compiled CPU kernel: not to torch's fused kernel, and in formats the
-    kernel reads.
+def kernel_would_update(layout: PrecisionLayout, operand: Operand, group: _Group) -> bool:
+    """Whether a step of ``layout`` hands ``operand`` to the compiled CPU kernel: not to
+    torch's fused kernel, and in formats the kernel reads.
 
     Example:
         >>> import torch
@@ -66,15 +59,15 @@ def kernel_would_update(
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
         >>> opt.initialize_state(p, False)
         >>> g, group = torch.ones(4), opt.param_groups[0]
-        >>> kernel_would_update(opt.layout, opt.state[p], {}, p, g, group) == (
-        ...     cpu_kernel.available())
+        >>> op = Operand(p, g, opt.state[p], {})
+        >>> kernel_would_update(opt.layout, op, group) == cpu_kernel.available()
         True
         >>> fp32 = PrecisionAwareAdamW([p])  # torch's fused kernel takes FP32 state
         >>> fp32.initialize_state(p, False)
-        >>> kernel_would_update(fp32.layout, fp32.state[p], {}, p, g, group)
+        >>> kernel_would_update(fp32.layout, Operand(p, g, fp32.state[p], {}), group)
         False
     """
-    return _fast_path(layout, state, scales, param, grad, group)[1] is not None
+    return _fast_path(layout, operand, group)[1] is not None
 
 
 class _Routes:
@@ -86,7 +79,7 @@ class _Routes:
         self.batches: dict[tuple[torch.device, torch.dtype], list[_Views]] = {}
         self.small: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
         self.kernel: list[KernelOperands] = []  # one call for all of them: threads share it
-        self.fused_gpu: list[tuple[Tensor, Tensor]] = []  # one launch per format combination
+        self.fused_gpu: list[Operand] = []  # one launch per format combination
 
 
 def step_group(
@@ -97,7 +90,6 @@ def step_group(
     states: Mapping[Tensor, _State],
     scales: Mapping[Tensor, _State],
     scratch: _torch_step.StepScratch,
-    owner: object,
     group_index: int,
 ) -> None:
     """One step of ``group``'s ``(param, grad)`` pairs (their state exists; ``group["step"]``
@@ -109,9 +101,8 @@ def step_group(
         pairs: the parameters to update and their gradients.
         states: each parameter's state (updated in place).
         scales: each parameter's per-tensor scales (updated in place).
-        scratch: the step's FP32 workspace.
-        owner: the object the fused GPU kernel's tables are cached for (the optimizer).
-        group_index: the group's index among the owner's groups.
+        scratch: the step's FP32 workspace and the fused GPU kernel's launch tables.
+        group_index: the group's index among the optimizer's groups.
 
     Example:
         >>> import torch
@@ -122,13 +113,14 @@ def step_group(
         >>> opt.initialize_state(p, False)
         >>> group = {**opt.param_groups[0], "step": 1}
         >>> step_group(opt.layout, group, [(p, torch.ones(2))], states=opt.state, scales={},
-        ...            scratch=_torch_step.StepScratch(), owner=opt, group_index=0)
+        ...            scratch=_torch_step.StepScratch(), group_index=0)
         >>> p.data.tolist()
         [0.5, 0.5]
     """
     routes = _Routes()
-    for param, grad in pairs:
-        _route(routes, layout, group, param, grad, states[param], scales.get(param, {}), scratch)
+    for param, grad in pairs:  # each parameter's operand, built once this step
+        operand = Operand(param, grad, states[param], scales.get(param, {}))
+        _route(routes, layout, operand, group, scratch)
     for (device, _), items in routes.batches.items():
         step = _torch_step.step_tensor(group["step"], device)
         ps, gs, ms, vs = (list(column) for column in zip(*items, strict=True))
@@ -143,31 +135,30 @@ def step_group(
         )
     if routes.fused_gpu:
         _fused_gpu.update_group(
-            layout, states, scales, routes.fused_gpu, group, owner=owner, group_index=group_index
+            layout, routes.fused_gpu, group, tables=scratch.launch_tables, group_index=group_index
         )
 
 
 def _route(
     routes: _Routes,
     layout: PrecisionLayout,
+    operand: Operand,
     group: _Group,
-    param: Tensor,
-    grad: Tensor,
-    state: _State,
-    scales: _State,
     scratch: _torch_step.StepScratch,
 ) -> None:
-    """Files ``param`` under its path; the sliced path updates it at once."""
-    views, operands = _fast_path(layout, state, scales, param, grad, group)
+    """Files ``operand`` under its path; the sliced paths update it at once."""
+    param, grad = operand.param, operand.grad
+    views, kernel = _fast_path(layout, operand, group)
     if views is not None:
         routes.batches.setdefault((views[0].device, views[0].dtype), []).append(views)
-    elif operands is not None:
-        routes.kernel.append(operands)
+    elif kernel is not None:
+        routes.kernel.append(kernel)
     elif layout.block_format is not None:
-        _block_step.update(layout, state, scales, param, grad, group)
-    elif _fused_gpu.applicable(layout, state, scales, param, grad):
-        routes.fused_gpu.append((param, grad))
-    elif _torch_step.packable(layout, state, scales, param, grad, group):
+        # _block_step keeps its loose operands (its module is being tuned elsewhere).
+        _block_step.update(layout, operand.state, operand.scales, param, grad, group)
+    elif _fused_gpu.applicable(layout, operand):
+        routes.fused_gpu.append(operand)
+    elif _torch_step.packable(layout, operand, group):
         routes.small.setdefault(local_tensor(param).device, []).append((param, grad))
     else:
-        _torch_step.update(layout, state, scales, param, grad, group, scratch)
+        _torch_step.update(layout, operand, group, scratch)

@@ -2,8 +2,8 @@
 source, quantizing FP32 values into storage and reading them back.
 
 Each function takes the optimizer's
-:class:`~wrapped_optim.optimizers._precision_layout.PrecisionLayout`, one parameter's ``state``
-(state name -> storage) and the optimizer's ``scales`` table (parameter -> state name ->
+:class:`~wrapped_optim.optimizers.precision_adamw._layout.PrecisionLayout`, one parameter's
+``state`` (state name -> storage) and the optimizer's ``scales`` table (parameter -> state name ->
 one-element float32 scale, or one scale per block of a block-scaled moment; an entry exists
 only for parameters with a scaled state).
 """
@@ -18,7 +18,7 @@ from torch import Tensor
 
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import blocks, codecs
-from wrapped_optim.optimizers._precision_layout import STATE_NAMES, PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw._layout import STATE_NAMES, PrecisionLayout
 
 __all__ = [
     "check_blocked",

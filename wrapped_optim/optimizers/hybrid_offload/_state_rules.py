@@ -20,7 +20,7 @@ import torch
 
 from wrapped_optim._formats import holder_format, state_format
 from wrapped_optim._formats.errors import OptimizerCheckpointError
-from wrapped_optim.optimizers._offload_layout import OffloadLayout
+from wrapped_optim.optimizers.hybrid_offload._layout import OffloadLayout
 
 __all__ = [
     "Expected",

@@ -1,9 +1,9 @@
 """HybridOffloadOptimizer's fused host step: grad in, AdamW update and param out in one pass.
 
 :func:`plan` picks the offloaded params whose formats the CPU kernel of
-:mod:`~wrapped_optim.optimizers.cpu_kernel` takes (a contiguous bf16 or FP32 CPU param with an
-FP32 host copy) under a host optimizer it reproduces: PrecisionAwareAdamW, bitwise, for a copy
-it would itself hand to the kernel; torch's ``AdamW`` with the implementation left to
+:mod:`~wrapped_optim.optimizers.kernels.cpu_kernel` takes (a contiguous bf16 or FP32 CPU param
+with an FP32 host copy) under a host optimizer it reproduces: PrecisionAwareAdamW, bitwise, for a
+copy it would itself hand to the kernel; torch's ``AdamW`` with the implementation left to
 HybridOffloadOptimizer, within FP32 rounding of torch's. :func:`run` updates them after the
 host optimizer's own ``step`` has stepped the others. See docs/hybrid.md, "The fused host
 step", for the rules and the bytes it saves.
@@ -18,18 +18,18 @@ import attrs
 import torch
 from torch import Tensor
 
-import wrapped_optim.optimizers._offload_layout as offload_layout
-import wrapped_optim.optimizers._precision_paths as precision_paths
-import wrapped_optim.optimizers.cpu_kernel as cpu_kernel
-from wrapped_optim.optimizers._kernel_step import (
-    KernelOperands,
-    kernel_enabled,
-    kernel_operands,
-    kernel_update,
+import wrapped_optim.optimizers.hybrid_offload._layout as offload_layout
+from wrapped_optim.optimizers.kernels import cpu_kernel
+from wrapped_optim.optimizers.precision_adamw import (
+    PrecisionAwareAdamW,
+    kernel_step_copies,
+    kernel_steps_copy,
 )
-from wrapped_optim.optimizers._precision_adam import PrecisionAwareAdamW
 
 __all__ = ["FusedEntry", "grad_of", "plan", "run"]
+
+# (param, host copy, grad) of a PrecisionAwareAdamW copy.
+_Update = tuple[Tensor, Tensor, Tensor]
 
 # torch AdamW group switches the kernel has no counterpart for.
 _TORCH_SWITCHES = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -85,8 +85,7 @@ def _kind(sub: torch.optim.Optimizer, torch_default: bool) -> str | None:
     """How the fused step updates copies of ``sub``, or None; ``torch_default``: the host
     optimizer is torch's AdamW with the implementation left to HybridOffloadOptimizer."""
     if isinstance(sub, PrecisionAwareAdamW):
-        use_decoupled = sub.use_decoupled_grad  # it would read the copy's decoupled_grad
-        return None if use_decoupled or not kernel_enabled(sub.layout) else "precision"
+        return "precision"  # for each copy its own step would hand the kernel
     if type(sub) is not torch.optim.AdamW or not torch_default:
         return None  # not torch's AdamW, or the caller picked its implementation: they get it
     return "torch"
@@ -159,7 +158,8 @@ def plan(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers import HybridOffloadOptimizer, cpu_kernel
+        >>> from wrapped_optim.optimizers import HybridOffloadOptimizer
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
         >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1)
         >>> p.grad = torch.ones(4, dtype=torch.bfloat16)
@@ -193,11 +193,7 @@ def plan(
             # grad, as the unfused path gives it: ``inner`` stands in for it) would use the
             # kernel, so the fused step is bitwise its update.
             if kind == "precision" and not (
-                state
-                and isinstance(sub, PrecisionAwareAdamW)
-                and precision_paths.kernel_would_update(
-                    sub.layout, state, sub.scales.get(inner, {}), inner, inner, sub_group
-                )
+                isinstance(sub, PrecisionAwareAdamW) and kernel_steps_copy(sub, inner, sub_group)
             ):
                 continue
             entries.append(FusedEntry(param, inner, grad, sub, sub_group))
@@ -219,33 +215,19 @@ def run(entries: Sequence[FusedEntry]) -> None:
         >>> torch.equal(p, master.to(torch.bfloat16)), opt.state[p]["step"].item()
         (True, 2.0)
     """
-    precision: dict[int, tuple[PrecisionAwareAdamW, dict[str, Any], list[KernelOperands]]] = {}
+    precision: dict[int, tuple[PrecisionAwareAdamW, dict[str, Any], list[_Update]]] = {}
     plain: dict[tuple[int, float], list[FusedEntry]] = {}
     for entry in entries:
         sub = entry.optimizer
         if isinstance(sub, PrecisionAwareAdamW):
-            operands = kernel_operands(
-                sub.layout, sub.state[entry.inner], sub.scales.get(entry.inner, {}), entry.inner,
-                entry.grad,
-            )  # fmt: skip
-            if operands is None:  # plan() checked this: the optimizer changed in between
-                raise RuntimeError(
-                    "the fused host step lost a parameter the kernel reads: the host "
-                    "optimizer's options or state changed between plan() and run(); pass "
-                    "fused_host_step=False to HybridOffloadOptimizer to step it unfused"
-                )
-            _, grad, m, v, _, m_scale, v_scale = operands
-            fused = (entry.param.view(-1), grad, m, v, entry.inner.view(-1), m_scale, v_scale)
-            precision.setdefault(id(entry.group), (sub, entry.group, []))[2].append(fused)
+            update = (entry.param, entry.inner, entry.grad)
+            precision.setdefault(id(entry.group), (sub, entry.group, []))[2].append(update)
         else:
             state = sub.state.get(entry.inner)
             step = float(state["step"]) + 1 if state else 1.0
             plain.setdefault((id(entry.group), step), []).append(entry)
-    for sub, group, calls in precision.values():
-        # its group step: advanced by sub.step
-        kernel_update(
-            calls, group, adam_w_mode=bool(sub.adam_w_mode), block_format=sub.layout.blocks
-        )
+    for sub, group, updates in precision.values():
+        kernel_step_copies(sub, group, updates)  # its group step: advanced by sub.step
     for (_, step), same_step in plain.items():
         _torch_adamw(same_step, step)
 

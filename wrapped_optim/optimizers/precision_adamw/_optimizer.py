@@ -1,9 +1,9 @@
 """A device-agnostic AdamW with Transformer Engine FusedAdam's precision-aware state.
 
 The class gathers operands: its options become a
-``wrapped_optim.optimizers._precision_layout.PrecisionLayout``, and the step, loading
-and format functions (``wrapped_optim.optimizers._precision_paths``,
-``wrapped_optim.optimizers._precision_loading``, ``wrapped_optim._formats.codecs``)
+``wrapped_optim.optimizers.precision_adamw._layout.PrecisionLayout``, and the step, loading
+and format functions (``wrapped_optim.optimizers.precision_adamw._step``,
+``wrapped_optim.optimizers.precision_adamw._loading``, ``wrapped_optim._formats.codecs``)
 take that layout with explicit tensors.
 """
 
@@ -21,14 +21,13 @@ from wrapped_optim._formats import blocks as _blocks
 from wrapped_optim._formats import state_format
 from wrapped_optim._rollback import OptimizerSnapshot
 from wrapped_optim._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
-from wrapped_optim.optimizers import _precision_loading as _loading
-from wrapped_optim.optimizers import _precision_paths as _paths
-from wrapped_optim.optimizers import _precision_state as _state
 from wrapped_optim.optimizers import _torch_adam_format as _torch_format
-from wrapped_optim.optimizers import cpu_kernel as _cpu_kernel
-from wrapped_optim.optimizers._precision_layout import STATE_NAMES, PrecisionLayout
 from wrapped_optim.optimizers._step_checks import StepOperandError, check_operands, describe_param
-from wrapped_optim.optimizers._torch_step import StepLock, StepScratch
+from wrapped_optim.optimizers.kernels import cpu_kernel as _cpu_kernel
+from wrapped_optim.optimizers.precision_adamw import _loading, _state
+from wrapped_optim.optimizers.precision_adamw import _step as _paths
+from wrapped_optim.optimizers.precision_adamw._layout import STATE_NAMES, PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw._torch_step import StepLock, StepScratch
 
 __all__ = ["PrecisionAwareAdamW"]
 
@@ -473,7 +472,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     self.initialize_state(p, layout.uses_remainder(p))
             _paths.step_group(
                 layout, group, pairs, states=self.state, scales=self._scales,
-                scratch=self._scratch, owner=self, group_index=index,
+                scratch=self._scratch, group_index=index,
             )  # fmt: skip
 
     def _warn_skipped_once(self, index: int, skipped: int, group: dict[str, Any]) -> None:
@@ -568,7 +567,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         master, unknown state names, non-finite values) raises ``ValueError`` naming the
         parameter index and state, and leaves this optimizer exactly as it was. States are
         then written through ``self.set_scaled_state`` into the existing storage, in slices
-        (see ``wrapped_optim.optimizers._precision_loading``: the extra memory is one
+        (see ``wrapped_optim.optimizers.precision_adamw._loading``: the extra memory is one
         slice; a load interrupted half-way is completed before the exception propagates);
         the caller's tensors are never modified.
 

@@ -15,9 +15,9 @@ import torch
 
 from wrapped_optim._adapters.precision import is_precision_aware_holder
 from wrapped_optim._rollback import OptimizerSnapshot
-from wrapped_optim.optimizers._fused_host_step import FusedEntry, run
-from wrapped_optim.optimizers._offload_layout import OffloadLayout
-from wrapped_optim.optimizers._transfers import copy_all
+from wrapped_optim.optimizers.hybrid_offload._host_step import FusedEntry, run
+from wrapped_optim.optimizers.hybrid_offload._layout import OffloadLayout
+from wrapped_optim.optimizers.hybrid_offload._transfers import copy_all
 
 __all__ = ["copy_back", "step_sub_optimizers", "sync_groups", "sync_steps_from_holders"]
 

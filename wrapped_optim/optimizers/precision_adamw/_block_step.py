@@ -1,7 +1,7 @@
 """The step of a :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` parameter whose
 moments are block-scaled (``block_moments``), where the compiled CPU kernel does not take it:
 on CUDA the Triton kernel (``adamw_block_kernel`` of
-:mod:`~wrapped_optim.optimizers._fused_gpu_kernel`, one launch per parameter, one program
+:mod:`~wrapped_optim.optimizers.kernels._triton_adamw`, one launch per parameter, one program
 per block) where triton is installed and the layout is
 one it reads, else torch (:func:`wrapped_optim._formats.blocks.step_blocks`). All three give
 the CPU kernel's bits.
@@ -25,11 +25,11 @@ from torch.autograd.graph import increment_version
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import blocks
 from wrapped_optim._formats.remainders import join_master, split_master_into
-from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
 
 __all__ = ["group_hyper", "triton_update", "update"]
 
-_KERNEL_MODULE = "wrapped_optim.optimizers._fused_gpu_kernel"  # the fused step's, too
+_KERNEL_MODULE = "wrapped_optim.optimizers.kernels._triton_adamw"  # the fused step's, too
 # Devices the Triton kernel is launched on. Tests add "cpu" (with TRITON_INTERPRET=1,
 # Triton's interpreter runs the same kernel on host tensors).
 _DEVICE_TYPES = {"cuda"}

@@ -4,7 +4,7 @@ combination (three where fp16/FP8 state needs a new scale), no host synchronisat
 The sliced torch path expands each 64K slice of state to FP32, updates it and encodes it
 back, 5 to 41 kernel launches per slice: on a GPU the step is launch-bound. Here the
 parameters of one group are bucketed by device and format combination, and each bucket is
-updated by the kernels of :mod:`~wrapped_optim.optimizers._fused_gpu_kernel`, multi-tensor
+updated by the kernels of :mod:`~wrapped_optim.optimizers.kernels._triton_adamw`, multi-tensor
 style: a device table holds each tensor's operand addresses, element count, first program and
 scale addresses, a block map names each program's tensor. Both are cached per optimizer,
 group and combination, and rebuilt only when an address or size changes (typically the
@@ -26,19 +26,20 @@ remainder master (bf16 parameter); an FP32 parameter's master (FP32 or fp16) is 
 a copy of it, as the torch path does; contiguous storage; ``fused`` not ``True`` (that asks
 for torch's kernel); triton importable.
 
-Its arithmetic is the CPU kernel's (:mod:`~wrapped_optim.optimizers.cpu_kernel`), bit for bit:
-TE's formula in float32 with single roundings, the codecs' amax, scales, multipliers and
+Its arithmetic is the CPU kernel's (:mod:`~wrapped_optim.optimizers.kernels.cpu_kernel`), bit for
+bit: TE's formula in float32 with single roundings, the codecs' amax, scales, multipliers and
 roundings. The test suite runs these very kernels on CPU through Triton's interpreter
 (``TRITON_INTERPRET=1``) against the single-rounding reference, and compiles them for sm_90.
 
 Example:
     >>> import torch
     >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
-    >>> from wrapped_optim.optimizers import _fused_gpu
+    >>> from wrapped_optim.optimizers.precision_adamw import _fused_gpu
     >>> p = torch.nn.Parameter(torch.zeros(4))
     >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
     >>> opt.initialize_state(p, False)
-    >>> _fused_gpu.applicable(opt.layout, opt.state[p], {}, p, torch.ones(4))  # CPU
+    >>> from wrapped_optim.optimizers.precision_adamw._operand import Operand
+    >>> _fused_gpu.applicable(opt.layout, Operand(p, torch.ones(4), opt.state[p], {}))  # CPU
     False
 """
 
@@ -48,7 +49,6 @@ import importlib
 import importlib.util
 import struct
 import sys
-import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
@@ -60,11 +60,11 @@ from torch.autograd.graph import increment_version
 
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import codecs
-from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw._operand import Operand
 
 __all__ = ["BLOCK", "applicable", "available", "launches_per_step", "update_group"]
 
-_States = Mapping[Tensor, Mapping[str, Tensor]]
 
 #: Elements per Triton program.
 BLOCK = 4096
@@ -76,7 +76,7 @@ _VALUE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, codecs.FP
 _PARAM_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MASTER_NONE, _MASTER_FP32, _MASTER_REMAINDER, _MASTER_FP16 = 0, 1, 2, 3
 _COLUMNS, _SLOTS = 10, 3
-_KERNEL_MODULE = "wrapped_optim.optimizers._fused_gpu_kernel"
+_KERNEL_MODULE = "wrapped_optim.optimizers.kernels._triton_adamw"
 # Devices the kernel is launched on. Tests add "cpu" (with TRITON_INTERPRET=1, Triton's
 # interpreter runs the same kernel on host tensors).
 _DEVICE_TYPES = {"cuda"}
@@ -105,10 +105,9 @@ def _kernel_module() -> ModuleType:
 
 
 def _reset_for_tests() -> None:
-    """Forget the imported kernel and every cached table, so a changed ``TRITON_INTERPRET``
-    takes effect."""
+    """Forget the imported kernel, so a changed ``TRITON_INTERPRET`` takes effect (the launch
+    tables live on each optimizer's scratch)."""
     sys.modules.pop(_KERNEL_MODULE, None)
-    _CACHES.clear()
 
 
 def _f32(x: float) -> float:
@@ -156,14 +155,9 @@ def _scale_of(scales: Mapping[str, Tensor], name: str, device: torch.device) -> 
     return scale
 
 
-def _operands(
-    layout: PrecisionLayout,
-    state: Mapping[str, Tensor],
-    scales: Mapping[str, Tensor],
-    param: Tensor,
-    grad: Tensor,
-) -> _Operands | None:
-    """The flat operands of ``param`` for the kernels, or None where they do not apply."""
+def _operands(layout: PrecisionLayout, operand: Operand) -> _Operands | None:
+    """The flat operands of ``operand`` for the kernels, or None where they do not apply."""
+    state, scales, param, grad = operand.state, operand.scales, operand.param, operand.grad
     p, g = local_tensor(param), local_tensor(grad)
     device = p.device
     if device.type not in _DEVICE_TYPES or g.device != device or g.numel() != p.numel():
@@ -220,37 +214,25 @@ def _master_kind(
     raise LookupError("master_param")
 
 
-def applicable(
-    layout: PrecisionLayout,
-    state: Mapping[str, Tensor],
-    scales: Mapping[str, Tensor],
-    param: Tensor,
-    grad: Tensor,
-) -> bool:
-    """Whether :func:`update_group` updates ``param`` with its ``state`` and ``scales`` (see
-    the module docstring for when).
+def applicable(layout: PrecisionLayout, operand: Operand) -> bool:
+    """Whether :func:`update_group` updates ``operand`` (see the module docstring for when).
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+        >>> from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
         >>> p = torch.nn.Parameter(torch.zeros(4))
-        >>> applicable(PrecisionLayout(), {}, {}, p, torch.ones(4))  # no state yet
+        >>> applicable(PrecisionLayout(), Operand(p, torch.ones(4), {}, {}))  # no state yet
         False
     """
-    if layout.fused is True or not state or layout.block_format is not None:
+    if layout.fused is True or not operand.state or layout.block_format is not None:
         return False  # block-scaled moments: the torch step (_block_step)
-    if local_tensor(param).device.type not in _DEVICE_TYPES:
+    if local_tensor(operand.param).device.type not in _DEVICE_TYPES:
         return False  # first: the CPU step asks about every parameter it cannot fuse
-    return available() and _operands(layout, state, scales, param, grad) is not None
+    return available() and _operands(layout, operand) is not None
 
 
-def launches_per_step(
-    layout: PrecisionLayout,
-    states: _States,
-    scales: _States,
-    pairs: Sequence[tuple[Tensor, Tensor]],
-) -> int:
-    """Kernel launches :func:`update_group` makes for ``pairs`` (one group's), once its
+def launches_per_step(layout: PrecisionLayout, operands: Sequence[Operand]) -> int:
+    """Kernel launches :func:`update_group` makes for ``operands`` (one group's), once its
     tables are cached: one per device and format combination, three where one is scaled
     (only the scale kernel when all its tensors are empty; none for an empty unscaled one).
 
@@ -260,15 +242,15 @@ def launches_per_step(
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
         >>> opt.initialize_state(p, False)
-        >>> launches_per_step(opt.layout, opt.state, opt.scales, [])
+        >>> launches_per_step(opt.layout, [])
         0
-        >>> launches_per_step(opt.layout, opt.state, opt.scales, [(p, torch.ones(4))])  # CPU
+        >>> launches_per_step(opt.layout, [Operand(p, torch.ones(4), opt.state[p], {})])  # CPU
         Traceback (most recent call last):
         ValueError: the fused GPU step does not apply to this parameter (CUDA, ...
     """
     combos: dict[tuple[Any, ...], int] = {}
-    for param, grad in pairs:
-        found = _operands(layout, states[param], scales.get(param, {}), param, grad)
+    for operand in operands:
+        found = _operands(layout, operand)
         if found is None:
             raise ValueError(_NOT_APPLICABLE)
         key = (found.param.device, found.kinds)
@@ -298,8 +280,9 @@ class _Entry:
         self.table = self.block_map = self.mults = self.amax = torch.empty(0)
 
 
-# owner (the optimizer) -> {(group index, device, kinds, block): tables}; copies start empty.
-_CACHES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], _Entry]] = weakref.WeakKeyDictionary()
+#: (group index, device, kinds, block) -> that bucket's device tables: the optimizer's
+#: scratch holds one (copies start empty).
+LaunchTables = dict[tuple[Any, ...], _Entry]
 
 
 def _to_device(host: Tensor, device: torch.device) -> Tensor:
@@ -311,12 +294,11 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
 
 
 def _entry(
-    owner: object, key: tuple[Any, ...], items: list[_Operands], device: torch.device
+    tables: LaunchTables, key: tuple[Any, ...], items: list[_Operands], device: torch.device
 ) -> _Entry:
-    cache = _CACHES.setdefault(owner, {})
-    entry = cache.get(key)
+    entry = tables.get(key)
     if entry is None:
-        entry = cache[key] = _Entry()
+        entry = tables[key] = _Entry()
     numels = tuple(item.param.numel() for item in items)
     addresses = tuple(a for item in items for a in item.addresses())
     if numels != entry.numels:
@@ -349,28 +331,25 @@ def _launch(kernel: Any, grid: tuple[int], *args: Any, **constexprs: Any) -> Non
 
 def update_group(
     layout: PrecisionLayout,
-    states: _States,
-    scales: _States,
-    pairs: Sequence[tuple[Tensor, Tensor]],
+    operands: Sequence[Operand],
     group: Mapping[str, Any],
     *,
-    owner: object,
+    tables: LaunchTables,
     group_index: int = -1,
 ) -> None:
-    """One fused AdamW step of every ``(param, grad)`` of ``group`` in place: a launch per
+    """One fused AdamW step of every operand of ``group`` in place: a launch per
     device and format combination (three where scaled), no host wait.
 
     Args:
         layout: the optimizer's storage layout.
-        states: each parameter's state (the optimizer's ``state``).
-        scales: each parameter's per-tensor scales (written for scaled states).
-        pairs: the parameters to update and their gradients.
+        operands: the parameters to update, their gradients, states and scales (scales
+            written for scaled states).
         group: the param group's options and step count.
-        owner: the object the launch tables are cached for (the optimizer; weakly held).
-        group_index: the group's index among the owner's groups (part of the cache key).
+        tables: the launch tables kept between steps (the optimizer's scratch holds them).
+        group_index: the group's index among the optimizer's groups (part of the tables' key).
 
     Raises:
-        ValueError: a pair :func:`applicable` rejects.
+        ValueError: an operand :func:`applicable` rejects.
 
     Example:
         >>> import torch
@@ -378,14 +357,14 @@ def update_group(
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16)
         >>> opt.initialize_state(p, False)
-        >>> update_group(opt.layout, opt.state, opt.scales, [(p, torch.ones(4))],
-        ...              opt.param_groups[0], owner=opt)  # a CPU parameter
+        >>> op = Operand(p, torch.ones(4), opt.state[p], {})
+        >>> update_group(opt.layout, [op], opt.param_groups[0], tables={})  # a CPU parameter
         Traceback (most recent call last):
         ValueError: the fused GPU step does not apply to this parameter (CUDA, ...
     """
     buckets: dict[tuple[Any, ...], list[_Operands]] = {}
-    for param, grad in pairs:
-        found = _operands(layout, states[param], scales.get(param, {}), param, grad)
+    for operand in operands:
+        found = _operands(layout, operand)
         if found is None:
             raise ValueError(_NOT_APPLICABLE)
         buckets.setdefault((found.param.device, found.kinds), []).append(found)
@@ -395,16 +374,16 @@ def update_group(
     for (device, kinds), items in buckets.items():
         key = (group_index, device, kinds, BLOCK)
         try:
-            entry = _entry(owner, key, items, device)
+            entry = _entry(tables, key, items, device)
             _run_bucket(entry, len(items), device, kinds, group, hyper, layout.adam_w_mode)
         except BaseException:
-            _CACHES.get(owner, {}).pop(key, None)  # an amax may be left uncleared
+            tables.pop(key, None)  # an amax may be left uncleared
             raise
     written: list[Tensor] = []
-    for param, _ in pairs:
-        written.append(local_tensor(param))
-        written.extend(states[param].values())
-        written.extend(scales.get(param, {}).values())
+    for operand in operands:
+        written.append(local_tensor(operand.param))
+        written.extend(operand.state.values())
+        written.extend(operand.scales.values())
     increment_version(written)  # written by kernels: tell autograd, as in-place ops would
 
 

@@ -25,7 +25,8 @@ from torch import Tensor
 from torch.autograd.graph import increment_version
 
 from wrapped_optim._formats import blocks, codecs
-from wrapped_optim.optimizers import _kernel_build, _kernel_threads
+from wrapped_optim.optimizers.kernels import _build as _kernel_build
+from wrapped_optim.optimizers.kernels import _threads as _kernel_threads
 
 __all__ = [
     "LOOP_FAMILIES",
@@ -106,7 +107,7 @@ class KernelStatus:
         loop_families: The families this CPU and build can run, fastest first.
 
     Examples:
-        >>> from wrapped_optim.optimizers import cpu_kernel
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> s = cpu_kernel.status()
         >>> s.available == (s.library is not None) == (s.reason is None)
         True
@@ -138,7 +139,7 @@ def status() -> KernelStatus:
         The kernel's ``KernelStatus``, with the loop family in use now.
 
     Examples:
-        >>> from wrapped_optim.optimizers import cpu_kernel
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> isinstance(cpu_kernel.status().available, bool)
         True
         >>> cpu_kernel.status().loops in cpu_kernel.status().loop_families
@@ -170,7 +171,7 @@ def use_loops(family: str | None = None) -> str:
         ValueError: ``family`` is unknown or this CPU or build cannot run it.
 
     Examples:
-        >>> from wrapped_optim.optimizers import cpu_kernel
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> if cpu_kernel.status().available:
         ...     assert cpu_kernel.use_loops("portable") == "portable"
         ...     assert cpu_kernel.use_loops() == cpu_kernel.status().loop_families[0]
@@ -203,7 +204,7 @@ def available() -> bool:
     """Whether :func:`adamw_step_` can run here.
 
     Examples:
-        >>> from wrapped_optim.optimizers import cpu_kernel
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> cpu_kernel.available() == cpu_kernel.status().available
         True
     """
@@ -260,7 +261,7 @@ def _build_and_open() -> tuple[KernelStatus, ctypes.CDLL | None]:
 
 def _packaged_library() -> Path:
     """Where the package build put the library of these very sources (it may be absent)."""
-    return _kernel_build.SOURCE_DIR / _kernel_build.packaged_name()
+    return _kernel_build.LIBRARY_DIR / _kernel_build.packaged_name()
 
 
 def _opened(library: Path) -> tuple[KernelStatus, ctypes.CDLL]:
@@ -398,7 +399,7 @@ def cache_dir_candidates() -> list[Path]:
 
     Examples:
         >>> from pathlib import Path
-        >>> from wrapped_optim.optimizers import cpu_kernel
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> all(isinstance(d, Path) for d in cpu_kernel.cache_dir_candidates())
         True
     """
@@ -625,7 +626,7 @@ def adamw_step_(
     The elements of all tensors are shared by up to ``num_threads`` (default: torch's thread
     count, capped by the cores this process may use and reduced by those other processes
     keep busy, so threads never spin on oversubscribed cores; see
-    :mod:`wrapped_optim.optimizers._kernel_threads`) OpenMP threads when the build has OpenMP
+    :mod:`wrapped_optim.optimizers.kernels._threads`) OpenMP threads when the build has OpenMP
     (``status().parallel``), else one thread; in a process forked after the library was
     loaded always one (GNU OpenMP's workers do not survive ``fork()``: a parallel region
     there never returns, torch's own included). Every operand is checked before anything is
@@ -637,7 +638,7 @@ def adamw_step_(
 
     Examples:
         >>> import torch
-        >>> from wrapped_optim.optimizers import cpu_kernel
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> p, g = torch.ones(3), torch.full((3,), 0.5)
         >>> m = torch.zeros(3, dtype=torch.bfloat16)
         >>> v = torch.zeros(3, dtype=torch.uint8)  # FP8 E4M3, with a per-tensor scale
@@ -656,7 +657,7 @@ def adamw_step_(
     if lib is None:
         raise RuntimeError(
             f"the CPU AdamW kernel is unavailable: {loaded_status.reason}; check "
-            "wrapped_optim.optimizers.cpu_kernel.status() before calling adamw_step_"
+            "wrapped_optim.optimizers.kernels.cpu_kernel.status() before calling adamw_step_"
         )
     masters, m_scales, v_scales = _per_param_lists(
         params, grads, exp_avgs, exp_avg_sqs, masters, exp_avg_scales, exp_avg_sq_scales

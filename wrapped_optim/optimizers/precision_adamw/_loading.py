@@ -27,8 +27,8 @@ from torch import Tensor
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import holder_format, state_format
 from wrapped_optim._rollback import deep_clone
-from wrapped_optim.optimizers import _precision_state as _state
-from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw import _state
+from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
 
 __all__ = ["issued_by", "load_own_scaffold", "load_portable", "portable_state_dict"]
 

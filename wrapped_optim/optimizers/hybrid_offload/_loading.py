@@ -2,7 +2,7 @@
 
 Functions over the optimizer's :class:`~._offload_layout.OffloadLayout`, its param groups and
 the payload. Every check goes through :mod:`wrapped_optim._formats.state_format` (per
-sub-optimizer kind, see :mod:`~wrapped_optim.optimizers._offload_state_rules`) and every undo
+sub-optimizer kind, see :mod:`~wrapped_optim.optimizers.hybrid_offload._state_rules`) and every undo
 through :mod:`wrapped_optim._rollback`.
 """
 
@@ -17,9 +17,9 @@ import torch
 from wrapped_optim._adapters.precision import is_precision_aware_holder, supports_chunked_state
 from wrapped_optim._formats import state_format
 from wrapped_optim._rollback import OptimizerSnapshot, copy_all
-from wrapped_optim.optimizers._offload_layout import OffloadLayout, Placement
-from wrapped_optim.optimizers._offload_state import exposed_state, plain_dict
-from wrapped_optim.optimizers._offload_state_rules import (
+from wrapped_optim.optimizers.hybrid_offload._layout import OffloadLayout, Placement
+from wrapped_optim.optimizers.hybrid_offload._state import exposed_state, plain_dict
+from wrapped_optim.optimizers.hybrid_offload._state_rules import (
     References,
     agree_on_step,
     clone_options,
@@ -27,7 +27,7 @@ from wrapped_optim.optimizers._offload_state_rules import (
     holder_source,
     plain_entry,
 )
-from wrapped_optim.optimizers._offload_step import sync_groups
+from wrapped_optim.optimizers.hybrid_offload._step import sync_groups
 
 __all__ = ["LoadUndo", "holder_state_dict", "load_plain", "load_with_holders", "prepare_load"]
 

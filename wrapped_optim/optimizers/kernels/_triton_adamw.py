@@ -1,4 +1,5 @@
-"""The Triton kernels of :mod:`wrapped_optim.optimizers._fused_gpu` (imported only with triton).
+"""The Triton kernels of :mod:`wrapped_optim.optimizers.precision_adamw._fused_gpu` (imported
+only with triton).
 
 One launch of :func:`adamw_group_kernel` updates every tensor of one parameter group that
 shares a format combination. The tensors are described by a device table (one row of int64

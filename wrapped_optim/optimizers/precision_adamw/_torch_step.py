@@ -1,11 +1,11 @@
 """PrecisionAwareAdamW's torch step paths, on any device.
 
-Three paths (:mod:`~wrapped_optim.optimizers._precision_paths` picks one per parameter):
+Three paths (:mod:`~wrapped_optim.optimizers.precision_adamw._step` picks one per parameter):
 torch's fused AdamW on the stored tensors themselves (:func:`direct_views`), many small
 parameters packed into one fused call (:func:`packable` / :func:`update_packed`), or one
 parameter slice by slice with a two-pass scale update for fp16/FP8 state (:func:`update`).
 Each takes explicit tensors, the param group's options and the optimizer's
-:class:`~wrapped_optim.optimizers._precision_layout.PrecisionLayout`.
+:class:`~wrapped_optim.optimizers.precision_adamw._layout.PrecisionLayout`.
 
 Nothing here waits for the device: the step count reaches a kernel as a device tensor filled
 by a kernel (:func:`step_tensor`), never through a host copy or ``.item()``. The FP32
@@ -25,8 +25,9 @@ from torch import Tensor
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import codecs
 from wrapped_optim._formats.remainders import join_master, split_master_into
-from wrapped_optim.optimizers import _fused_gpu
-from wrapped_optim.optimizers._precision_layout import STATE_NAMES, PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw import _fused_gpu
+from wrapped_optim.optimizers.precision_adamw._layout import STATE_NAMES, PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw._operand import Operand
 
 __all__ = [
     "StepLock",
@@ -64,6 +65,9 @@ class StepScratch:
 
     def __init__(self) -> None:
         self._local = threading.local()
+        # The fused GPU step's launch tables, kept between steps (the step lock serialises
+        # steps, so one table set serves every thread).
+        self.launch_tables: dict[tuple[Any, ...], Any] = {}
 
     def get(self, device: torch.device, numel: int) -> Tensor:
         """This thread's buffer on ``device``, grown to at least ``numel`` FP32 elements."""
@@ -180,7 +184,7 @@ def use_fused(layout: PrecisionLayout, device: torch.device, group: _Group) -> b
     """Whether the FP32 update on ``device`` is torch's fused kernel (else TE's formula).
 
     Example:
-        >>> from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+        >>> from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
         >>> group = {"bias_correction": True}
         >>> use_fused(PrecisionLayout(), torch.device("cpu"), group)
         True
@@ -195,14 +199,7 @@ def use_fused(layout: PrecisionLayout, device: torch.device, group: _Group) -> b
     return supported
 
 
-def packable(
-    layout: PrecisionLayout,
-    state: _State,
-    scales: _State,
-    param: Tensor,
-    grad: Tensor,
-    group: _Group,
-) -> bool:
+def packable(layout: PrecisionLayout, operand: Operand, group: _Group) -> bool:
     """Small parameters whose state needs only per-element conversion (bf16/fp32 moments,
     an fp32 or remainder master) are updated many at a time (one fused call per pack),
     unless the fused GPU kernels update them (with their whole group, no conversion passes).
@@ -213,11 +210,13 @@ def packable(
         >>> p = torch.nn.Parameter(torch.zeros(8))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.bfloat16, chunk_numel=64)
         >>> opt.initialize_state(p, False)
-        >>> packable(opt.layout, opt.state[p], {}, p, torch.ones(8), opt.param_groups[0])
+        >>> op = Operand(p, torch.ones(8), opt.state[p], {})
+        >>> packable(opt.layout, op, opt.param_groups[0])
         True
     """
-    p, g = local_tensor(param), local_tensor(grad)
-    if not layout.pack_small or _fused_gpu.applicable(layout, state, scales, param, grad):
+    state, param = operand.state, operand.param
+    p, g = local_tensor(param), local_tensor(operand.grad)
+    if not layout.pack_small or _fused_gpu.applicable(layout, operand):
         return False
     if p.numel() > layout.chunk_numel // 4 or not p.is_contiguous() or g.device != p.device:
         return False
@@ -364,7 +363,7 @@ def _flush_pack(
 
 
 def direct_views(
-    layout: PrecisionLayout, state: _State, param: Tensor, grad: Tensor, group: _Group
+    layout: PrecisionLayout, operand: Operand, group: _Group
 ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
     """(param, grad, exp_avg, exp_avg_sq) when torch's fused kernel can update them as
     stored: FP32 param and moments, or bf16 param, grad and moments (the kernel loads
@@ -377,10 +376,12 @@ def direct_views(
         >>> p = torch.nn.Parameter(torch.zeros(2))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_dtype=torch.uint8)
         >>> opt.initialize_state(p, False)
-        >>> direct_views(opt.layout, opt.state[p], p, torch.ones(2), opt.param_groups[0])
+        >>> direct_views(opt.layout, Operand(p, torch.ones(2), opt.state[p], {}),
+        ...              opt.param_groups[0])
     """
-    p = local_tensor(param)
-    g = local_tensor(grad)
+    state = operand.state
+    p = local_tensor(operand.param)
+    g = local_tensor(operand.grad)
     if "master_param" in state or not p.is_contiguous() or g.device != p.device:
         return None
     if not use_fused(layout, p.device, group):
@@ -605,23 +606,13 @@ class _SlicedUpdate:
         scales["master_param"].copy_(scale)
 
 
-def update(
-    layout: PrecisionLayout,
-    state: _State,
-    scales: _State,
-    param: Tensor,
-    grad: Tensor,
-    group: _Group,
-    scratch: StepScratch,
-) -> None:
+def update(layout: PrecisionLayout, operand: Operand, group: _Group, scratch: StepScratch) -> None:
     """One parameter, slice by slice: expand each slice of state to FP32, update, store.
 
     Args:
         layout: the optimizer's storage layout.
-        state: the parameter's state (updated in place).
-        scales: the per-tensor scales of its fp16/FP8 states (new values written in).
-        param: the parameter (updated in place).
-        grad: its gradient (never modified).
+        operand: the parameter (updated in place), its gradient (never modified), its state
+            (updated in place) and the scales of its fp16/FP8 states (new values written in).
         group: the param group's options and step count.
         scratch: the step's FP32 workspace.
 
@@ -632,12 +623,13 @@ def update(
         >>> opt = PrecisionAwareAdamW([p], lr=0.5, exp_avg_dtype=torch.float16)
         >>> opt.initialize_state(p, False)
         >>> group = {**opt.param_groups[0], "step": 1}
-        >>> update(opt.layout, opt.state[p], opt.scales[p], p, torch.tensor([1.0, -1.0]),
-        ...        group, StepScratch())
+        >>> op = Operand(p, torch.tensor([1.0, -1.0]), opt.state[p], opt.scales[p])
+        >>> update(opt.layout, op, group, StepScratch())
         >>> p.data
         tensor([-0.5000,  0.5000])
     """
-    sliced = _SlicedUpdate(layout, state, scales, param, grad, group)
+    state, scales = operand.state, operand.scales
+    sliced = _SlicedUpdate(layout, state, scales, operand.param, operand.grad, group)
     sliced.take_buffers(scratch)
     new_scale = sliced.new_scales()
     sliced.encode_mult = {

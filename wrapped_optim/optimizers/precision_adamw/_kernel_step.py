@@ -1,7 +1,7 @@
 """Which parameters of a :class:`~wrapped_optim.optimizers.PrecisionAwareAdamW` step the
 compiled CPU kernel updates, and the call that updates them.
 
-The kernel (:mod:`wrapped_optim.optimizers.cpu_kernel`) reads every operand in its stored
+The kernel (:mod:`wrapped_optim.optimizers.kernels.cpu_kernel`) reads every operand in its stored
 format, so it takes CPU parameters whose state would otherwise need conversion passes: FP32,
 bf16, fp16 or FP8 moments (the scaled ones with their per-tensor scales) beside an FP32
 parameter, or beside a bf16 parameter with an FP32 master or int16 remainder. Everything else
@@ -20,8 +20,9 @@ from torch import Tensor
 
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import blocks, codecs
-from wrapped_optim.optimizers import cpu_kernel
-from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+from wrapped_optim.optimizers.kernels import cpu_kernel
+from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw._operand import Operand
 
 __all__ = ["KernelOperands", "kernel_enabled", "kernel_operands", "kernel_update"]
 
@@ -37,7 +38,7 @@ def kernel_enabled(layout: PrecisionLayout) -> bool:
     its ``cpu_kernel`` setting allows it and the kernel could be built.
 
     Example:
-        >>> from wrapped_optim.optimizers._precision_layout import PrecisionLayout
+        >>> from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
         >>> kernel_enabled(PrecisionLayout(cpu_kernel=False))
         False
     """
@@ -46,30 +47,27 @@ def kernel_enabled(layout: PrecisionLayout) -> bool:
     return cpu_kernel.available()
 
 
-def kernel_operands(
-    layout: PrecisionLayout,
-    state: Mapping[str, Tensor],
-    scales: Mapping[str, Tensor],
-    param: Tensor,
-    grad: Tensor,
-) -> KernelOperands | None:
-    """The flat operands of ``param`` (its ``state`` and the ``scales`` of its scaled
-    states) for the kernel, or None when its formats or layout are not ones the kernel reads
+def kernel_operands(layout: PrecisionLayout, operand: Operand) -> KernelOperands | None:
+    """The flat operands of ``operand`` (its state and the scales of its scaled states) for
+    the kernel, or None when its formats or layout are not ones the kernel reads
     (the optimizer's torch paths update it then).
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> p = torch.nn.Parameter(torch.zeros(2, 3))
         >>> opt = PrecisionAwareAdamW([p], exp_avg_sq_dtype=torch.uint8)
         >>> opt.initialize_state(p, False)
-        >>> ops = kernel_operands(opt.layout, opt.state[p], opt.scales[p], p, torch.ones(2, 3))
+        >>> op = Operand(p, torch.ones(2, 3), opt.state[p], opt.scales[p])
+        >>> ops = kernel_operands(opt.layout, op)
         >>> ops is None if not cpu_kernel.available() else (ops[0].shape, ops[6].item())
         (torch.Size([6]), 1.0)
     """
     if not kernel_enabled(layout):
         return None
-    p, g = local_tensor(param), local_tensor(grad)
+    state, scales, param = operand.state, operand.scales, operand.param
+    p, g = local_tensor(param), local_tensor(operand.grad)
     if p.device.type != "cpu" or g.device != p.device or g.numel() != p.numel():
         return None
     stored = [state["exp_avg"], state["exp_avg_sq"]]
@@ -118,13 +116,14 @@ def kernel_update(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW, cpu_kernel
+        >>> from wrapped_optim.optimizers import PrecisionAwareAdamW
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> p = torch.nn.Parameter(torch.zeros(4))
         >>> opt = PrecisionAwareAdamW([p], lr=0.5, exp_avg_dtype=torch.bfloat16)
         >>> opt.initialize_state(p, False)
         >>> group = {**opt.param_groups[0], "step": 1}
         >>> if cpu_kernel.available():
-        ...     ops = kernel_operands(opt.layout, opt.state[p], {}, p, torch.ones(4))
+        ...     ops = kernel_operands(opt.layout, Operand(p, torch.ones(4), opt.state[p], {}))
         ...     kernel_update([ops], group, adam_w_mode=True)
         ... else:
         ...     _ = p.data.fill_(-0.5)

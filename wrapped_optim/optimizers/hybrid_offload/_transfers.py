@@ -50,7 +50,7 @@ def copy_all(
 
     Example:
         >>> import torch
-        >>> from wrapped_optim.optimizers._transfers import copy_all
+        >>> from wrapped_optim.optimizers.hybrid_offload._transfers import copy_all
         >>> a, b = torch.zeros(2), torch.zeros(3, dtype=torch.bfloat16)
         >>> copy_all([(a, torch.ones(2)), (b, torch.full((3,), 2.0))])
         >>> a.tolist(), b.tolist()

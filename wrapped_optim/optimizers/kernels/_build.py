@@ -1,9 +1,10 @@
 """How the CPU AdamW kernel's shared library is compiled: its sources, flags and build.
 
 Standard library only, so the package build (``setup.py``, without torch) and the run-time
-fallback (:mod:`wrapped_optim.optimizers.cpu_kernel`) compile it the same way. Every
-``_adamw_cpu*.c`` beside this file is a translation unit and every ``_adamw_cpu*.h`` a header
-they include; all of them enter the library's name, so a library built from other sources is
+fallback (:mod:`wrapped_optim.optimizers.kernels.cpu_kernel`) compile it the same way. Every
+``_adamw_cpu*.c`` in ``csrc/`` beside this file is a translation unit and every
+``_adamw_cpu*.h`` a header they include; all of them enter the library's name, so a library built
+from other sources is
 never taken for this one. The flags are portable: the C code picks its vector loops at run
 time (``target_clones`` and ``__builtin_cpu_supports``), never ``-march=native``.
 """
@@ -18,7 +19,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-SOURCE_DIR = Path(__file__).resolve().parent
+# The C sources in csrc/; the package build puts the library beside this module.
+LIBRARY_DIR = Path(__file__).resolve().parent
+SOURCE_DIR = LIBRARY_DIR / "csrc"
 MAIN_SOURCE = SOURCE_DIR / "_adamw_cpu.c"
 # -fno-trapping-math lets the fp16/FP8 selects vectorize (values are unchanged: only FP flags,
 # which nothing reads, may differ); 512-bit vectors in the AVX-512 clone.
@@ -53,7 +56,7 @@ def sources(directory: Path = SOURCE_DIR) -> list[Path]:
     """Every file the build reads: the ``_adamw_cpu*.c`` and ``_adamw_cpu*.h`` in ``directory``.
 
     Example:
-        >>> from wrapped_optim.optimizers import _kernel_build
+        >>> from wrapped_optim.optimizers.kernels import _build as _kernel_build
         >>> _kernel_build.MAIN_SOURCE in _kernel_build.sources()
         True
     """
@@ -64,7 +67,7 @@ def source_digest(directory: Path = SOURCE_DIR, extra: Sequence[bytes] = ()) -> 
     """A 16-digit hash of the sources' names and bytes, the flags and ``extra``.
 
     Example:
-        >>> from wrapped_optim.optimizers import _kernel_build
+        >>> from wrapped_optim.optimizers.kernels import _build as _kernel_build
         >>> len(_kernel_build.source_digest())
         16
     """
@@ -82,7 +85,7 @@ def packaged_name(directory: Path = SOURCE_DIR) -> str:
     """The file name the package build gives the library of the sources in ``directory``.
 
     Example:
-        >>> from wrapped_optim.optimizers import _kernel_build
+        >>> from wrapped_optim.optimizers.kernels import _build as _kernel_build
         >>> _kernel_build.packaged_name().startswith("_adamw_cpu-")
         True
     """
@@ -93,7 +96,7 @@ def find_compiler() -> str | None:
     """``$CC``, else ``cc``, ``gcc`` or ``clang``, as a path; None when there is none.
 
     Example:
-        >>> from wrapped_optim.optimizers import _kernel_build
+        >>> from wrapped_optim.optimizers.kernels import _build as _kernel_build
         >>> compiler = _kernel_build.find_compiler()
         >>> compiler is None or compiler.startswith("/")
         True
@@ -119,7 +122,7 @@ def compile_library(
     Example:
         >>> import tempfile
         >>> from pathlib import Path
-        >>> from wrapped_optim.optimizers import _kernel_build
+        >>> from wrapped_optim.optimizers.kernels import _build as _kernel_build
         >>> out = Path(tempfile.mkdtemp()) / "kernel.so"
         >>> try:
         ...     _kernel_build.compile_library("/bin/false", out)
@@ -154,7 +157,7 @@ def build_packaged(output_dir: Path, compiler: str | None = None) -> tuple[Path,
     and the extra flags used. Raises ``RuntimeError`` naming every failure.
 
     Example:
-        >>> from wrapped_optim.optimizers import _kernel_build
+        >>> from wrapped_optim.optimizers.kernels import _build as _kernel_build
         >>> callable(_kernel_build.build_packaged)  # compiling takes most of a minute
         True
     """

@@ -3,7 +3,7 @@
 A host copy gets a copy of its param's grad (in the copy's dtype, into a buffer kept between
 steps: pinned when the param is on CUDA), the param's own grad where a copy would change
 nothing (:func:`can_share_grad`), or None: the param has no grad, or the fused host step
-(:mod:`~wrapped_optim.optimizers._fused_host_step`) reads the param's grad itself.
+(:mod:`~wrapped_optim.optimizers.hybrid_offload._host_step`) reads the param's grad itself.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Collection
 
 import torch
 
-from wrapped_optim.optimizers._fused_host_step import grad_of
-from wrapped_optim.optimizers._offload_layout import OffloadLayout
-from wrapped_optim.optimizers._transfers import copy_all
+from wrapped_optim.optimizers.hybrid_offload._host_step import grad_of
+from wrapped_optim.optimizers.hybrid_offload._layout import OffloadLayout
+from wrapped_optim.optimizers.hybrid_offload._transfers import copy_all
 
 __all__ = ["can_share_grad", "give_grads"]
 

@@ -1,7 +1,7 @@
 """HybridOffloadOptimizer: Megatron HybridDeviceOptimizer's structure, on any device.
 
 The class gathers operands; its layout, step, loading and state rules are functions over an
-``wrapped_optim.optimizers._offload_layout.OffloadLayout`` (see docs/hybrid.md).
+``wrapped_optim.optimizers.hybrid_offload._layout.OffloadLayout`` (see docs/hybrid.md).
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-import wrapped_optim.optimizers.cpu_kernel as cpu_kernel
+import wrapped_optim.optimizers.kernels.cpu_kernel as cpu_kernel
 from wrapped_optim._adapters.hybrid import MasterCopies
 from wrapped_optim._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
-from wrapped_optim.optimizers._fused_host_step import FusedEntry, grad_of, plan
-from wrapped_optim.optimizers._offload_grads import give_grads
-from wrapped_optim.optimizers._offload_layout import (
+from wrapped_optim.optimizers._step_checks import check_operands, describe_param
+from wrapped_optim.optimizers.hybrid_offload._grads import give_grads
+from wrapped_optim.optimizers.hybrid_offload._host_step import FusedEntry, grad_of, plan
+from wrapped_optim.optimizers.hybrid_offload._layout import (
     OffloadLayout,
     Placement,
     adopt_sub_defaults,
@@ -24,22 +25,21 @@ from wrapped_optim.optimizers._offload_layout import (
     host_keywords,
     placement,
 )
-from wrapped_optim.optimizers._offload_loading import (
+from wrapped_optim.optimizers.hybrid_offload._loading import (
     LoadUndo,
     holder_state_dict,
     load_plain,
     load_with_holders,
     prepare_load,
 )
-from wrapped_optim.optimizers._offload_state import exposed_state
-from wrapped_optim.optimizers._offload_state_rules import References
-from wrapped_optim.optimizers._offload_step import (
+from wrapped_optim.optimizers.hybrid_offload._state import exposed_state
+from wrapped_optim.optimizers.hybrid_offload._state_rules import References
+from wrapped_optim.optimizers.hybrid_offload._step import (
     copy_back,
     step_sub_optimizers,
     sync_groups,
     sync_steps_from_holders,
 )
-from wrapped_optim.optimizers._step_checks import check_operands, describe_param
 
 __all__ = ["HybridOffloadOptimizer", "fused_plan"]
 
@@ -570,7 +570,7 @@ def fused_plan(opt: HybridOffloadOptimizer) -> list[FusedEntry]:
 
     Examples:
         >>> import torch
-        >>> from wrapped_optim.optimizers import cpu_kernel
+        >>> from wrapped_optim.optimizers.kernels import cpu_kernel
         >>> p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
         >>> opt = HybridOffloadOptimizer([p], offload_fraction=1.0, lr=0.1)
         >>> p.grad = torch.ones(4, dtype=torch.bfloat16)
