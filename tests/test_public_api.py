@@ -75,7 +75,6 @@ PUBLIC_API: dict[str, list[str]] = {
     "wrapped_optim.optimizers.hybrid_offload": ["HybridOffloadOptimizer"],
     "wrapped_optim.optimizers.kernels": ["cpu_kernel"],
     "wrapped_optim.optimizers.kernels.cpu_kernel": [
-        "KernelStatus",
         "LOOP_FAMILIES",
         "status",
         "use_loops",

@@ -30,7 +30,6 @@ from wrapped_optim.optimizers.kernels import _threads as _kernel_threads
 
 __all__ = [
     "LOOP_FAMILIES",
-    "KernelStatus",
     "status",
     "use_loops",
 ]
