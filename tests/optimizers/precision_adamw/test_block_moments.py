@@ -385,6 +385,7 @@ def interpreted_kernel_run(name: str, adam_w_mode: bool, out: str) -> None:
 
     from wrapped_optim.optimizers.precision_adamw import _block_step
     from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
+    from wrapped_optim.optimizers.precision_adamw._operand import Operand
 
     _block_step._DEVICE_TYPES.add("cpu")
     fmt = blocks.BlockFormat(name, 32)
@@ -400,7 +401,8 @@ def interpreted_kernel_run(name: str, adam_w_mode: bool, out: str) -> None:
             if op["master"] is not None:
                 state["master_param"] = op["master"]
             scales = {"exp_avg": op["scales"][0], "exp_avg_sq": op["scales"][1]}
-            assert _block_step.triton_update(layout, state, scales, op["param"], op["grad"], group)
+            operand = Operand(op["param"], op["grad"], state, scales)
+            assert _block_step.triton_update(layout, operand, group)
     torch.save(ops, out)
 
 

@@ -19,13 +19,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch.autograd.graph import increment_version
 
 from wrapped_optim._adapters.dtensor import local_tensor
 from wrapped_optim._formats import blocks
 from wrapped_optim._formats.remainders import join_master, split_master_into
 from wrapped_optim.optimizers.precision_adamw._layout import PrecisionLayout
+from wrapped_optim.optimizers.precision_adamw._operand import Operand
 
 __all__ = ["group_hyper", "triton_update", "update"]
 
@@ -58,14 +58,11 @@ def group_hyper(group: Mapping[str, Any]) -> tuple[float, float, float, float, f
 
 def update(
     layout: PrecisionLayout,
-    state: Mapping[str, Tensor],
-    scales: Mapping[str, Tensor],
-    param: Tensor,
-    grad: Tensor,
+    operand: Operand,
     group: Mapping[str, Any],
 ) -> None:
-    """One step of ``param`` (its block-scaled moments, block scales and master updated in
-    place) with ``group``'s options at its current step count.
+    """One step of ``operand``'s parameter (its block-scaled moments, block scales and master
+    updated in place) with ``group``'s options at its current step count.
 
     Example:
         >>> import torch
@@ -73,13 +70,15 @@ def update(
         >>> p = torch.nn.Parameter(torch.ones(2))
         >>> opt = PrecisionAwareAdamW([p], lr=0.5, weight_decay=0.0, block_moments="fp8")
         >>> opt.initialize_state(p, False)
-        >>> update(opt.layout, opt.state[p], opt.scales[p], p, torch.ones(2),
-        ...        {**opt.param_groups[0], "step": 1})
+        >>> from wrapped_optim.optimizers.precision_adamw._operand import Operand
+        >>> operand = Operand(p, torch.ones(2), opt.state[p], opt.scales[p])
+        >>> update(opt.layout, operand, {**opt.param_groups[0], "step": 1})
         >>> p.data.tolist()
         [0.5, 0.5]
     """
-    if triton_update(layout, state, scales, param, grad, group):
+    if triton_update(layout, operand, group):
         return
+    param, grad, state, scales = operand.param, operand.grad, operand.state, operand.scales
     fmt = layout.blocks
     assert fmt is not None
     p = local_tensor(param).detach()
@@ -116,14 +115,11 @@ def _f32(x: float) -> float:
 
 def triton_update(
     layout: PrecisionLayout,
-    state: Mapping[str, Tensor],
-    scales: Mapping[str, Tensor],
-    param: Tensor,
-    grad: Tensor,
+    operand: Operand,
     group: Mapping[str, Any],
 ) -> bool:
-    """One launch of the Triton block kernel for ``param`` where it applies (a device in
-    ``_DEVICE_TYPES``, triton installed, contiguous operands, an FP32 parameter without a
+    """One launch of the Triton block kernel for ``operand``'s parameter where it applies (a
+    device in ``_DEVICE_TYPES``, triton installed, contiguous operands, an FP32 parameter without a
     master, an FP32 master or a remainder, an FP32 or bf16 gradient); False (nothing done)
     elsewhere.
 
@@ -133,13 +129,15 @@ def triton_update(
         >>> p = torch.nn.Parameter(torch.ones(2))
         >>> opt = PrecisionAwareAdamW([p], block_moments="int8")
         >>> opt.initialize_state(p, False)
-        >>> triton_update(opt.layout, opt.state[p], opt.scales[p], p, torch.ones(2),
-        ...               {**opt.param_groups[0], "step": 1})  # a CPU tensor: not here
+        >>> from wrapped_optim.optimizers.precision_adamw._operand import Operand
+        >>> operand = Operand(p, torch.ones(2), opt.state[p], opt.scales[p])
+        >>> triton_update(opt.layout, operand, {**opt.param_groups[0], "step": 1})  # CPU: no
         False
     """
+    param, state, scales = operand.param, operand.state, operand.scales
     fmt = layout.blocks
     p = local_tensor(param).detach()
-    g = local_tensor(grad)
+    g = local_tensor(operand.grad)
     if fmt is None or p.device.type not in _DEVICE_TYPES or g.device != p.device:
         return False
     if importlib.util.find_spec("triton") is None:

@@ -154,8 +154,7 @@ def _route(
     elif kernel is not None:
         routes.kernel.append(kernel)
     elif layout.block_format is not None:
-        # _block_step keeps its loose operands (its module is being tuned elsewhere).
-        _block_step.update(layout, operand.state, operand.scales, param, grad, group)
+        _block_step.update(layout, operand, group)
     elif _fused_gpu.applicable(layout, operand):
         routes.fused_gpu.append(operand)
     elif _torch_step.packable(layout, operand, group):
