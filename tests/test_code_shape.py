@@ -252,18 +252,6 @@ CROSSINGS = {
     ("wrapped_optim._env_report", "wrapped_optim.optimizers.kernels._build"): (
         "`wrapped-optim env` reports how the kernel is built: compiler, packaged library"
     ),
-    ("wrapped_optim._bench.hybrid", "wrapped_optim.optimizers.hybrid_offload._grads"): (
-        "the benchmark times each phase of the offloaded step apart"
-    ),
-    ("wrapped_optim._bench.hybrid", "wrapped_optim.optimizers.hybrid_offload._host_step"): (
-        "the benchmark times the fused host step apart"
-    ),
-    ("wrapped_optim._bench.hybrid", "wrapped_optim.optimizers.hybrid_offload._optimizer"): (
-        "the benchmark plans the fused host step to time it apart"
-    ),
-    ("wrapped_optim._bench.hybrid", "wrapped_optim.optimizers.hybrid_offload._step"): (
-        "the benchmark times the copies around the sub-optimizers' steps apart"
-    ),
     ("wrapped_optim.checkpoint._convert._dcp", "wrapped_optim.inspection._readers"): (
         "the converter reads checkpoints with the inspector's readers"
     ),

@@ -13,11 +13,13 @@ Reproduce: ``wrapped-optim bench hybrid --out DIR`` or ``python -m wrapped_optim
 
 from __future__ import annotations
 
+import contextlib
+import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +28,6 @@ import torch
 from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim.hybrid import HybridSyncOptimizer
 from wrapped_optim.optimizers import HybridOffloadOptimizer
-from wrapped_optim.optimizers.hybrid_offload._grads import give_grads
-from wrapped_optim.optimizers.hybrid_offload._host_step import run as run_fused
-from wrapped_optim.optimizers.hybrid_offload._optimizer import fused_plan
-from wrapped_optim.optimizers.hybrid_offload._step import copy_back, sync_groups
 
 _TENSORS = 10
 
@@ -75,29 +73,45 @@ def _timed_once(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def _native_stderr_closed() -> Iterator[None]:
+    """File descriptor 2 on /dev/null: torch 2.13's profiler writes a line there at each
+    start and stop, which would interleave with the benchmark's progress lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+#: The step's profiler ranges (docs/hybrid.md) -> the phases of the breakdown.
+_RANGES = {
+    "HybridOffloadOptimizer.copy_in": "copy_in",
+    "HybridOffloadOptimizer.host_step": "host",
+    "HybridOffloadOptimizer.device_step": "device",
+    "HybridOffloadOptimizer.copy_out": "copy_out",
+}
+
+
 def _phases_once(opt: HybridOffloadOptimizer) -> tuple[dict[str, float], int]:
-    """One step of ``opt`` split into its phases (the same calls ``step`` makes, in order),
-    and how many params its fused host step updated (their grad copy-in and param copy-out
-    are part of the host step then)."""
-    layout = opt.layout
-    sync_groups(layout, opt.param_groups)
-    fused = fused_plan(opt)
-    inners = {e.inner for e in fused}
-    times = {
-        "copy_in": _timed_once(lambda: give_grads(layout, inners, pin_cpu_grads=opt.pin_cpu_grads))
-    }
-
-    def host() -> None:
-        for sub in opt.cpu_optimizers:
-            sub.step()
-        run_fused(fused)
-
-    times["host"] = _timed_once(host)
-    gpu = opt.gpu_optimizer
-    times["device"] = _timed_once(gpu.step) if gpu is not None else 0.0
-    written = frozenset(e.param for e in fused)
-    times["copy_out"] = _timed_once(lambda: copy_back(layout, written))
-    return times, len(fused)
+    """One ``step`` of ``opt`` split into its phases, read from the profiler ranges the step
+    opens (the profiler's own cost is in them, not in the ``step`` time measured apart), and
+    how many params its fused host step updated: their host copies get no grad (their grad
+    copy-in and param copy-out are part of the host step then)."""
+    times = dict.fromkeys(_PHASES, 0.0)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with _native_stderr_closed(), torch.profiler.profile(activities=activities) as prof:
+        opt.step()
+    for event in prof.events():
+        phase = _RANGES.get(event.name)
+        if phase is not None:
+            times[phase] += event.cpu_time_total * 1e-6
+    fused = sum(copy.grad is None for copy in opt.gpu_params_map_cpu_copy.values())
+    return times, fused
 
 
 #: The variants of :func:`breakdown`: key -> (offload_fraction, fused_host_step).

@@ -538,3 +538,28 @@ def test_a_failed_copy_back_is_completed(monkeypatch, failures):
         assert not torch.equal(params[-1], all_params(twin_groups)[-1])  # lags its master
     monkeypatch.undo()
     assert_same_snapshot(snapshot(twin, all_params(twin_groups)), snapshot(opt, params))
+
+
+def test_a_step_shows_its_phases_as_profiler_ranges() -> None:
+    """copy-in, host step, device step and copy-out, once each and in that order (the
+    benchmark's breakdown and users' traces read them), and the step itself unchanged."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16)) for _ in range(4)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = HybridOffloadOptimizer(params, offload_fraction=0.5, lr=1e-2)
+    plain = HybridOffloadOptimizer(twins, offload_fraction=0.5, lr=1e-2)
+    for p, q in zip(params, twins, strict=True):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    plain.step()
+    names = [e.name for e in prof.events() if e.name.startswith("HybridOffloadOptimizer.")]
+    assert names == [
+        "HybridOffloadOptimizer.copy_in",
+        "HybridOffloadOptimizer.host_step",
+        "HybridOffloadOptimizer.device_step",
+        "HybridOffloadOptimizer.copy_out",
+    ]
+    for p, q in zip(params, twins, strict=True):
+        assert torch.equal(p, q)

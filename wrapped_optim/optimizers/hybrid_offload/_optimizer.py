@@ -35,6 +35,8 @@ from wrapped_optim.optimizers.hybrid_offload._loading import (
 from wrapped_optim.optimizers.hybrid_offload._state import exposed_state
 from wrapped_optim.optimizers.hybrid_offload._state_rules import References
 from wrapped_optim.optimizers.hybrid_offload._step import (
+    COPY_IN,
+    COPY_OUT,
     copy_back,
     step_sub_optimizers,
     sync_groups,
@@ -270,7 +272,8 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
         self._check_operands()
         sync_groups(layout, self.param_groups)
         fused = fused_plan(self)
-        give_grads(layout, {entry.inner for entry in fused}, pin_cpu_grads=self.pin_cpu_grads)
+        with torch.profiler.record_function(COPY_IN):
+            give_grads(layout, {entry.inner for entry in fused}, pin_cpu_grads=self.pin_cpu_grads)
         try:
             step_sub_optimizers(layout, fused, atomic=self.atomic_step)
         except BaseException:
@@ -324,7 +327,8 @@ class HybridOffloadOptimizer(torch.optim.Optimizer):
 
     def _copy_back(self) -> None:
         """Copies each stepped copy into its param (the fused host step wrote its own)."""
-        copy_back(self._layout, self._fused_params)
+        with torch.profiler.record_function(COPY_OUT):
+            copy_back(self._layout, self._fused_params)
         self._copy_back_pending = False
 
     def _finish_copy_back(self) -> None:

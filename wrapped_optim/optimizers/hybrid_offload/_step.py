@@ -19,6 +19,13 @@ from wrapped_optim.optimizers.hybrid_offload._host_step import FusedEntry, run
 from wrapped_optim.optimizers.hybrid_offload._layout import OffloadLayout
 from wrapped_optim.optimizers.hybrid_offload._transfers import copy_all
 
+# The step's phases as torch.profiler ranges (docs/hybrid.md): a trace shows where an
+# offloaded step spends its time, and the benchmark reads its breakdown from them.
+COPY_IN = "HybridOffloadOptimizer.copy_in"
+HOST_STEP = "HybridOffloadOptimizer.host_step"
+DEVICE_STEP = "HybridOffloadOptimizer.device_step"
+COPY_OUT = "HybridOffloadOptimizer.copy_out"
+
 __all__ = ["copy_back", "step_sub_optimizers", "sync_groups", "sync_steps_from_holders"]
 
 
@@ -66,9 +73,11 @@ def step_sub_optimizers(
     written = [(e.param, e.param.detach().clone()) for e in fused] if atomic else []
     try:
         for sub in subs:
-            sub.step()
-            if sub in layout.cpu_optimizers:
-                run([entry for entry in fused if entry.optimizer is sub])
+            on_host = sub in layout.cpu_optimizers
+            with torch.profiler.record_function(HOST_STEP if on_host else DEVICE_STEP):
+                sub.step()
+                if on_host:
+                    run([entry for entry in fused if entry.optimizer is sub])
     except BaseException:
         if snapshot is not None:
             snapshot.restore()
