@@ -248,17 +248,7 @@ def test_no_function_is_over_the_length_limit() -> None:
 # Faces
 # ----------------------------------------------------------------------------------------
 #: Imports of another package's private module the package keeps, each with why.
-CROSSINGS = {
-    ("wrapped_optim._env_report", "wrapped_optim.optimizers.kernels._build"): (
-        "`wrapped-optim env` reports how the kernel is built: compiler, packaged library"
-    ),
-    ("wrapped_optim.checkpoint._convert._dcp", "wrapped_optim.inspection._readers"): (
-        "the converter reads checkpoints with the inspector's readers"
-    ),
-    ("wrapped_optim.checkpoint._convert._torch_save", "wrapped_optim.inspection._readers"): (
-        "the converter reads checkpoints with the inspector's readers"
-    ),
-}
+CROSSINGS: dict[tuple[str, str], str] = {}
 
 
 def _owner(module: str) -> str | None:

@@ -14,7 +14,6 @@ import sys
 import torch
 
 import wrapped_optim
-from wrapped_optim.optimizers.kernels import _build as _kernel_build
 from wrapped_optim.optimizers.kernels import cpu_kernel
 
 __all__ = ["collect", "format_rows"]
@@ -56,8 +55,7 @@ def _kernel_rows() -> list[tuple[str, str]]:
     status = cpu_kernel.status()
     if status.available:
         state = "available" + (", OpenMP threads" if status.parallel else ", one thread")
-        packaged = status.library is not None and status.library.parent == _kernel_build.LIBRARY_DIR
-        origin = "built with the package" if packaged else "built at run time into the cache"
+        origin = "built with the package" if status.packaged else "built at run time into the cache"
         rows = [
             ("CPU kernel", state),
             ("kernel loops", f"{status.loops} (fp16/FP8 moments)"),
@@ -66,7 +64,7 @@ def _kernel_rows() -> list[tuple[str, str]]:
         ]
     else:
         rows = [("CPU kernel", f"unavailable: {status.reason}")]
-    compiler = _kernel_build.find_compiler()
+    compiler = status.compiler
     rows += [
         ("kernel cache", " or ".join(map(str, cpu_kernel.cache_dir_candidates()))),
         ("C compiler", compiler or "none found (install gcc or clang, or set CC)"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["OptimizerCheckpointError", "RollbackError", "UndoJournalError"]
+__all__ = ["InspectError", "OptimizerCheckpointError", "RollbackError", "UndoJournalError"]
 
 
 class OptimizerCheckpointError(ValueError):
@@ -57,4 +57,20 @@ class RollbackError(RuntimeError):
     Examples:
         >>> str(RollbackError("record 3: checksum mismatch"))
         'record 3: checksum mismatch'
+    """
+
+
+class InspectError(ValueError):
+    """The path is not something ``inspect_checkpoint`` can describe.
+
+    Raised for a path that does not exist, a file that is not a ``torch.save`` file, a
+    directory that is not a DCP checkpoint, and a checkpoint without an optimizer state dict.
+
+    Examples:
+        >>> from wrapped_optim.inspection import InspectError, inspect_checkpoint
+        >>> try:
+        ...     inspect_checkpoint("/no/such/checkpoint.pt")
+        ... except InspectError as error:
+        ...     print(error)
+        /no/such/checkpoint.pt: no such file or directory
     """

@@ -2,12 +2,10 @@
 to load it into and without executing anything it pickles.
 """
 
+from wrapped_optim._formats.errors import InspectError
 from wrapped_optim.inspection._analysis import inspect_checkpoint
 from wrapped_optim.inspection._formatting import format_report
-from wrapped_optim.inspection._model import (
-    InspectError,
-    StateFormat,
-)
+from wrapped_optim.inspection._model import StateFormat
 
 __all__ = [
     "InspectError",

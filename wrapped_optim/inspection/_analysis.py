@@ -11,12 +11,13 @@ from typing import Any, Literal
 
 import torch
 
+from wrapped_optim._formats.checkpoint_files import read_torch_save
+from wrapped_optim._formats.errors import InspectError
 from wrapped_optim.inspection._model import (
     _FLAT_MARK,
     _SEARCH_DEPTH,
     CheckpointReport,
     Fetch,
-    InspectError,
     OptimizerReport,
     ParamGroupReport,
     StateFormat,
@@ -29,7 +30,7 @@ from wrapped_optim.inspection._model import (
     _shape_text,
     _TensorInfo,
 )
-from wrapped_optim.inspection._readers import _dcp_fetcher, _read_dcp, _read_torch_save
+from wrapped_optim.inspection._readers import _dcp_fetcher, _read_dcp
 
 
 def inspect_checkpoint(path: str | os.PathLike[str], *, trusted: bool = False) -> CheckpointReport:
@@ -80,7 +81,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, trusted: bool = False) -
         tree, fetch, kind = _read_dcp(path, trusted), _dcp_fetcher(path, trusted), "dcp"
         file_bytes = _regular_file_bytes(path)
     elif path.is_file():
-        tree, fetch, kind = _read_torch_save(path, trusted), _no_fetch, "torch.save"
+        tree, fetch, kind = read_torch_save(path, trusted), _no_fetch, "torch.save"
         file_bytes = path.stat().st_size
     else:
         raise InspectError(f"{path}: neither a regular file nor a directory")

@@ -26,8 +26,9 @@ def format_report(report: CheckpointReport, *, per_param: bool = True) -> str:
     Examples:
         >>> import torch
         >>> from pathlib import Path
-        >>> from wrapped_optim.inspection import (CheckpointReport, OptimizerReport,
-        ...     ParamGroupReport, StateFormat, StateTensor, format_report)
+        >>> from wrapped_optim.inspection import format_report
+        >>> from wrapped_optim.inspection._model import (CheckpointReport, OptimizerReport,
+        ...     ParamGroupReport, StateFormat, StateTensor)
         >>> opt = OptimizerReport(
         ...     location="", format=StateFormat.PRECISION_AWARE,
         ...     tensors=(StateTensor("0", "exp_avg", torch.float32, (2, 2), 16),

@@ -19,22 +19,6 @@ _FLAT_MARK = "__wrapped_optim_flattened__"
 _SEARCH_DEPTH = 4
 
 
-class InspectError(ValueError):
-    """The path is not something ``inspect_checkpoint`` can describe.
-
-    Raised for a path that does not exist, a file that is not a ``torch.save`` file, a
-    directory that is not a DCP checkpoint, and a checkpoint without an optimizer state dict.
-
-    Examples:
-        >>> from wrapped_optim.inspection import InspectError, inspect_checkpoint
-        >>> try:
-        ...     inspect_checkpoint("/no/such/checkpoint.pt")
-        ... except InspectError as error:
-        ...     print(error)
-        /no/such/checkpoint.pt: no such file or directory
-    """
-
-
 class StateFormat(enum.Enum):
     """The layout an optimizer state dict was written in.
 
@@ -71,7 +55,7 @@ class StateTensor:
 
     Examples:
         >>> import torch
-        >>> from wrapped_optim.inspection import StateTensor
+        >>> from wrapped_optim.inspection._model import StateTensor
         >>> StateTensor("0", "exp_avg", torch.bfloat16, (4, 8), 64).nbytes
         64
     """
@@ -93,7 +77,7 @@ class ParamGroupReport:
         options: every other entry as ``(name, repr(value))``, in saved order.
 
     Examples:
-        >>> from wrapped_optim.inspection import ParamGroupReport
+        >>> from wrapped_optim.inspection._model import ParamGroupReport
         >>> group = ParamGroupReport(0, 2, (("lr", "0.001"),))
         >>> group.option("lr")
         '0.001'
@@ -113,7 +97,7 @@ class ParamGroupReport:
             The option's value as its repr, or ``None`` when the group has no such option.
 
         Examples:
-            >>> from wrapped_optim.inspection import ParamGroupReport
+            >>> from wrapped_optim.inspection._model import ParamGroupReport
             >>> print(ParamGroupReport(0, 1, (("lr", "0.1"),)).option("eps"))
             None
         """
@@ -137,7 +121,8 @@ class OptimizerReport:
 
     Examples:
         >>> import torch
-        >>> from wrapped_optim.inspection import OptimizerReport, StateFormat, StateTensor
+        >>> from wrapped_optim.inspection._model import (OptimizerReport, StateFormat,
+        ...     StateTensor)
         >>> report = OptimizerReport(
         ...     location="", format=StateFormat.TORCH,
         ...     tensors=(StateTensor("0", "exp_avg", torch.float32, (2,), 8),),
@@ -160,7 +145,8 @@ class OptimizerReport:
 
         Examples:
             >>> import torch
-            >>> from wrapped_optim.inspection import OptimizerReport, StateFormat, StateTensor
+            >>> from wrapped_optim.inspection._model import (OptimizerReport, StateFormat,
+            ...     StateTensor)
             >>> OptimizerReport("", StateFormat.TORCH, (
             ...     StateTensor("0", "exp_avg", torch.bfloat16, (4,), 8),
             ...     StateTensor("0", "exp_avg_sq", torch.float32, (4,), 16),
@@ -175,7 +161,8 @@ class OptimizerReport:
 
         Examples:
             >>> import torch
-            >>> from wrapped_optim.inspection import OptimizerReport, StateFormat, StateTensor
+            >>> from wrapped_optim.inspection._model import (OptimizerReport, StateFormat,
+            ...     StateTensor)
             >>> OptimizerReport("", StateFormat.TORCH, (
             ...     StateTensor("0", "exp_avg", torch.float32, (2,), 8),
             ...     StateTensor("0", "exp_avg_sq", torch.float32, (2,), 8),
@@ -191,7 +178,8 @@ class OptimizerReport:
 
         Examples:
             >>> import torch
-            >>> from wrapped_optim.inspection import OptimizerReport, StateFormat, StateTensor
+            >>> from wrapped_optim.inspection._model import (OptimizerReport, StateFormat,
+            ...     StateTensor)
             >>> OptimizerReport("", StateFormat.TORCH,
             ...     (StateTensor("0", "exp_avg", torch.float32, (2,), 8),),
             ...     (), "none", (), ()).description
@@ -244,7 +232,8 @@ class CheckpointReport:
 
         Examples:
             >>> from pathlib import Path
-            >>> from wrapped_optim.inspection import CheckpointReport, OptimizerReport, StateFormat
+            >>> from wrapped_optim.inspection._model import (CheckpointReport, OptimizerReport,
+            ...     StateFormat)
             >>> empty = OptimizerReport("optim", StateFormat.EMPTY, (), (), "none", (), ())
             >>> CheckpointReport(Path("ckpt.pt"), "torch.save", 0, (empty,)).formats
             ('no per-parameter state (the optimizer has not stepped yet)',)

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
 from torch.utils.serialization import config as serialization_config
 
+from wrapped_optim._formats.checkpoint_files import check_storage_files, safe_dcp_reader
 from wrapped_optim.checkpoint._convert._canonical import (
     ParamRecord,
     StateIndex,
@@ -50,7 +51,6 @@ from wrapped_optim.checkpoint._convert._layout import (
 )
 from wrapped_optim.checkpoint._convert._options import FormatOptions
 from wrapped_optim.inspection import InspectError
-from wrapped_optim.inspection._readers import _check_storage_files, _reader
 
 __all__ = ["DcpReader", "DcpWriter", "Layout", "looks_like"]
 
@@ -75,7 +75,7 @@ class _DcpFile:
     def __init__(self, path: Path, trusted: bool) -> None:
         self.path, self.trusted = path, trusted
         try:
-            self.reader = _reader(path, trusted)
+            self.reader = safe_dcp_reader(path, trusted)
             self.metadata = self.reader.read_metadata()
         except InspectError as error:
             raise ConversionError(str(error)) from error
@@ -87,7 +87,7 @@ class _DcpFile:
         if not keys:
             return {}
         try:
-            _check_storage_files(self.path, self.metadata, list(keys), self.trusted)
+            check_storage_files(self.path, self.metadata, list(keys), self.trusted)
         except InspectError as error:
             raise ConversionError(str(error)) from error
         direct = {key: self._direct(key, spec) for key, spec in keys.items() if spec is not None}

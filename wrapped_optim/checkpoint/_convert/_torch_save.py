@@ -31,6 +31,7 @@ import torch
 from torch._C import PyTorchFileWriter
 from torch._utils import _rebuild_tensor_v2
 
+from wrapped_optim._formats.checkpoint_files import read_torch_save
 from wrapped_optim.checkpoint._convert._canonical import (
     ParamRecord,
     StateIndex,
@@ -45,7 +46,6 @@ from wrapped_optim.checkpoint._convert._layout import (
 )
 from wrapped_optim.checkpoint._convert._options import FormatOptions
 from wrapped_optim.inspection import InspectError
-from wrapped_optim.inspection._readers import _read_torch_save
 
 __all__ = ["TorchSaveReader", "TorchSaveWriter", "find_optimizer_state_dict", "looks_like"]
 
@@ -115,7 +115,7 @@ class TorchSaveReader:
     def __init__(self, path: str | os.PathLike[str], options: FormatOptions) -> None:
         self.path = Path(path)
         try:
-            tree = _read_torch_save(self.path, options.trusted)
+            tree = read_torch_save(self.path, options.trusted)
         except InspectError as error:
             raise ConversionError(str(error)) from error
         self.location, osd = find_optimizer_state_dict(tree, str(self.path), options.location)

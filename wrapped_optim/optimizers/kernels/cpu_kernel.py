@@ -104,6 +104,9 @@ class KernelStatus:
         parallel: Built with OpenMP: a step may use several of torch's threads.
         loops: The family of fp16/FP8 moment loops in use (one of ``LOOP_FAMILIES``).
         loop_families: The families this CPU and build can run, fastest first.
+        packaged: The library is the one built with the package (not a run-time build).
+        compiler: The C compiler a run-time build uses (``$CC``, else ``cc``, ``gcc`` or
+            ``clang``), as a path; ``None`` when there is none.
 
     Examples:
         >>> from wrapped_optim.optimizers.kernels import cpu_kernel
@@ -121,6 +124,8 @@ class KernelStatus:
     # this CPU and build can run, fastest first.
     loops: str = "portable"
     loop_families: tuple[str, ...] = ("portable",)
+    packaged: bool = False
+    compiler: str | None = None
 
 
 _log = logging.getLogger(__name__)
@@ -145,9 +150,14 @@ def status() -> KernelStatus:
         True
     """
     loaded, lib = _load()
+    found = attrs.evolve(
+        loaded,
+        packaged=loaded.library is not None and loaded.library.parent == _kernel_build.LIBRARY_DIR,
+        compiler=_kernel_build.find_compiler(),
+    )
     if lib is None:
-        return loaded
-    return attrs.evolve(loaded, loops=_family_name(lib.wo_get_loops()))
+        return found
+    return attrs.evolve(found, loops=_family_name(lib.wo_get_loops()))
 
 
 def use_loops(family: str | None = None) -> str:
