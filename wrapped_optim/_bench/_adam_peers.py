@@ -96,7 +96,7 @@ def peers() -> tuple[list[Peer], list[str]]:
         >>> from wrapped_optim._bench._adam_peers import peers
         >>> found, skipped = peers()
         >>> len(found) + len(skipped)
-        9
+        10
     """
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     found, skipped = [], []
