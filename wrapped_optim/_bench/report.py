@@ -517,7 +517,8 @@ def render_report(
             f"Measured by hand, outside these topics: [{BY_HAND_PAGE}]({TOPIC_DIR}/{BY_HAND_PAGE})"
             " (the every-step stale-master watch, the CPU kernel and the demo on a busy machine,"
             " the staged save on Megatron's precision-aware DistributedOptimizer, the checkpoint"
-            " converter at 92M and 1.5B parameters).",
+            " converter at 92M and 747M parameters (1.5B partly), block-scaled moments beside"
+            " torch's fused step, torchao and bitsandbytes, and offloaded steps with them).",
             "",
         ]
     if plots_note:
