@@ -4,9 +4,16 @@ writes them; what an asynchronous save stages is detached from the live optimize
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from tests.staging.device_shim import DeviceOnCpu
 from wrapped_optim.checkpoint._deferred import (
     DeferredState,
     _owned_cpu_copy,
@@ -14,7 +21,7 @@ from wrapped_optim.checkpoint._deferred import (
     _staged_contents,
     _uses_remainder,
 )
-from wrapped_optim.optimizers import PrecisionAwareAdamW
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 
 
 class _WholeStatesOnly(PrecisionAwareAdamW):
@@ -169,3 +176,270 @@ def test_only_a_bf16_params_fp32_master_is_kept_as_a_remainder() -> None:
         [bf16], master_weights=True, master_weight_dtype=torch.float16
     )
     assert not _uses_remainder(fp16_master, bf16, "master_param")
+
+
+class _Spy(PrecisionAwareAdamW):
+    """Records every whole expansion it hands out and every buffer a chunk is expanded into."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.expansions: list[torch.Tensor] = []
+        self.chunk_buffers: list[tuple[torch.device, torch.dtype]] = []
+
+    def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
+        full = super().get_unscaled_state(param, state_name)
+        self.expansions.append(full)
+        return full
+
+    def read_unscaled_state_chunk(
+        self, param: torch.Tensor, state_name: str, start: int, out: torch.Tensor
+    ) -> None:
+        self.chunk_buffers.append((out.device, out.dtype))
+        super().read_unscaled_state_chunk(param, state_name, start, out)
+
+
+class _WholeSpy(_Spy):
+    read_unscaled_state_chunk = None  # type: ignore[assignment]
+
+
+def _expected(opt: PrecisionAwareAdamW) -> dict[tuple[int, str], torch.Tensor]:
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {
+        (i, n): opt.get_unscaled_state(p, n).reshape(-1).clone()
+        for i, p in enumerate(params)
+        for n in ("exp_avg", "exp_avg_sq")
+    }
+
+
+def test_a_chunked_holder_expands_a_slice_on_the_states_device_never_the_whole() -> None:
+    opt = _holder(_Spy)
+    expected = _expected(opt)
+    _, deferred = _placeholder_state_dict(opt)
+    device = torch.device("cuda", 1)
+    mode = DeviceOnCpu(device)  # the stored states are device tensors, the params are not
+    for entry in opt.state.values():
+        for value in entry.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                mode.put_on_device(value)
+    opt.expansions.clear()
+    with mode:
+        reads = {key: promised.read(1, 3) for key, promised in deferred.items()}
+        on_device = [mode.on_device(t) for t in reads.values()]
+    assert opt.chunk_buffers == [(device, torch.float32)] * len(deferred)
+    assert opt.expansions == []  # no whole expansion behind a slice
+    assert on_device == [False] * len(deferred)  # handed out as host copies
+    for key, value in reads.items():
+        assert value.device.type == "cpu" and torch.equal(value, expected[key][1:4])
+
+
+def test_a_whole_read_of_a_fresh_expansion_is_handed_out_without_a_copy() -> None:
+    opt = _holder(_WholeSpy)
+    _, deferred = _placeholder_state_dict(opt)
+    for promised in deferred.values():
+        numel = promised.param.numel()
+        opt.expansions.clear()
+        whole = promised.read(0, numel)
+        assert [whole] == opt.expansions and whole is opt.expansions[0]
+        assert opt.chunk_buffers == []
+
+
+def test_placeholders_and_slices_are_float32_whatever_the_default_dtype() -> None:
+    opt = _holder()
+    expected = _expected(opt)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        state_dict, deferred = _placeholder_state_dict(opt)
+        reads = {key: promised.read(0, 2) for key, promised in deferred.items()}
+    finally:
+        torch.set_default_dtype(previous)
+    assert {state_dict["state"][i][n].dtype for i, n in deferred} == {torch.float32}
+    for key, value in reads.items():
+        assert value.dtype == torch.float32 and torch.equal(value, expected[key][:2])
+
+
+def test_a_copy_is_made_on_the_host_whatever_the_default_device() -> None:
+    base = torch.arange(8.0)
+    with torch.device("meta"):
+        out = _owned_cpu_copy(base[2:6])
+    assert out.device.type == "cpu" and torch.equal(out, base[2:6])
+
+
+@pytest.fixture
+def mesh(tmp_path: Path) -> Iterator[DeviceMesh]:
+    """A one-process gloo group and its CPU mesh (the group already there, if any)."""
+    dist = torch.distributed
+    created = not dist.is_initialized()
+    if created:
+        store = f"file://{tmp_path / 'store'}"
+        dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (dist.get_world_size(),))
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cls", [PrecisionAwareAdamW, _WholeStatesOnly])
+def test_a_sharded_params_states_are_promised_as_dtensors_and_read_from_its_shard(
+    cls: type[PrecisionAwareAdamW], mesh: DeviceMesh
+) -> None:
+    full = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    param = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+    opt = cls([param], lr=0.1, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.uint8)
+    param.grad = distribute_tensor(full * 0.5, mesh, [Shard(0)])
+    opt.step()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the placeholder's dtype is float32 regardless
+    try:
+        state_dict, deferred = _placeholder_state_dict(opt)
+    finally:
+        torch.set_default_dtype(previous)
+    assert sorted(deferred) == [(0, "exp_avg"), (0, "exp_avg_sq")]
+    shard = param.to_local()  # type: ignore[attr-defined]
+    for (index, name), promised in deferred.items():
+        placeholder = state_dict["state"][index][name]
+        assert isinstance(placeholder, DTensor) and placeholder.shape == param.shape
+        assert placeholder.placements == param.placements  # type: ignore[attr-defined]
+        assert placeholder.device_mesh == param.device_mesh  # type: ignore[attr-defined]
+        local = placeholder.to_local()
+        assert local.is_meta and local.dtype == torch.float32 and local.shape == shard.shape
+        whole = opt.get_unscaled_state(param, name).to_local().reshape(-1)  # type: ignore[attr-defined]
+        assert torch.equal(promised.read(0, whole.numel()).reshape(-1), whole)
+        assert torch.equal(promised.read(2, 5), whole[2:7])
+
+
+class _TableHolder(torch.optim.Optimizer):
+    """A minimal chunked precision-aware holder: no ``master_weights`` or
+    ``store_param_remainders`` attribute, and its bf16 codes kept in a table of its own
+    (``state`` holds only the step)."""
+
+    name_to_dtype_map = {"exp_avg": torch.bfloat16, "master_param": torch.float32}
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.codes: dict[str, dict[torch.Tensor, torch.Tensor]] = {"exp_avg": {}}
+        self.chunk_buffers: list[torch.device] = []
+
+    def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
+        return self.codes[state_name][param].float()
+
+    def set_scaled_state(self, param: torch.Tensor, state_name: str, value: torch.Tensor) -> None:
+        self.codes[state_name][param] = value.to(torch.bfloat16)
+        self.state[param]["step"] = torch.tensor(1.0)
+
+    def read_unscaled_state_chunk(
+        self, param: torch.Tensor, state_name: str, start: int, out: torch.Tensor
+    ) -> None:
+        self.chunk_buffers.append(out.device)
+        out.copy_(self.codes[state_name][param].reshape(-1)[start : start + out.numel()])
+
+    def write_scaled_state_chunked(
+        self, param: torch.Tensor, state_name: str, source: torch.Tensor, chunk_numel: int
+    ) -> None:
+        self.set_scaled_state(param, state_name, source)
+
+
+def test_a_state_kept_outside_state_is_expanded_on_its_params_device() -> None:
+    param = torch.nn.Parameter(torch.zeros(5))
+    holder = _TableHolder([param])
+    holder.set_scaled_state(param, "exp_avg", torch.arange(5.0))
+    device = torch.device("cuda", 0)
+    mode = DeviceOnCpu(device)
+    mode.put_on_device(param)
+    with mode:
+        out = DeferredState(holder, param, "exp_avg").read(1, 3)
+        assert not mode.on_device(out)
+    assert holder.chunk_buffers == [device]
+    assert torch.equal(out, torch.arange(1.0, 4.0))
+
+
+def test_a_holder_without_the_remainder_options_keeps_no_remainder() -> None:
+    bf16 = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    holder = _TableHolder([bf16])
+    assert not _uses_remainder(holder, bf16, "master_param")
+    holder.master_weights = True  # type: ignore[attr-defined]
+    assert not _uses_remainder(holder, bf16, "master_param")
+    del holder.master_weights  # type: ignore[attr-defined]
+    holder.store_param_remainders = True  # type: ignore[attr-defined]
+    assert not _uses_remainder(holder, bf16, "master_param")
+    holder.master_weights = True  # type: ignore[attr-defined]
+    assert _uses_remainder(holder, bf16, "master_param")
+
+
+class _FreshEntries(torch.optim.Adam):
+    """An optimizer whose state dict adds a fresh tensor per param that nobody else holds."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params)
+        self.issued: list[torch.Tensor] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        state_dict = super().state_dict()
+        for index, entry in state_dict["state"].items():  # torch hands out the live entries
+            state_dict["state"][index] = {**entry, "doubled": entry["exp_avg"] * 2}
+            self.issued.append(state_dict["state"][index]["doubled"])
+        return state_dict
+
+
+def test_an_async_save_copies_lists_and_tuples_and_nothing_fresh() -> None:
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = _stepped(_FreshEntries([param]))
+    entry = opt.state[param]
+    entry["history"] = [entry["exp_avg"], 2]
+    entry["pair"] = (entry["exp_avg_sq"], "x")
+    before = (entry["exp_avg"].clone(), entry["exp_avg_sq"].clone())
+    staged, _ = _staged_contents(opt)
+    kept = staged["state"][0]
+    assert kept["doubled"] is opt.issued[-1]  # fresh: handed on without a copy
+    _stepped(opt)
+    assert type(kept["history"]) is list and type(kept["pair"]) is tuple
+    assert torch.equal(kept["history"][0], before[0]) and kept["history"][1] == 2
+    assert torch.equal(kept["pair"][0], before[1]) and kept["pair"][1] == "x"
+
+
+def test_a_frozen_twin_maps_a_param_keyed_table_onto_its_own_params() -> None:
+    opt = _holder()
+    first = opt.param_groups[0]["params"][0]
+    opt.owners = {first: first}  # type: ignore[attr-defined]  # a table param -> param
+    _, deferred = _staged_contents(opt)
+    promised = deferred[(0, "exp_avg")]
+    assert promised.param is not first and torch.equal(promised.param, first)
+    assert promised.holder.owners == {promised.param: promised.param}
+    assert next(iter(promised.holder.owners.values())) is promised.param
+
+
+class _HybridWithHolderApi(HybridOffloadOptimizer):
+    """A hybrid that also presents a precision-aware holder's API."""
+
+    name_to_dtype_map = {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.float32}
+
+    def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
+        raise AssertionError("an async save of a hybrid stages its own state_dict")
+
+    def set_scaled_state(self, param: torch.Tensor, state_name: str, value: torch.Tensor) -> None:
+        raise AssertionError("an async save never writes state")
+
+
+def test_an_async_save_of_a_hybrid_with_a_holders_api_stages_its_state_dict() -> None:
+    params = [torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16)) for _ in range(2)]
+    hybrid = _HybridWithHolderApi(
+        params, offload_fraction=1.0, cpu_optimizer_cls=PrecisionAwareAdamW, lr=1e-2,
+        exp_avg_dtype=torch.bfloat16,
+    )  # fmt: skip
+
+    def step() -> None:
+        for p in params:
+            p.grad = torch.full_like(p, 0.5)
+        hybrid.step()
+
+    step()
+    expected = {
+        (i, n): v.clone() for i, e in hybrid.state_dict()["state"].items() for n, v in e.items()
+    }
+    staged, deferred = _staged_contents(hybrid)
+    step()
+    assert deferred == {}
+    got = {(i, n): v for i, e in staged["state"].items() for n, v in e.items()}
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[key], expected[key]) for key in expected)

@@ -47,7 +47,9 @@ def _param_index(leaf: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _state_device(leaf: Any, param: torch.Tensor, name: str) -> torch.device:
-    stored = leaf.state.get(param, {}).get(name)
+    """Where a slice is expanded: beside the stored state, or the param for a holder that
+    keeps that state outside ``state`` (a deferred state's param always has an entry)."""
+    stored = leaf.state[param].get(name)
     return stored.device if isinstance(stored, torch.Tensor) else param.device
 
 
@@ -96,7 +98,7 @@ class DeferredState:
             full = self.holder.get_unscaled_state(self.param, self.name)
             if isinstance(full, DTensor):
                 full = full.to_local()
-            stored = self.holder.state.get(self.param, {}).get(self.name)
+            stored = self.holder.state[self.param].get(self.name)
             aliased = isinstance(stored, torch.Tensor) and (
                 stored.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
             )
@@ -151,7 +153,7 @@ def _placeholder_state_dict(
         state_dict = leaf.state_dict()
     params = _param_index(leaf)
     deferred: dict[tuple[int, str], DeferredState] = {}
-    for index, entries in state_dict.get("state", {}).items():
+    for index, entries in state_dict["state"].items():
         for name, value in entries.items():
             if _is_meta(value):
                 deferred[(int(index), str(name))] = DeferredState(leaf, params[int(index)], name)
