@@ -58,7 +58,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/wrappers/test_stale_watch.py",
         ],
     ),
-    "fsdp": (["wrapped_optim/fsdp.py"], ["tests/wrappers/test_fsdp.py"]),
+    "fsdp": (
+        ["wrapped_optim/fsdp.py"],
+        ["tests/wrappers/test_fsdp.py", "tests/wrappers/test_fsdp_dtensor_grads.py"],
+    ),
     "stack": (
         ["wrapped_optim/stack.py"],
         [
@@ -92,6 +95,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         [
             "tests/checkpoint/test_checkpoint_commit.py",
             "tests/checkpoint/test_checkpoint_faults.py",
+            # Three real gloo processes (about 8 s): a subgroup that leaves out rank 0.
+            "tests/checkpoint/test_checkpoint_commit_subgroup.py",
         ],
     ),
     "checkpoint._undo": (

@@ -136,18 +136,19 @@ def _is_dcp_file(path: Path) -> bool:
     return path.name in (".metadata", ".metadata.tmp") or path.suffix == ".distcp"
 
 
-def _group_active(process_group: Any) -> bool:
+def _distributed() -> bool:
+    """Whether a process group is initialized (any group's ranks and barriers need one)."""
     return dist.is_available() and dist.is_initialized()
 
 
 def _is_coordinator(process_group: Any) -> bool:
-    if not _group_active(process_group):
+    if not _distributed():
         return True
     return dist.get_rank(process_group) == 0
 
 
 def _barrier(process_group: Any) -> None:
-    if _group_active(process_group):
+    if _distributed():
         dist.barrier(group=process_group)
 
 
