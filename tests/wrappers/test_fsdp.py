@@ -160,6 +160,22 @@ def test_megatron_fsdp_owner_is_found_from_the_param_and_synced_once() -> None:
     assert refreshed == [2]  # only the optimizer group holding a non-FSDP param
 
 
+def test_every_megatron_fsdp_group_is_synced_once() -> None:
+    pytest.importorskip("megatron_fsdp.experimental.parameter_group")
+    calls: list[str] = []
+    owners = [
+        SimpleNamespace(sync_model_weight_from_main_weight=functools.partial(calls.append, name))
+        for name in ("first", "second")
+    ]
+    a, b, c = make_params([(2,), (2,), (2,)], torch.bfloat16)
+    for param, owner in ((a, owners[0]), (b, owners[1]), (c, owners[1])):
+        param._mfsdp_parameter_group = owner
+    opt = FSDPAwareOptimizer(torch.optim.SGD([{"params": [a, b]}, {"params": [c]}], lr=0.1))
+    give_grads([a, b, c], seed=2)
+    opt.step()
+    assert calls == ["first", "second"]  # two FSDP groups: each synced, once
+
+
 # ----------------------------------------------------------------------------------------
 # FSDPAwareOptimizer
 # ----------------------------------------------------------------------------------------
