@@ -71,7 +71,7 @@ def test_a_cast_buffer_follows_the_grads_placements_and_mesh(
         allocations.append(opt._cast_buffers.allocations)
         expected -= 0.5 * grad.float()
         dtype, placements, seen_mesh = inner.seen[-1]
-        assert dtype == torch.float32 and placements == (placement,) and seen_mesh is mesh
+        assert dtype == torch.float32 and placements == (placement,) and seen_mesh == mesh
         assert param.grad.dtype == torch.bfloat16  # the original grad is back
     # Reused while the layout holds; a new buffer for other placements, then another mesh.
     assert allocations == [1, 1, 2, 3]
