@@ -18,6 +18,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.staging.device_shim import DeviceOnCpu
 from wrapped_optim._adapters.megatron_fsdp import (
     fsdp_parameter_group_of,
     grad_dtype_of,
@@ -222,6 +223,61 @@ def test_cast_buffers_are_reused_across_steps() -> None:
     assert opt.cast_buffer_bytes == sum(p.numel() * 4 for p in params)
     opt.release_cast_buffers()
     assert opt.cast_buffer_bytes == 0
+
+
+class _MarkedGrad(torch.Tensor):
+    """A tensor subclass standing for a grad of another tensor type."""
+
+
+class _SeenLayouts(torch.optim.SGD):
+    """SGD that records the type, dtype, shape and device of the grad its step sees."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.1)
+        self.seen: list[tuple[type, torch.dtype, tuple[int, ...], str]] = []
+
+    def step(self, closure: Any = None) -> Any:
+        grad = self.param_groups[0]["params"][0].grad
+        self.seen.append((type(grad), grad.dtype, tuple(grad.shape), grad.device.type))
+        return super().step(closure)
+
+
+def test_a_cast_buffer_is_replaced_when_the_grads_type_or_the_params_layout_changes() -> None:
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad_dtype = torch.bfloat16
+    inner = _SeenLayouts([param])
+    opt = FSDPAwareOptimizer(inner)
+    mode = DeviceOnCpu(torch.device("cuda", 0))  # the CPU stand-in for device memory
+    allocations = []
+    changes: list[tuple[torch.Tensor | None, torch.Tensor]] = [
+        (None, torch.ones(4)),
+        (None, torch.ones(4)),  # the same layout: the buffer is reused
+        (torch.ones(4, dtype=torch.float64), torch.ones(4)),  # the model cast to float64
+        (None, torch.ones(4).as_subclass(_MarkedGrad)),
+        (torch.ones(2, 3, dtype=torch.float64), torch.ones(2, 3)),  # resized
+        (torch.ones(2, 3, dtype=torch.float64), torch.ones(2, 3)),  # moved to the device
+    ]
+    for step, (data, grad) in enumerate(changes):
+        param.grad = None  # as zero_grad() leaves it between steps
+        if data is not None:
+            param.data = data
+        grad = grad.to(torch.bfloat16)
+        if step == len(changes) - 1:
+            mode.put_on_device(param)
+            mode.put_on_device(grad)
+        with mode:
+            param.grad = grad
+            opt.step()
+        allocations.append(opt._cast_buffers.allocations)
+    assert allocations == [1, 1, 2, 3, 4, 5]
+    assert inner.seen == [
+        (torch.Tensor, torch.float32, (4,), "cpu"),
+        (torch.Tensor, torch.float32, (4,), "cpu"),
+        (torch.Tensor, torch.float64, (4,), "cpu"),
+        (_MarkedGrad, torch.float64, (4,), "cpu"),
+        (torch.Tensor, torch.float64, (2, 3), "cpu"),
+        (torch.Tensor, torch.float64, (2, 3), "cuda"),
+    ]
 
 
 def test_a_raising_step_puts_original_grads_back_and_does_not_refresh() -> None:
