@@ -623,7 +623,7 @@ def test_reserve_waits_for_earlier_closes_only_without_room(
     """With room, an earlier journal's close still running is not waited for; without, it
     is, and the room is read again from this journal's file."""
     release = threading.Event()
-    closing = threading.Thread(target=release.wait, daemon=True)
+    closing = threading.Thread(target=release.wait, args=(5,), daemon=True)
     closing.start()
     monkeypatch.setattr(journal_module, "_CLOSING", [closing])
     asked: list[int] = []
@@ -739,6 +739,7 @@ def _file_size(journal: UndoJournal) -> int:
         (torch.float32, 4, 4, 4),  # one element a record
         (torch.uint8, 8, 2, 4),  # a one-byte element: piece_bytes elements a record
         (torch.float32, 4, 3, 4),  # a piece smaller than an element still holds one
+        (torch.float32, 1, 4, 1),  # one element: one record, no empty one after it
     ],
 )
 def test_pieces_hold_at_most_piece_bytes(
