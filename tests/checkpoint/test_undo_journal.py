@@ -19,6 +19,7 @@ import sys
 import textwrap
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -943,3 +944,64 @@ def test_each_damage_is_named_per_record(damage: str, problem: str, tmp_path: Pa
         f"record 4: {problem}; record 3: {problem}; record 2: {problem} (and 2 more). The "
         "optimizer is partly loaded: load a good checkpoint into it before training."
     )
+
+
+def _reference_checksum(data: bytes) -> tuple[int, int]:
+    """The checksum as documented, word by word in plain Python."""
+    padded = data + bytes(-len(data) % 8)
+    words = [int.from_bytes(padded[i : i + 8], "little") for i in range(0, len(padded), 8)]
+    sums = [sum(words[i : i + 512]) % 2**64 for i in range(0, len(words), 512)]
+    packed = b"".join(s.to_bytes(8, "little") for s in sums)
+    return sum(sums) % 2**64, zlib.crc32(packed)
+
+
+@given(data=st.binary(max_size=9000), whole_blocks=st.integers(0, 2))
+def test_the_checksum_is_the_documented_word_sum_and_block_crc(
+    data: bytes, whole_blocks: int
+) -> None:
+    """Any length (none, whole words, whole 4 KiB blocks, a ragged tail) and sums that wrap."""
+    data = bytes([0xFF]) * 4096 * whole_blocks + data
+    assert journal_module._checksum(memoryview(data)) == _reference_checksum(data)
+
+
+def test_short_writes_continue_where_they_stopped_and_none_is_enospc(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pwrite may write less than asked: the rest follows at the right offset; a write of
+    nothing is ENOSPC, named."""
+    original = os.pwrite
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        monkeypatch.setattr(os, "pwrite", lambda f, data, offset: original(f, data[:3], offset))
+        journal_module._pwrite_all(fd, b"0123456789", 5)
+        assert os.pread(fd, 20, 0) == bytes(5) + b"0123456789"
+        monkeypatch.setattr(os, "pwrite", lambda f, data, offset: 0)
+        with pytest.raises(OSError, match=r"^\[Errno 28\] short write to the undo journal$"):
+            journal_module._pwrite_all(fd, b"x", 0)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("page_offset", [100, 2048])
+def test_o_direct_puts_larger_than_the_buffer_go_window_by_window(
+    page_offset: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where O_DIRECT refuses a piece's memory, all of it goes through the bounce buffer, a
+    window at a time, each in place; an empty region at any address adds no data block."""
+    monkeypatch.setattr(journal_module, "_BOUNCE", 8192)
+
+    def refusing(address: int, nbytes: int) -> memoryview:
+        raise OSError(errno.EINVAL, "not for O_DIRECT")
+
+    monkeypatch.setattr(journal_module, "_span", refusing)
+    storage, region = _at_page_offset(page_offset, 30_000)
+    before = storage.clone()
+    with UndoJournal(tmp_path, piece_bytes=1 << 20) as journal:
+        assert journal.direct
+        journal.keep_now(storage[page_offset + 1 : page_offset + 1])  # empty, off a page
+        assert _file_size(journal) == 4096
+        journal.keep_now(region)
+        assert _file_size(journal) == 2 * 4096 + journal._aligned(page_offset + 30_000)
+        region.fill_(3)
+        journal.rollback()
+    assert torch.equal(storage, before)
