@@ -10,6 +10,7 @@ no journal file outlives a load, not even a killed one.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import random
 import signal
@@ -1005,3 +1006,60 @@ def test_o_direct_puts_larger_than_the_buffer_go_window_by_window(
         region.fill_(3)
         journal.rollback()
     assert torch.equal(storage, before)
+
+
+def test_close_hands_the_file_to_one_daemon_closer_once(tmp_path: Path) -> None:
+    """close() gives the descriptor to a named daemon thread and forgets it (fileno() is -1);
+    closing again closes nothing more."""
+    journal = UndoJournal(tmp_path)
+    fd = journal.fileno()
+    assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC  # not inherited by a child
+    journal.close()
+    closer = journal_module._CLOSING[-1]
+    assert closer.name == "wrapped_optim-undo-close" and closer.daemon
+    assert journal.fileno() == -1
+    before = list(journal_module._CLOSING)
+    journal.close()
+    assert journal_module._CLOSING == before  # no second closer
+    closer.join()
+
+
+def test_a_rollback_stops_the_worker_after_its_region(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rolling back while the worker journals ahead: it finishes the region it is writing and
+    journals no further one (nothing after it was overwritten)."""
+    tensors = [torch.arange(float(n)) for n in (4, 5, 6)]
+    go = _blocked_writes(monkeypatch)
+    with UndoJournal(tmp_path) as journal:
+        for i, t in enumerate(tensors):
+            journal.plan(i, t)
+        journal.start()
+        deadline = time.monotonic() + 10
+        while journal._regions[0].status != journal_module._BUSY:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        threading.Timer(0.1, go.set).start()
+        journal.rollback()
+        assert journal.written == tensors[0].numel() * 4
+    assert [t.tolist() for t in tensors] == [[float(i) for i in range(n)] for n in (4, 5, 6)]
+
+
+def test_without_o_tmpfile_the_file_is_made_and_unlinked_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where O_TMPFILE is missing, O_DIRECT is not tried (it needs it) and the buffered file
+    is created, unlinked and closed on exec; the journal works the same."""
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    tensor = torch.arange(10.0)
+    with UndoJournal(tmp_path) as journal:
+        assert not journal.direct
+        fd = journal.fileno()
+        assert os.fstat(fd).st_nlink == 0
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+        assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        assert list(tmp_path.iterdir()) == []
+        journal.keep_now(tensor)
+        tensor.zero_()
+        journal.rollback()
+    assert tensor.tolist() == [float(i) for i in range(10)]
