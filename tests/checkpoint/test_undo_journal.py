@@ -1020,7 +1020,7 @@ def test_close_hands_the_file_to_one_daemon_closer_once(tmp_path: Path) -> None:
     assert journal.fileno() == -1
     before = list(journal_module._CLOSING)
     journal.close()
-    assert journal_module._CLOSING == before  # no second closer
+    assert before == journal_module._CLOSING  # no second closer
     closer.join()
 
 
