@@ -109,6 +109,7 @@ def test_the_journal_file_has_no_name_and_a_private_directory(
     with UndoJournal(tmp_path) as journal:
         journal.keep_now(torch.arange(10.0))
         assert [mode for _, mode in made] == [0o700]
+        assert Path(made[0][0]).name.startswith(".wrapped_optim_undo_")  # hidden, named
         assert list(tmp_path.iterdir()) == []
         assert stat.S_IMODE(os.fstat(journal.fileno()).st_mode) == 0o600
         assert os.fstat(journal.fileno()).st_nlink == 0
@@ -127,8 +128,16 @@ def test_the_journal_refuses_a_directory_without_room(
 
 
 def test_a_missing_journal_directory_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(UndoJournalError, match="journal_dir= a writable local directory"):
+    with pytest.raises(UndoJournalError) as raised:
         UndoJournal(tmp_path / "absent")
+    assert raised.value.errno == errno.ENOENT  # the cause's own errno
+    assert str(raised.value).startswith(
+        f"[Errno {errno.ENOENT}] cannot create the atomic load's undo journal in "
+        f"{str(tmp_path / 'absent')!r} ("
+    )
+    assert str(raised.value).endswith(
+        "pass journal_dir= a writable local directory, or atomic=False"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -742,6 +751,7 @@ def _file_size(journal: UndoJournal) -> int:
         (torch.uint8, 8, 2, 4),  # a one-byte element: piece_bytes elements a record
         (torch.float32, 4, 3, 4),  # a piece smaller than an element still holds one
         (torch.float32, 1, 4, 1),  # one element: one record, no empty one after it
+        (torch.uint8, 3, 1, 3),  # one byte a record
     ],
 )
 def test_pieces_hold_at_most_piece_bytes(
