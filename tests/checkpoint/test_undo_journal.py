@@ -973,6 +973,8 @@ def test_the_checksum_is_the_documented_word_sum_and_block_crc(
     """Any length (none, whole words, whole 4 KiB blocks, a ragged tail) and sums that wrap."""
     data = bytes([0xFF]) * 4096 * whole_blocks + data
     assert journal_module._checksum(memoryview(data)) == _reference_checksum(data)
+    ragged = bytes([0xFF]) * 20  # a last block whose words and tail sum past 2**64
+    assert journal_module._checksum(memoryview(ragged)) == _reference_checksum(ragged)
 
 
 def test_short_writes_continue_where_they_stopped_and_none_is_enospc(
