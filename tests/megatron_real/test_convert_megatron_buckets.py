@@ -24,7 +24,9 @@ if importlib.util.find_spec("megatron") is None:  # pragma: no cover - Megatron 
 
 from tests.distributed.conftest import Launcher, mismatches, run_in_this_process
 from tests.megatron_real.dist_ckpt import (
-    metadata,
+    assert_resumed_bitwise,
+    load_converted,
+    load_dcp_into,
     model_space_state,
     route_optimizer,
     save,
@@ -93,23 +95,6 @@ def _save(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-def _load(model: Any, optimizer: Any, optimizer_dir: str, fmt: str) -> None:
-    """Megatron's own resume of the optimizer from a converted directory."""
-    from megatron.core import dist_checkpointing
-
-    if fmt == "legacy":
-        common = torch.load(Path(optimizer_dir, "optimizer_common.pt"), weights_only=False)
-        with torch.no_grad():
-            optimizer.load_state_dict(common)
-            optimizer.load_parameter_state(str(Path(optimizer_dir, "param_state.pt")))
-        return
-    model_sd = model.module.sharded_state_dict()
-    request = optimizer.sharded_state_dict(model_sd, True, metadata=metadata(fmt))
-    state = dist_checkpointing.load({"optimizer": request}, optimizer_dir)
-    with torch.no_grad():
-        optimizer.load_state_dict(state["optimizer"])
-
-
 def _resume(rank: int, world: int, entries: dict[str, tuple[str, str, str, str]]) -> dict[str, Any]:
     """Per entry ``(config, model dir, optimizer dir, format)``: a fresh build, the model
     from Megatron's save, the optimizer from the converted directory, then ``MORE`` steps."""
@@ -123,7 +108,7 @@ def _resume(rank: int, world: int, entries: dict[str, tuple[str, str, str, str]]
             loaded = dist_checkpointing.load({"model": model_sd}, model_dir)
             model.module.load_state_dict(loaded["model"])
             try:
-                _load(model, optimizer, optimizer_dir, fmt)
+                load_converted(model, optimizer, optimizer_dir, fmt)
             except Exception as error:  # reported to the tests, which decide
                 out[key] = {"error": f"{type(error).__name__}: {error}"}
                 continue
@@ -230,22 +215,8 @@ def test_megatrons_bucket_space_loads_into_torch_adamw_bitwise(
     assert report.lossy == {} and report.verified
     model = _fp32_model()
     if to == "dcp":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-        from torch.distributed.checkpoint.state_dict import (
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
-
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-        template = get_optimizer_state_dict(model, optimizer)
-        dcp.load(
-            template,
-            checkpoint_id=str(out),
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-            no_dist=True,
-        )
-        set_optimizer_state_dict(model, optimizer, template)
+        load_dcp_into(model, optimizer, out)
     else:
         optimizer = torch.optim.AdamW(_grouped(model), lr=0.01)
         optimizer.load_state_dict(torch.load(out, weights_only=True))
@@ -263,16 +234,10 @@ def test_written_bucket_space_resumes_in_real_megatron_bitwise(
     """DCP -> dp_reshardable / legacy laid out for the run's buckets, resumed by a real
     DistributedOptimizer at DP 1 and 2: the state after the load is the source's bit for bit;
     at DP 2 the run continues exactly as the uninterrupted one."""
+    saved = runs["saved"]
+    uninterrupted = [rank[label]["snapshot"] for rank in saved] if ranks == "dp2" else None
     cells = [rank[f"{label}>{target}"] for rank in runs[ranks]]
-    for cell in cells:
-        assert "error" not in cell, cell.get("error")
-    source = _source(runs, label)
-    after = whole_model_space([cell["space"] for cell in cells])
-    assert after.keys() == source.keys()
-    assert mismatches(source, after) == []
-    if ranks == "dp2":
-        for rank, cell in enumerate(cells):
-            assert mismatches(runs["saved"][rank][label]["snapshot"], cell["snapshot"]) == []
+    assert_resumed_bitwise(_source(runs, label), cells, uninterrupted)
 
 
 def test_a_wrong_bucket_size_is_refused(runs: dict[str, Any], tmp_path: Path) -> None:
