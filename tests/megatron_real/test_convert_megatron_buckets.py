@@ -16,6 +16,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -251,3 +252,84 @@ def test_a_wrong_bucket_size_is_refused(runs: dict[str, Any], tmp_path: Path) ->
     with pytest.raises(ConversionError, match="neither dcp nor torch-save"):
         convert(runs["root"] / "mixed" / "dcp", tmp_path / "x", to="torch-save", bucket_size=100)
     assert not (tmp_path / "x").exists()
+
+
+# --------------------------------------------------------------------------------------
+# FP8 moments (Megatron's precision-aware optimizer, one scale per DP rank's shard) for a run
+# with several buckets: the shards are each bucket's DP shares, so the scales follow the
+# buckets. A DP 1 save converted for DP 2 with the run's bucket size resumes holding exactly
+# the values written; laid out as one bucket, they would split elsewhere.
+# --------------------------------------------------------------------------------------
+def _fp8_build(seed: int = 0) -> tuple[Any, Any]:
+    from tests.megatron_real.precision_aware import build_precision_aware
+
+    ddp = {"overlap_grad_reduce": True, "bucket_size": BUCKET_SIZE}
+    model, optimizer = build_precision_aware("fp8_remainders", seed, hidden=HIDDEN, ddp_options=ddp)
+    return model, route_optimizer(optimizer, "wrap")
+
+
+def _fp8_save(rank: int, world: int, root: str) -> list[tuple[str, tuple[int, ...]]]:
+    from tests.megatron_real.precision_aware import install_te_stand_in
+
+    install_te_stand_in()
+    with megatron_session():
+        model, optimizer = _fp8_build()
+        train(model, optimizer, range(SAVE_AT), rank)
+        save(model, optimizer, Path(root), "fully_reshardable")
+        return [(n, tuple(p.shape)) for n, p in model.module.named_parameters()]
+
+
+def _fp8_resume(rank: int, world: int, model_dir: str, optimizer_dir: str) -> dict[str, Any]:
+    from tests.megatron_real.precision_aware import install_te_stand_in
+
+    install_te_stand_in()  # before anything imports megatron.core.optimizer
+    from megatron.core import dist_checkpointing
+
+    with megatron_session():
+        model, optimizer = _fp8_build(seed=1)
+        loaded = dist_checkpointing.load({"model": model.module.sharded_state_dict()}, model_dir)
+        model.module.load_state_dict(loaded["model"])
+        load_converted(model, optimizer, optimizer_dir, "fully_reshardable")
+        buckets = [[b.numel_unpadded for b in buffer.buckets] for buffer in model.buffers]
+        return {"space": model_space_state(model, optimizer), "buckets": buckets}
+
+
+def test_fp8_moments_for_dp2_follow_the_runs_buckets(tmp_path: Path) -> None:
+    from wrapped_optim.checkpoint import convert
+    from wrapped_optim.checkpoint._convert._megatron import FULLY_RESHARDABLE
+    from wrapped_optim.checkpoint._convert._megatron_scales import megatron_fp8_pieces
+    from wrapped_optim.checkpoint._convert._names import ParameterNames
+    from wrapped_optim.checkpoint._convert._options import FormatOptions
+
+    launch = Launcher(tmp_path, cuda_shim=False, timeout_s=600)
+    params = launch(_fp8_save, 1, str(tmp_path / "dp1"))[0]
+    names = ParameterNames([n for n, _ in params], [s for _, s in params])
+    written = tmp_path / "to2"
+    report = convert(
+        tmp_path / "dp1" / "dist",
+        written,
+        to=FULLY_RESHARDABLE,
+        moments="fp8",
+        dp=2,
+        bucket_size=BUCKET_SIZE,
+        names=names,
+        allow_lossy=True,
+    )
+    resumed = launch(_fp8_resume, 2, str(tmp_path / "dp1" / "dist"), str(written))
+    assert [rank["buckets"] for rank in resumed] == [[[196, 1153]]] * 2  # bf16: one buffer
+    loaded = whole_model_space([rank["space"] for rank in resumed])
+    reader = megatron_reader(written)
+    try:
+        index = reader.index()
+        for param in index.params:
+            for key in ("exp_avg", "exp_avg_sq"):
+                values = reader.read(param.name, key).reshape(-1)
+                got = loaded[f"module.{param.name}/{key}"]
+                assert mismatches({"v": values}, {"v": got}) == [], (param.name, key)
+                assert f"{param.name}:{key}" in report.lossy
+        options = FormatOptions(names=names.names, shapes=names.shapes, dp_size=2)
+        by_buckets = megatron_fp8_pieces(index, attrs.evolve(options, bucket_size=BUCKET_SIZE))
+        assert by_buckets["first.weight"] == ((0, 576), (576, 1089))
+        assert megatron_fp8_pieces(index, options)["first.weight"] != by_buckets["first.weight"]
+    finally:
+        reader.close()

@@ -301,11 +301,13 @@ def convert(
             + ", ".join(f.name for f in known_formats() if f.fp8_scales is not None)
             + ")"
         )
-    if bucket_size is not None and not (source.bucketed or target.bucketed):
+    by_buckets = source.bucketed or target.bucketed or (scaled_by_shard and dp is not None)
+    if bucket_size is not None and not by_buckets:
         raise ConversionError(
             f"bucket_size={bucket_size}: neither {source.name} nor {target.name} stores state "
             "in DDP's buckets; it applies to "
             + ", ".join(f.name for f in known_formats() if f.bucketed)
+            + ", and to fp8 moments with dp (the shards holding one scale follow the buckets)"
         )
     if bucket_size is not None and bucket_size < 1:
         raise ConversionError(f"bucket_size={bucket_size}: must be a positive element count")
