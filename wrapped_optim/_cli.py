@@ -162,6 +162,7 @@ def run_convert(args: argparse.Namespace) -> int:
             model=model,
             names=getattr(args, "names", None),
             dp=getattr(args, "dp", None),
+            bucket_size=getattr(args, "bucket_size", None),
             moments=getattr(args, "moments", None),
             master=getattr(args, "master", None),
             layout=getattr(args, "layout", None),
@@ -293,6 +294,13 @@ def _add_convert_command(commands: Any) -> None:
         metavar="N",
         help="DP size of a sharded destination; with --moments fp8, of the run that loads it "
         "(one FP8 scale per DP shard)",
+    )
+    convert.add_argument(
+        "--bucket-size",
+        type=int,
+        metavar="N",
+        help="Megatron bucket-space formats: the run's DDP bucket_size (with "
+        "overlap_grad_reduce), which places each parameter (default: one bucket per buffer)",
     )
     convert.add_argument("--moments", choices=["fp32", "bf16", "fp16", "fp8"])
     convert.add_argument("--master", choices=["fp32", "fp16", "none"])

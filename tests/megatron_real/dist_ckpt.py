@@ -105,6 +105,62 @@ def _load_optimizer(model: Any, optimizer: Any, directory: Path, fmt: str) -> No
         optimizer.load_state_dict(loaded["optimizer"])
 
 
+def load_converted(model: Any, optimizer: Any, optimizer_dir: str, fmt: str) -> None:
+    """Megatron's own resume of the optimizer alone from a (converted) directory in format
+    ``fmt``: ``dist_checkpointing.load`` of its sharded state dict, or (legacy)
+    ``load_state_dict`` of ``optimizer_common.pt`` then ``load_parameter_state``."""
+    from megatron.core import dist_checkpointing
+
+    if fmt == "legacy":
+        common = torch.load(Path(optimizer_dir, "optimizer_common.pt"), weights_only=False)
+        with torch.no_grad():
+            optimizer.load_state_dict(common)
+            optimizer.load_parameter_state(str(Path(optimizer_dir, "param_state.pt")))
+        return
+    model_sd = model.module.sharded_state_dict()
+    request = optimizer.sharded_state_dict(model_sd, True, metadata=metadata(fmt))
+    state = dist_checkpointing.load({"optimizer": request}, optimizer_dir)
+    with torch.no_grad():
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def load_dcp_into(model: torch.nn.Module, optimizer: Any, path: Path) -> None:
+    """A DCP optimizer checkpoint loaded into a plain torch ``optimizer`` the way an FSDP2 /
+    DCP user does: torch's initialiser, ``dcp.load`` (keys the source lacks keep torch's
+    values), ``set_optimizer_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    template = get_optimizer_state_dict(model, optimizer)
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    dcp.load(template, checkpoint_id=str(path), planner=planner, no_dist=True)
+    set_optimizer_state_dict(model, optimizer, template)
+
+
+def assert_resumed_bitwise(
+    source: dict[str, torch.Tensor],
+    cells: list[dict[str, Any]],
+    uninterrupted: list[dict[str, torch.Tensor]] | None,
+) -> None:
+    """Each rank's resume ``cell`` loaded without error, the state right after the load is
+    ``source`` bit for bit, and (``uninterrupted``: each rank's snapshot of the run that went
+    on, at the saving world size) the resumed run continued exactly as it."""
+    from tests.distributed.conftest import mismatches
+
+    for cell in cells:
+        assert "error" not in cell, cell.get("error")
+    after = whole_model_space([cell["space"] for cell in cells])
+    assert after.keys() == source.keys()
+    assert mismatches(source, after) == []
+    if uninterrupted is not None:
+        for snapshot_, cell in zip(uninterrupted, cells, strict=True):
+            assert mismatches(snapshot_, cell["snapshot"]) == []
+
+
 def prime_like_newer_core(optimizer: Any) -> None:
     """What megatron-core 0.17+ does itself in ``sharded_state_dict(is_loading=True)``: a
     DistributedOptimizer without state first gets dummy state (``state_dict`` asserts one

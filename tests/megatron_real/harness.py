@@ -54,6 +54,8 @@ def build(
     setup: bool = False,
     options: dict[str, Any] | None = None,
     hidden: int = HIDDEN,
+    ddp_options: dict[str, Any] | None = None,
+    bias_dtype: torch.dtype | None = None,
 ) -> tuple[Any, Any]:
     """``(ddp_model, optimizer)`` for config ``name``; inside :func:`megatron_session`.
 
@@ -62,7 +64,11 @@ def build(
     (Megatron's standard param-group overrides, the derived stack) instead of a bare
     ``get_megatron_optimizer`` call. ``options``: more ``OptimizerConfig`` fields (the
     precision-aware ones of :mod:`tests.megatron_real.precision_aware`). ``hidden``: the
-    model's width (a larger model for memory measurements).
+    model's width (a larger model for memory measurements). ``ddp_options``: more
+    ``DistributedDataParallelConfig`` fields (``overlap_grad_reduce`` and a small
+    ``bucket_size`` give several buckets). ``bias_dtype``: the biases' dtype, when it differs
+    from the weights' (one grad buffer per param dtype; each of Megatron's param groups,
+    matrices and biases, keeps one dtype).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -87,12 +93,20 @@ def build(
             self.second = torch.nn.Linear(hidden, 4)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.second(torch.tanh(self.first(x)))
+            if bias_dtype is None:
+                return self.second(torch.tanh(self.first(x)))
+            first, second = self.first, self.second  # weight @ x + a bias of another dtype
+            hidden = torch.tanh(torch.nn.functional.linear(x, first.weight) + first.bias)
+            out = torch.nn.functional.linear(hidden.to(second.weight.dtype), second.weight)
+            return out + second.bias
 
     torch.manual_seed(seed)
     module = TwoLayer().to(dtype)
+    if bias_dtype is not None:
+        for bias in (module.first.bias, module.second.bias):
+            bias.data = bias.data.to(bias_dtype)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True
+        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True, **(ddp_options or {})
     )
     model = DistributedDataParallel(config, ddp_config, module)
     if weights is not None:

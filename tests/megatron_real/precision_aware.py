@@ -68,11 +68,17 @@ def options(name: str, **more: Any) -> dict[str, Any]:
 
 
 def build_precision_aware(
-    name: str, seed: int = 0, *, setup: bool = False, hidden: int | None = None, **more: Any
+    name: str,
+    seed: int = 0,
+    *,
+    setup: bool = False,
+    hidden: int | None = None,
+    ddp_options: dict[str, Any] | None = None,
+    **more: Any,
 ) -> Any:
     """``(ddp_model, optimizer)`` from Core's factory for precision-aware config ``name``,
     inside :func:`tests.megatron_real.harness.megatron_session` (``hidden``: the model's width,
-    default the harness's)."""
+    default the harness's; ``ddp_options``: more DDP config fields, e.g. several buckets)."""
     from tests.megatron_real.harness import HIDDEN, build
 
     return build(
@@ -81,4 +87,5 @@ def build_precision_aware(
         setup=setup,
         options=options(name, **more),
         hidden=HIDDEN if hidden is None else hidden,
+        ddp_options=ddp_options,
     )

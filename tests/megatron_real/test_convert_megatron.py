@@ -25,6 +25,9 @@ if importlib.util.find_spec("megatron") is None:  # pragma: no cover - Megatron 
 
 from tests.distributed.conftest import Launcher, mismatches, run_in_this_process
 from tests.megatron_real.dist_ckpt import (
+    assert_resumed_bitwise,
+    load_converted,
+    load_dcp_into,
     metadata,
     model_space_state,
     route_optimizer,
@@ -76,25 +79,6 @@ def _save(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-def _load_converted(model: Any, optimizer: Any, optimizer_dir: str, fmt: str) -> None:
-    """Megatron's own resume of the optimizer from a converted directory in format ``fmt``:
-    ``dist_checkpointing.load`` of its sharded state dict, or (legacy) ``load_state_dict`` of
-    ``optimizer_common.pt`` then ``load_parameter_state``."""
-    from megatron.core import dist_checkpointing
-
-    if fmt == "legacy":
-        common = torch.load(Path(optimizer_dir, "optimizer_common.pt"), weights_only=False)
-        with torch.no_grad():
-            optimizer.load_state_dict(common)
-            optimizer.load_parameter_state(str(Path(optimizer_dir, "param_state.pt")))
-        return
-    model_sd = model.module.sharded_state_dict()
-    request = optimizer.sharded_state_dict(model_sd, True, metadata=metadata(fmt))
-    state = dist_checkpointing.load({"optimizer": request}, optimizer_dir)
-    with torch.no_grad():
-        optimizer.load_state_dict(state["optimizer"])
-
-
 def _resume(rank: int, world: int, sources: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     """A fresh build per entry ``(config, model dir, optimizer dir[, format])``: the model from
     the saved Megatron checkpoint, the optimizer from the converted directory (in ``format``,
@@ -112,7 +96,7 @@ def _resume(rank: int, world: int, sources: dict[str, tuple[str, ...]]) -> dict[
                 loaded = dist_checkpointing.load({"model": model_sd}, model_dir)
             model.module.load_state_dict(loaded["model"])
             try:
-                _load_converted(model, optimizer, optimizer_dir, *(fmt or ["fully_reshardable"]))
+                load_converted(model, optimizer, optimizer_dir, *(fmt or ["fully_reshardable"]))
             except Exception as error:  # reported to the tests, which decide
                 out[label] = {"error": f"{type(error).__name__}: {error}"}
                 continue
@@ -334,16 +318,10 @@ def _assert_resumed_bitwise(runs: dict[str, Any], name: str, label: str, ranks: 
     """The resume ``label`` at ``ranks`` loaded without error, its optimizer state right after
     the load is the source's bit for bit, and (at DP 2, the saving world) the run continued
     exactly as the uninterrupted one."""
+    saved = runs["saved"]
+    uninterrupted = [rank[name]["snapshot"] for rank in saved] if ranks == "dp2" else None
     cells = [rank[label] for rank in runs[ranks]]
-    for cell in cells:
-        assert "error" not in cell, cell.get("error")
-    source = _source_state(runs["saved"], name)
-    after = whole_model_space([cell["space"] for cell in cells])
-    assert after.keys() == source.keys()
-    assert mismatches(source, after) == []
-    if ranks == "dp2":
-        for rank, cell in enumerate(cells):
-            assert mismatches(runs["saved"][rank][name]["snapshot"], cell["snapshot"]) == []
+    assert_resumed_bitwise(_source_state(saved, name), cells, uninterrupted)
 
 
 def test_detects_each_megatron_format(runs: dict[str, Any]) -> None:
@@ -385,13 +363,6 @@ def test_writer_refuses_state_megatron_cannot_hold(runs: dict[str, Any], tmp_pat
 def test_megatron_to_dcp_loads_into_a_real_torch_adamw_bitwise(
     runs: dict[str, Any], name: str, tmp_path: Path
 ) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
     from wrapped_optim.checkpoint import convert
 
     source = _source_state(runs["saved"], name)
@@ -402,16 +373,9 @@ def test_megatron_to_dcp_loads_into_a_real_torch_adamw_bitwise(
     model.add_module("first", torch.nn.Linear(8, 8))
     model.add_module("second", torch.nn.Linear(8, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    template = get_optimizer_state_dict(model, optimizer)  # torch's own initialiser
     # The offload optimizer's groups lack some of torch AdamW's keys (amsgrad, ...): those
     # keep torch's values.
-    dcp.load(
-        template,
-        checkpoint_id=str(tmp_path / "dcp"),
-        planner=DefaultLoadPlanner(allow_partial_load=True),
-        no_dist=True,
-    )
-    set_optimizer_state_dict(model, optimizer, template)
+    load_dcp_into(model, optimizer, tmp_path / "dcp")
     names = dict(model.named_parameters())
     got = {}
     for param_name, param in names.items():

@@ -386,9 +386,13 @@ def test_fp8_scales_per_dp_shard_only_where_the_destination_keeps_them(tmp_path:
     train(model, opt, 1, seed=1)
     torch.save(opt.state_dict(), tmp_path / "a.pt")
     names = ParameterNames(["0"], [(4, 50)])
-    with pytest.raises(ConversionError, match=r"dp=2: dcp holds whole tensors.*megatron-fully"):
+    with pytest.raises(
+        ConversionError, match=r"dp=2 with fp8 moments: dcp holds the portable FP32 form"
+    ) as refused:
         convert(tmp_path / "a.pt", tmp_path / "b", to="dcp", moments="fp8", dp=2,
                 allow_lossy=True, names=names)  # fmt: skip
+    assert "megatron-fully-reshardable" in str(refused.value)
+    assert "would round twice" in str(refused.value)
     with pytest.raises(ConversionError, match=r"dp=2: dcp holds whole tensors"):
         convert(tmp_path / "a.pt", tmp_path / "b", to="dcp", dp=2, names=names)
     with pytest.raises(ConversionError, match=r"DP 2.*name it"):

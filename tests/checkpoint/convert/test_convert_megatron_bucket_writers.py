@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -364,3 +365,80 @@ def test_legacy_file_crcs_are_fixed_in_both_zip_forms(tmp_path: Path, zip64: boo
     with zipfile.ZipFile(file) as archive:
         assert archive.testzip() is None
     _same(state, megatron_reader(tmp_path / "legacy", model=model))
+
+
+_MIXED = """import torch
+
+def build():
+    model = torch.nn.Sequential(torch.nn.Linear(33, 33), torch.nn.Linear(33, 4)).bfloat16()
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.data = param.data.float()
+    return model
+"""
+
+
+def test_convert_places_several_buckets_and_grad_buffers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bf16 weights beside FP32 biases (two grad buffers) in buckets of 100 elements: convert
+    and the command line place them given the model and the bucket size, the legacy reader
+    refuses the file without it, the FP8 shard scales follow the buckets, and a
+    (model, optimizer) pair numbers a torch.save destination by the optimizer's groups."""
+    from wrapped_optim._cli import main
+    from wrapped_optim.checkpoint import ConversionError, convert
+    from wrapped_optim.checkpoint._convert._megatron import megatron_writer
+    from wrapped_optim.checkpoint._convert._megatron_scales import megatron_fp8_pieces
+    from wrapped_optim.checkpoint._convert._options import FormatOptions
+
+    (tmp_path / "mymodel.py").write_text(_MIXED)
+    spec = f"{tmp_path / 'mymodel.py'}:build"
+    namespace: dict[str, Any] = {}
+    exec(_MIXED, namespace)
+    model = namespace["build"]()
+    state = _linear_state(model)
+    generator = torch.Generator().manual_seed(0)
+    for where, tensor in state.tensors.items():
+        state.tensors[where] = torch.randn(tensor.shape, generator=generator)
+    megatron_writer(tmp_path / "src").write(state.index(), state)
+    legacy, dp = tmp_path / "legacy", tmp_path / "dp"
+    convert(tmp_path / "src", legacy, to=LEGACY, model=model, bucket_size=100, verify=True)
+    _same(state, megatron_reader(legacy, model=model, bucket_size=100))
+    with pytest.raises(MegatronFormatError, match="bucket_size=None"):
+        convert(legacy, tmp_path / "no_size", to="dcp", model=model)
+    args = ["convert", str(tmp_path / "src"), str(dp), "--to", DP_RESHARDABLE, "--no-progress"]
+    assert main([*args, "--model", spec, "--bucket-size", "100", "--verify"]) == 0
+    capsys.readouterr()
+    tensors = DcpTensors(dp)
+    recorded = tensors.read_object(
+        "optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1"
+    )
+    tensors.close()
+    # weights: second.weight alone fills bucket 0 (132 >= 100), first.weight bucket 1;
+    # biases: second.bias at 0, first.bias at 64..97
+    bf16, fp32 = (torch.bfloat16, torch.float32), (torch.float32, torch.float32)
+    assert recorded == [[{bf16: [132, 1089]}, {fp32: [97]}]]
+    _same(state, megatron_reader(dp, model=model))
+    # The legacy file's buckets read through convert, into an optimizer-ordered torch.save.
+    groups = [[model[0].weight, model[1].weight], [model[0].bias, model[1].bias]]
+    optimizer = torch.optim.AdamW([{"params": members} for members in groups])
+    out = tmp_path / "optimizer.pt"
+    convert(legacy, out, to="torch-save", model=(model, optimizer), bucket_size=100, verify=True)
+    saved = torch.load(out, weights_only=True)
+    names = ["0.weight", "1.weight", "0.bias", "1.bias"]
+    for number, name in enumerate(names):
+        assert torch.equal(saved["state"][number]["exp_avg"], state.tensors[name, "exp_avg"])
+    with pytest.raises(ConversionError, match="neither torch-save nor dcp"):
+        convert(out, tmp_path / "x", to="dcp", model=model, bucket_size=100)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "no_size").exists()
+    # Each DP-2 rank's share of a bucket is half of it padded to 128: first.weight's bucket
+    # (1089 -> 1152) splits at 576; laid out in one bucket (1281 -> 1408, first.weight from
+    # 192) it would split at 704 - 192 = 512.
+    dtypes = [str(p.dtype) for p in model.parameters()]
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    index = megatron_reader(dp, model=model).index()
+    in_model = [name for name, _ in model.named_parameters()]
+    options = FormatOptions(names=in_model, shapes=shapes, dtypes=dtypes, dp_size=2)
+    pieces = megatron_fp8_pieces(index, attrs.evolve(options, bucket_size=100))
+    assert pieces["0.weight"] == ((0, 576), (576, 1089))
+    assert megatron_fp8_pieces(index, options)["0.weight"] == ((0, 512), (512, 1089))

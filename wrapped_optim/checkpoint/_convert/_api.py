@@ -131,11 +131,15 @@ def _options(
         raise TypeError("pass model= or names=, not both")
     resolved: ParameterNames | None
     dtypes: list[str] | None = None
+    model_order: list[str] | None = None
     if model is not None:
         model, optimizer = model if isinstance(model, tuple) else (model, None)
         resolved = names_from_model(model, optimizer)
         dtype_of = {name: str(param.dtype) for name, param in model.named_parameters()}
         dtypes = [dtype_of[name] for name in resolved.names]
+        if optimizer is not None:
+            held = set(resolved.names)
+            model_order = [name for name in dtype_of if name in held]
     else:
         resolved = as_names(names)
     return FormatOptions(
@@ -147,6 +151,7 @@ def _options(
         flavour=layout,
         dtypes=dtypes,
         param_remainders=param_remainders,
+        model_order=model_order,
     )
 
 
@@ -186,6 +191,7 @@ def convert(
     model: Any = None,
     names: Any = None,
     dp: int | None = None,
+    bucket_size: int | None = None,
     moments: Literal["fp32", "bf16", "fp16", "fp8"] | None = None,
     master: Literal["fp32", "fp16", "none"] | None = None,
     layout: Literal["torch", "precision-aware"] | None = None,
@@ -217,6 +223,13 @@ def convert(
             ``moments="fp8"``, the DP size of the run that loads the destination, where its
             optimizer keeps a scale per DP shard (Megatron's distributed optimizer: name the
             model too).
+        bucket_size: the DDP bucket size of the Megatron run that wrote a bucket-space
+            source (``megatron-legacy``; ``megatron-dp-reshardable`` records its buckets)
+            or that loads a bucket-space destination (``megatron-dp-reshardable``,
+            ``megatron-legacy``): where DDP cuts its grad buffers into buckets, which moves
+            each parameter. Megatron's is ``DistributedDataParallelConfig.bucket_size``
+            with ``overlap_grad_reduce`` (default max(40M, 1M x DP size) elements); None:
+            one bucket per grad buffer, its layout without ``overlap_grad_reduce``.
         moments: store ``exp_avg``/``exp_avg_sq`` as fp32, bf16, fp16, or fp8 (values of
             an FP8 E4M3 store with TE's per-tensor scale, recomputed from the FP32 values
             for each piece the destination's optimizer holds, kept as their FP32
@@ -272,6 +285,14 @@ def convert(
             f"the converter cannot {'read' if which == source.name else 'write'} {which}"
         )
     scaled_by_shard = moments == "fp8" and target.fp8_scales is not None
+    if dp is not None and moments == "fp8" and not scaled_by_shard:
+        raise ConversionError(
+            f"dp={dp} with fp8 moments: {target.name} holds the portable FP32 form, no FP8 "
+            "scales (PrecisionAwareAdamW's state_dict() expands FP8 moments, under FSDP2 "
+            "too); an FSDP2 run quantizes each shard with its own scale when it loads, so "
+            "convert FP32 moments (the default): fp8 here would round twice. Per-shard "
+            "scales: " + ", ".join(f.name for f in known_formats() if f.fp8_scales is not None)
+        )
     if dp is not None and not target.sharded and not scaled_by_shard:
         raise ConversionError(
             f"dp={dp}: {target.name} holds whole tensors, which load at any data-parallel "
@@ -280,13 +301,26 @@ def convert(
             + ", ".join(f.name for f in known_formats() if f.fp8_scales is not None)
             + ")"
         )
+    by_buckets = source.bucketed or target.bucketed or (scaled_by_shard and dp is not None)
+    if bucket_size is not None and not by_buckets:
+        raise ConversionError(
+            f"bucket_size={bucket_size}: neither {source.name} nor {target.name} stores state "
+            "in DDP's buckets; it applies to "
+            + ", ".join(f.name for f in known_formats() if f.bucketed)
+            + ", and to fp8 moments with dp (the shards holding one scale follow the buckets)"
+        )
+    if bucket_size is not None and bucket_size < 1:
+        raise ConversionError(f"bucket_size={bucket_size}: must be a positive element count")
     if param_remainders and not source.remainders:
         raise ConversionError(
             f"param_remainders: a {source.name} source keeps no int16 remainders to rebuild "
             "masters from; the option applies to "
             + ", ".join(f.name for f in known_formats() if f.remainders)
         )
-    options = _options(names, model, dp, trusted, location, layout, param_remainders)
+    options = attrs.evolve(
+        _options(names, model, dp, trusted, location, layout, param_remainders),
+        bucket_size=bucket_size,
+    )
     reader = source.reader(Path(src), attrs.evolve(options, location=location))
     try:
         index, changes = plan(reader.index(), moments=moments, master=master)

@@ -68,6 +68,8 @@ class Format:
             None: the whole tensor (a runtime that keeps whole parameters), and ``dp``
             refused for a format that is not ``sharded``. A sharded format whose runtime
             keeps a scale per shard sets it.
+        bucketed: the format stores state in DDP's grad-buffer buckets, whose boundaries
+            follow the run's bucket size (``FormatOptions.bucket_size``); others refuse it.
     """
 
     name: str
@@ -80,6 +82,7 @@ class Format:
     sharded: bool = False
     remainders: bool = False
     fp8_scales: ScalePieces | None = None
+    bucketed: bool = False
 
 
 _FORMAT_MODULES = (

@@ -75,13 +75,6 @@ class _Placed:
         return f"{self.buffer.param_dtype}, {self.buffer.grad_dtype}"
 
 
-def _dtype(name: str) -> torch.dtype:
-    found = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise MegatronFormatError(f"unknown parameter dtype {name!r}")
-    return found
-
-
 def _buffers(
     model: Any, dtypes: Sequence[str] | None, grad_reduce_in_fp32: bool, fmt: str
 ) -> list[Buffer]:
@@ -94,16 +87,7 @@ def _buffers(
             f"{fmt}: the grad buffers are named by the parameters' dtypes, which names and "
             "shapes do not give; pass the model itself (model= / --model)"
         )
-    if len(dtypes) != len(model.names):
-        raise MegatronFormatError(f"{fmt}: {len(dtypes)} dtypes for {len(model.names)} names")
-    grouped: dict[tuple[torch.dtype, torch.dtype], list[tuple[str, tuple[int, ...]]]] = {}
-    for name, shape, label in zip(model.names, model.shapes, dtypes, strict=True):
-        param_dtype = _dtype(label)
-        grad_dtype = torch.float32 if grad_reduce_in_fp32 else param_dtype
-        grouped.setdefault((param_dtype, grad_dtype), []).append(
-            (name.removeprefix("module."), tuple(shape))
-        )
-    return [Buffer(p, g, tuple(params)) for (p, g), params in grouped.items()]
+    return model.buffers(dtypes, grad_reduce_in_fp32=grad_reduce_in_fp32)
 
 
 def _place(

@@ -130,6 +130,8 @@ class MegatronDpReshardableReader(_Bucketed):
     ``model``: the model the checkpoint was saved from (a module or Megatron's list of model
     chunks; the meta device will do), whose parameters say where each one sits in the buckets.
     Names are the model's parameter names. Tensors are float32, as Megatron keeps them.
+    A :class:`ParamList` (names and shapes) places one grad buffer alone, unless ``dtypes``
+    gives each parameter's dtype (``str(torch.dtype)``), which places several.
 
     Example:
         >>> import tempfile
@@ -148,6 +150,7 @@ class MegatronDpReshardableReader(_Bucketed):
         model: Any,
         group_of: GroupOf | None = None,
         grad_reduce_in_fp32: bool = True,
+        dtypes: Sequence[str] | None = None,
     ) -> None:
         self.path = Path(path)
         if not (self.path / ".metadata").is_file():
@@ -174,7 +177,7 @@ class MegatronDpReshardableReader(_Bucketed):
         prefix = "optimizer.distributed.dp_group_idx_0"
         saved_groups = self._object(f"{prefix}.optimizer")["param_groups"]
         per_bucket = self._object(f"{prefix}.per_bucket_numel_unpadded")
-        if isinstance(model, ParamList):
+        if isinstance(model, ParamList) and dtypes is None:
             if len(labels) != 1:
                 raise MegatronFormatError(
                     f"{self.path}: {len(labels)} grad buffers (parameters of several dtypes): "
@@ -182,7 +185,7 @@ class MegatronDpReshardableReader(_Bucketed):
                 )
             buffers = [model.buffer(*_dtypes(labels[min(labels)]))]
         else:
-            buffers = buffers_of(model, grad_reduce_in_fp32=grad_reduce_in_fp32)
+            buffers = _buffers(model, dtypes, grad_reduce_in_fp32)
         if len(buffers) != len(labels):
             raise MegatronFormatError(
                 f"{self.path}: {len(labels)} grad buffers in the checkpoint, {len(buffers)} by "
@@ -241,9 +244,10 @@ class MegatronLegacyReader(_Bucketed):
     holding ``optimizer_common.pt`` (param groups) and ``param_state.pt``
     (``DistributedOptimizer.save_parameter_state``).
 
-    ``model`` as for :class:`MegatronDpReshardableReader`; ``bucket_size`` is DDP's bucket
-    size of the run (the file records only each buffer's total; None: one bucket per buffer,
-    Megatron's layout without ``overlap_grad_reduce``), checked against that total.
+    ``model``, ``dtypes`` as for :class:`MegatronDpReshardableReader`; ``bucket_size`` is
+    DDP's bucket size of the run (the file records only each buffer's total; None: one
+    bucket per buffer, Megatron's layout without ``overlap_grad_reduce``), checked against
+    that total.
 
     Example:
         >>> import tempfile
@@ -263,6 +267,7 @@ class MegatronLegacyReader(_Bucketed):
         bucket_size: int | None = None,
         group_of: GroupOf | None = None,
         grad_reduce_in_fp32: bool = True,
+        dtypes: Sequence[str] | None = None,
     ) -> None:
         self.path = Path(path)
         common = load_common(self.path / "optimizer_common.pt")
@@ -287,16 +292,16 @@ class MegatronLegacyReader(_Bucketed):
         self._fetch = {}
         slots: list[tuple[int, BucketSlot]] = []
         keys: list[str] = []
-        if isinstance(model, ParamList):
-            dtypes = [key for key in state.get(0, {}) if isinstance(key, tuple)]
-            if len([k for k in state if isinstance(k, int)]) != 1 or len(dtypes) != 1:
+        if isinstance(model, ParamList) and dtypes is None:
+            stored = [key for key in state.get(0, {}) if isinstance(key, tuple)]
+            if len([k for k in state if isinstance(k, int)]) != 1 or len(stored) != 1:
                 raise MegatronFormatError(
                     f"{file}: several grad buffers (parameters of several dtypes): names and "
                     "shapes alone do not place them; pass the model itself"
                 )
-            buffers = [model.buffer(*dtypes[0])]
+            buffers = [model.buffer(*stored[0])]
         else:
-            buffers = buffers_of(model, grad_reduce_in_fp32=grad_reduce_in_fp32)
+            buffers = _buffers(model, dtypes, grad_reduce_in_fp32)
         for gbuf, buffer in enumerate(buffers):
             per_dtype = state.get(gbuf)
             world = per_dtype.get((buffer.param_dtype, buffer.grad_dtype)) if per_dtype else None
@@ -321,6 +326,14 @@ class MegatronLegacyReader(_Bucketed):
                     )
                 slots.append((gbuf, slot))
         self._index = _index(self.path, slots, keys, saved_groups, group_of, LEGACY)
+
+
+def _buffers(model: Any, dtypes: Sequence[str] | None, grad_reduce_in_fp32: bool) -> list[Buffer]:
+    """The grad buffers of a module (or model chunks), or of names and shapes with dtypes."""
+    if isinstance(model, ParamList):
+        assert dtypes is not None
+        return model.buffers(dtypes, grad_reduce_in_fp32=grad_reduce_in_fp32)
+    return buffers_of(model, grad_reduce_in_fp32=grad_reduce_in_fp32)
 
 
 def _slicer(flat: torch.Tensor, start: int, end: int) -> Callable[[], torch.Tensor]:

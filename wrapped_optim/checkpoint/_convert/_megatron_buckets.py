@@ -22,8 +22,9 @@ import attrs
 import torch
 
 from wrapped_optim.checkpoint._convert._megatron_files import MegatronFormatError
+from wrapped_optim.checkpoint._convert._options import FormatOptions
 
-__all__ = ["BucketSlot", "Buffer", "ParamList", "buffers_of", "lay_out"]
+__all__ = ["BucketSlot", "Buffer", "ParamList", "buffers_of", "lay_out", "model_params"]
 
 _ALIGN = 64  # Core's param start alignment under the distributed optimizer (0.16.1, 0.19.2)
 
@@ -68,6 +69,57 @@ class ParamList:
         pairs = zip(self.names, self.shapes, strict=True)
         params = tuple((name.removeprefix("module."), tuple(shape)) for name, shape in pairs)
         return Buffer(param_dtype, grad_dtype, params)
+
+    def buffers(self, dtypes: Sequence[str], *, grad_reduce_in_fp32: bool = True) -> list[Buffer]:
+        """The grad buffers DDP makes of these parameters, each of dtype ``dtypes[i]``
+        (``str(torch.dtype)``): one per (param dtype, grad dtype), in order of first
+        appearance, as :func:`buffers_of` makes them from a module.
+
+        Example:
+            >>> params = ParamList(("w", "b"), ((2, 3), (2,)))
+            >>> [b.param_dtype for b in params.buffers(["torch.bfloat16", "torch.float32"])]
+            [torch.bfloat16, torch.float32]
+        """
+        if len(dtypes) != len(self.names) or len(self.shapes) != len(self.names):
+            raise MegatronFormatError(
+                f"{len(dtypes)} dtypes and {len(self.shapes)} shapes for {len(self.names)} names"
+            )
+        grouped: dict[tuple[torch.dtype, torch.dtype], list[tuple[str, tuple[int, ...]]]] = {}
+        for name, shape, label in zip(self.names, self.shapes, dtypes, strict=True):
+            param_dtype = _dtype(label)
+            grad_dtype = torch.float32 if grad_reduce_in_fp32 else param_dtype
+            grouped.setdefault((param_dtype, grad_dtype), []).append(
+                (name.removeprefix("module."), tuple(shape))
+            )
+        return [Buffer(p, g, tuple(params)) for (p, g), params in grouped.items()]
+
+
+def model_params(options: FormatOptions) -> tuple[ParamList, tuple[str, ...] | None] | None:
+    """The named parameters in the model's order (DDP's, which places them in the buckets),
+    with their dtypes where a model gave them; None when no names were given.
+
+    Example:
+        >>> options = FormatOptions(names=["b", "w"], shapes=[(2,), (2, 3)], model_order=["w", "b"])
+        >>> model_params(options)[0].names
+        ('w', 'b')
+    """
+    names, shapes, dtypes = options.names, options.shapes, options.dtypes
+    if names is None or shapes is None:
+        return None
+    if options.model_order is not None:  # names in an optimizer's order
+        at = {name: i for i, name in enumerate(names)}
+        order = [at[name] for name in options.model_order]
+        names = tuple(names[i] for i in order)
+        shapes = tuple(shapes[i] for i in order)
+        dtypes = None if dtypes is None else tuple(dtypes[i] for i in order)
+    return ParamList(names, shapes), dtypes
+
+
+def _dtype(name: str) -> torch.dtype:
+    found = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise MegatronFormatError(f"unknown parameter dtype {name!r}")
+    return found
 
 
 def _modules(model: Any) -> list[torch.nn.Module]:

@@ -23,7 +23,7 @@ from wrapped_optim.checkpoint._convert._megatron_bucketed import (
     MegatronDpReshardableReader,
     MegatronLegacyReader,
 )
-from wrapped_optim.checkpoint._convert._megatron_buckets import ParamList
+from wrapped_optim.checkpoint._convert._megatron_buckets import ParamList, model_params
 from wrapped_optim.checkpoint._convert._megatron_files import MegatronFormatError
 from wrapped_optim.checkpoint._convert._megatron_scales import megatron_fp8_pieces
 from wrapped_optim.checkpoint._convert._options import FormatOptions
@@ -41,35 +41,42 @@ def _writer(path: Path, options: FormatOptions) -> MegatronFullyReshardableWrite
     return MegatronFullyReshardableWriter(path, key=options.location or "optimizer")
 
 
-def _params(path: Path, options: FormatOptions) -> ParamList:
-    if options.names is None or options.shapes is None:
+def _params(path: Path, options: FormatOptions) -> tuple[ParamList, tuple[str, ...] | None]:
+    placed = model_params(options)
+    if placed is None:
         raise MegatronFormatError(
             f"{path}: a bucket-space Megatron checkpoint; name the model it was saved from "
             "(model= / --model, or names= / --names)"
         )
-    return ParamList(options.names, options.shapes)
+    return placed
 
 
 def _dp_reader(path: Path, options: FormatOptions) -> MegatronDpReshardableReader:
-    return MegatronDpReshardableReader(path, model=_params(path, options))
+    # Bucket boundaries come from the checkpoint (per_bucket_numel_unpadded).
+    params, dtypes = _params(path, options)
+    return MegatronDpReshardableReader(path, model=params, dtypes=dtypes)
 
 
 def _legacy_reader(path: Path, options: FormatOptions) -> MegatronLegacyReader:
-    return MegatronLegacyReader(path, model=_params(path, options))
+    params, dtypes = _params(path, options)
+    return MegatronLegacyReader(path, model=params, bucket_size=options.bucket_size, dtypes=dtypes)
 
 
 def _dp_writer(path: Path, options: FormatOptions) -> MegatronDpReshardableWriter:
+    params, dtypes = _params(path, options)
     return MegatronDpReshardableWriter(
         path,
-        model=_params(path, options),
+        model=params,
         dp_size=options.dp_size or 1,
         key=options.location or "optimizer",
-        dtypes=options.dtypes,
+        dtypes=dtypes,
+        bucket_size=options.bucket_size,
     )
 
 
 def _legacy_writer(path: Path, options: FormatOptions) -> MegatronLegacyWriter:
-    return MegatronLegacyWriter(path, model=_params(path, options), dtypes=options.dtypes)
+    params, dtypes = _params(path, options)
+    return MegatronLegacyWriter(path, model=params, dtypes=dtypes, bucket_size=options.bucket_size)
 
 
 def _detects(name: str) -> Callable[[Path], bool]:
@@ -84,6 +91,7 @@ def _format(
     *,
     sharded: bool = False,
     remainders: bool = False,
+    bucketed: bool = False,
 ) -> Format:
     return Format(
         name=name,
@@ -96,6 +104,7 @@ def _format(
         sharded=sharded,
         remainders=remainders,
         fp8_scales=megatron_fp8_pieces if writer is not None else None,
+        bucketed=bucketed,
     )
 
 
@@ -111,16 +120,19 @@ FORMATS = (
     _format(
         DP_RESHARDABLE,
         "Megatron-Core dist_checkpointing, dp_reshardable (bucket space, any DP size; the "
-        "model places the state: --model, or --names to read)",
+        "model places the state: --model, or --names to read; --bucket-size to write)",
         _dp_reader,
         _dp_writer,
         sharded=True,
+        bucketed=True,
     ),
     _format(
         LEGACY,
-        "Megatron-LM's legacy optimizer files (optimizer_common.pt + param_state.pt, one bucket "
-        "per buffer, any DP size; the model places the state: --model, or --names to read)",
+        "Megatron-LM's legacy optimizer files (optimizer_common.pt + param_state.pt, any DP "
+        "size; the model places the state: --model, or --names to read; --bucket-size: the "
+        "run's DDP bucket size, when it had several buckets)",
         _legacy_reader,
         _legacy_writer,
+        bucketed=True,
     ),
 )

@@ -6,8 +6,9 @@ its own tensor, with its own per-tensor scale. A shard is the part of the parame
 its grad-buffer bucket that falls in the rank's equal share of the bucket (padded to a
 multiple of ``lcm(dp, 128)``): so which elements share a scale depends on the DP size, and a
 parameter that straddles two ranks' shares has two scales. Computed from the model's names
-and shapes alone (:mod:`._megatron_buckets`), one bucket per buffer (DDP without
-``overlap_grad_reduce``; no ``pad_buckets_for_high_nccl_busbw``).
+and shapes alone (:mod:`._megatron_buckets`): one grad buffer (bf16 params), or one per
+dtype where the model gave them; one bucket per buffer unless ``FormatOptions.bucket_size``
+gives DDP's (with ``overlap_grad_reduce``); no ``pad_buckets_for_high_nccl_busbw``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from wrapped_optim.checkpoint._convert._canonical import StateIndex
 from wrapped_optim.checkpoint._convert._errors import ConversionError
-from wrapped_optim.checkpoint._convert._megatron_buckets import ParamList, lay_out
+from wrapped_optim.checkpoint._convert._megatron_buckets import BucketSlot, lay_out, model_params
 from wrapped_optim.checkpoint._convert._options import FormatOptions
 
 __all__ = ["megatron_fp8_pieces"]
@@ -40,26 +41,30 @@ def megatron_fp8_pieces(
         raise ConversionError(f"dp={dp}: the data-parallel size is at least 1")
     if dp == 1:
         return {param.name: ((0, math.prod(param.shape)),) for param in index.params}
-    if options.names is None or options.shapes is None:
+    placed = model_params(options)
+    if placed is None:
         raise ConversionError(
             f"fp8 moments for a Megatron run at DP {dp}: each rank's shard of a parameter has "
             "its own scale, and where the shards fall follows from the model; name it "
             "(model= / --model, or names= / --names)"
         )
-    slots, sizes = lay_out(
-        ParamList(options.names, options.shapes).buffer(torch.bfloat16, torch.float32)
-    )
-    by_name = {slot.name: slot for slot in slots}
+    params, dtypes = placed
+    buffers = [params.buffer(torch.bfloat16, torch.float32)] if dtypes is None else None
+    by_name: dict[str, tuple[BucketSlot, int]] = {}
+    for buffer in buffers or params.buffers(dtypes or ()):
+        slots, sizes = lay_out(buffer, bucket_size=options.bucket_size)
+        by_name.update((slot.name, (slot, sizes[slot.bucket])) for slot in slots)
     divisor = math.lcm(dp, 128)
     out: dict[str, tuple[tuple[int, int], ...]] = {}
     for param in index.params:
-        slot = by_name.get(param.name)
-        if slot is None or math.prod(slot.shape) != math.prod(param.shape):
+        found = by_name.get(param.name)
+        if found is None or math.prod(found[0].shape) != math.prod(param.shape):
             raise ConversionError(
                 f"parameter {param.name!r} ({param.shape}) is not among the named model's "
                 "parameters with that size; is it the model the run trains?"
             )
-        share = -(-sizes[slot.bucket] // divisor) * divisor // dp
+        slot, bucket_numel = found
+        share = -(-bucket_numel // divisor) * divisor // dp
         pieces = []
         for rank in range(dp):
             start, end = max(slot.start, rank * share), min(slot.end, (rank + 1) * share)

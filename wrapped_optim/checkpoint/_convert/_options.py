@@ -37,6 +37,13 @@ class FormatOptions:
         param_remainders: the source keeps each FP32 master as the bf16 model weight plus
             an int16 remainder (``store_param_remainders``); a reader that can, rebuilds the
             master from both.
+        bucket_size: the DDP bucket size of the Megatron run a bucket-space checkpoint
+            (``dp_reshardable``, legacy) comes from or is written for (None: one bucket per
+            grad buffer, Megatron's layout without ``overlap_grad_reduce``).
+        model_order: the model's parameter names in ``model.parameters()`` order, where a
+            ``(model, optimizer)`` pair gave ``names`` in the optimizer's order: DDP lays
+            the buckets out in the model's order, an index-keyed format numbers by the
+            optimizer's.
     """
 
     names: tuple[str, ...] | None = attrs.field(default=None, converter=_names)
@@ -47,3 +54,5 @@ class FormatOptions:
     flavour: Literal["torch", "precision-aware"] | None = None
     dtypes: tuple[str, ...] | None = attrs.field(default=None, converter=_names)
     param_remainders: bool = False
+    bucket_size: int | None = None
+    model_order: tuple[str, ...] | None = attrs.field(default=None, converter=_names)
