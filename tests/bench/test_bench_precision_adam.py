@@ -132,9 +132,10 @@ def test_block_classes_race_the_8bit_peers_with_their_losses() -> None:
         attrs.evolve(dummy, label="ours int8 blocks", group="block-scaled 8-bit moments"),
         attrs.evolve(dummy, label="torchao AdamW8bit", group="8-bit moments"),
         attrs.evolve(dummy, label="bnb", group="8-bit moments"),
+        attrs.evolve(dummy, label="torch AdamW foreach", group=None),  # of no class
     ]
     cells = {(1, 1): {"ours fp8": 1.4, "ours int8 blocks": 0.7, "torchao AdamW8bit": 1.8,
-                      "bnb": 30.0}}  # fmt: skip
+                      "bnb": 30.0, "torch AdamW foreach": 0.1}}  # fmt: skip
     quality = {"ours fp8": 0.93, "ours int8 blocks": 0.8, "torchao AdamW8bit": 0.97, "bnb": 0.9}
     table = precision_adam._class_table(rows, cells, quality)
     block = "| block-scaled 8-bit moments | 0.70 | 0.70 | 1.80 (torchao AdamW8bit) | 0.80; 0.97 |"

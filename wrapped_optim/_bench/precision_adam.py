@@ -743,7 +743,8 @@ def _class_table(
             continue  # a class of peers only (raced by a class of PEER_CLASS)
         native = [c.label for c in ours if c.loops is None]
         avx2 = [c.label for c in ours if c.loops == "avx2"] or native
-        rivals = [c for c in rows if c.group in (group, PEER_CLASS.get(group))]
+        classes = {group, PEER_CLASS.get(group, group)}
+        rivals = [c for c in rows if c.group in classes]  # not the rows of no class
         others = [c.label for c in rivals if not c.label.startswith("ours")]
         best_peer: list[float] = []
         names: set[str] = set()
