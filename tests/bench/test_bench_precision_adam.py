@@ -143,8 +143,8 @@ def test_block_classes_race_the_8bit_peers_with_their_losses() -> None:
     assert "| 8-bit moments | 1.40 | 1.40 | 1.80 (torchao AdamW8bit) | 0.93; 0.97 |" in table
 
 
-def _timed(best: float, fused: float, ds: float | None, ao: float | None) -> Any:
-    return precision_adam._Timed(best, best, fused, ds, 1e10, 2.0, ao)
+def _timed(best: float, fused: float, ds: float | None, ao: float | None, cpu: Any = None) -> Any:
+    return precision_adam._Timed(best, best, fused, ds, 1e10, 2.0, ao, cpu)
 
 
 def test_ratios_come_from_the_rows_own_rounds_and_fp32_state_races_deepspeed() -> None:
@@ -155,7 +155,7 @@ def test_ratios_come_from_the_rows_own_rounds_and_fp32_state_races_deepspeed() -
     results = [
         (spec(precision_adam.FP32_STATE, "float32", 28, ""), _timed(12.0, 11.0, 10.0, None)),
         (spec("ours int8 block moments", "float32", 16.03, "", 0.8, torchao="torchao AdamW8bit"),
-         _timed(6.0, 10.0, 20.0, 15.0)),
+         _timed(6.0, 10.0, 20.0, 15.0, {"row": 3.0, "fused": 6.0, "deepspeed": 12.0})),
     ]  # fmt: skip
     quality = {precision_adam.FP32_STATE: 1.0, "ours int8 block moments": 0.8}
     verdicts: list[Any] = []
@@ -164,6 +164,9 @@ def test_ratios_come_from_the_rows_own_rounds_and_fp32_state_races_deepspeed() -
     assert "| ours fp32 state | float32 | 28 | 12.0 / 12.0 | 1.09 | 0.43 | 1.20 |  | 1.2 |" in table
     block = "| ours int8 block moments | float32 | 16.03 | 6.0 / 6.0 | 0.60 | 0.37 | 0.30 | 0.40 |"
     assert block in table
+    # CPU-time ratios: fused, DeepSpeed, torchao (not stepped here); none for rows without
+    assert "| 0.80 | 0.50 / 0.25 / - |" in table
+    assert "| 1.00 |  |" in table
     (fp32_row, (_, _, fp32_reason)), (block_row, (_, _, block_reason)) = verdicts
     assert fp32_row.endswith("| missed |") and block_row.endswith("| met |")
     assert fp32_reason == (

@@ -217,6 +217,9 @@ class _Timed:
     state_bytes: float
     # torchao's peer of the same bits (Config.torchao), stepped in the same rounds
     torchao_ms: float | None = None
+    # best process CPU time (all threads) of the steps in the same rounds: "row", "fused" and
+    # "deepspeed" / "torchao" where stepped; what other processes' load inflates less
+    cpu_ms: dict[str, float] | None = None
 
 
 def _time_config(
@@ -247,6 +250,7 @@ def _time_config(
         for dtype in set(dtypes)
     }  # fmt: skip
     times: list[list[float]] = [[] for _ in runs]
+    cpu: list[list[float]] = [[] for _ in runs]
     bandwidth = 0.0
     for i in range(rounds + 1):
         for k, (opt, params) in enumerate(runs):
@@ -255,21 +259,23 @@ def _time_config(
             chosen = k == 0 and config.loops is not None
             if chosen:
                 cpu_kernel.use_loops(config.loops)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             opt.step()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
             if chosen:
                 cpu_kernel.use_loops()
             if i > 0:  # the first step also allocates the state
                 times[k].append(elapsed)
+                cpu[k].append(cpu_s)
         bandwidth = max(bandwidth, triad())
     nbytes = state_bytes_per_param(runs[0][0])
     del runs, grads
     gc.collect()
     best = {name: min(times[k]) * 1e3 for name, k in slots.items()}
+    best_cpu = {name: min(cpu[k]) * 1e3 for name, k in {"row": 0, "fused": 1, **slots}.items()}
     return _Timed(
         min(times[0]) * 1e3, statistics.median(times[0]) * 1e3, min(times[1]) * 1e3,
-        best.get("deepspeed"), bandwidth, nbytes, best.get("torchao"),
+        best.get("deepspeed"), bandwidth, nbytes, best.get("torchao"), best_cpu,
     )  # fmt: skip
 
 
@@ -494,7 +500,11 @@ def render(data: dict[str, Any]) -> str:
         "in the same rounds; `x torchao same bits` is torchao's optimizer with moments of "
         "the row's bits, stepped in its rounds too (int8 blocks: `AdamW8bit`; FP8 blocks "
         "and per-tensor FP8: `AdamWFp8`; int4 blocks: `AdamW4bit`; bf16-param 8-bit rows: "
-        "`AdamW8bit` with bf16 stochastic rounding). `bytes` is what a "
+        "`AdamW8bit` with bf16 stochastic rounding). The last column gives the same three "
+        "ratios by the process's CPU time around each step (`time.process_time`, all its "
+        "threads; best of the same rounds), which other processes' load inflates less than "
+        "the wall time: time slices lost to them are not counted, spinning OpenMP workers "
+        "are. `bytes` is what a "
         "step must move per parameter (each stored operand read once, each updated one "
         "written once; per-tensor fp16/FP8 moments take two passes, the first reading only "
         "what the new amax needs; block-scaled moments take one, their scales beside each "
@@ -681,8 +691,9 @@ def _size_table(
         ),
         "",
         "| configuration | param dtype | bytes | best / median ms | x torch fused | x floor "
-        "| x DeepSpeed | x torchao same bits | cycles | state B/param | loss x FP32 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| x DeepSpeed | x torchao same bits | cycles | state B/param | loss x FP32 "
+        "| CPU time x fused / DeepSpeed / torchao |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
     for config, r in results:
         floor_ms = config.bytes_moved * numel / bandwidth * 1e3
@@ -696,13 +707,24 @@ def _size_table(
             f"{config.bytes_moved:g} | {r.best_ms:.1f} / {r.median_ms:.1f} | "
             f"{x_fused:.2f} | {r.best_ms / floor_ms:.2f} | {x_ds} | {x_ao} | "
             f"{'n/a' if cycles is None else f'{cycles:.1f}'} | {r.state_bytes:.2f} | "
-            f"{quality[config.label]:.2f} |"
+            f"{quality[config.label]:.2f} | {_cpu_ratios(r.cpu_ms)} |"
         )
         verdict = _verdict(config, numel, t, x_fused, r.best_ms / floor_ms, r.best_ms,
                            r.deepspeed_ms, cycles)  # fmt: skip
         if verdict is not None:
             verdicts.append(verdict)
     return [*lines, ""]
+
+
+def _cpu_ratios(cpu_ms: dict[str, float] | None) -> str:
+    """The row's CPU time over the fused step's, DeepSpeed's and torchao's ("-" where one
+    was not stepped; empty for rows measured before CPU time was)."""
+    if cpu_ms is None:
+        return ""
+    row = cpu_ms["row"]
+    return " / ".join(
+        f"{row / cpu_ms[k]:.2f}" if k in cpu_ms else "-" for k in ("fused", "deepspeed", "torchao")
+    )
 
 
 def _span(values: list[float]) -> str:
