@@ -539,7 +539,12 @@ def render(data: dict[str, Any]) -> str:
         *tables,
         f"Machine load (1-minute load average, {data['cpus']} CPUs) at the start and the "
         f"end: {load_before:.1f} and {load_after:.1f}: other processes shared the "
-        "cores, which the interleaved rounds and best-of-N figures spread over all rows alike.",
+        "cores, which the interleaved rounds and best-of-N figures spread over all rows alike. "
+        "When the load exceeds the cores, the CPU kernel's default thread count drops (it "
+        "leaves the cores others hold) while torch's fused step, DeepSpeed and torchao keep "
+        "theirs: in the 2-thread cells of a loaded run our kernel rows may step on one thread "
+        "against peers whose two threads wait for each other; the 1-thread cells compare "
+        "like with like.",
         "",
         "How: torch's fused AdamW needs parameter, gradient and moments in one dtype. The "
         "compiled kernel (`wrapped_optim.optimizers.kernels.cpu_kernel`, C built "
