@@ -74,17 +74,14 @@ WO_AVX512_INLINE __m512 vb_decode(const uint8_t *c, int64_t i, int64_t left, int
     }
     __m128i b = _mm_maskz_loadu_epi8(lanes, c + i);
     if (fmt == FMT_FP8) {
-        __m256i w = _mm256_cvtepu8_epi16(b);
-        __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
-        __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(mag, 7), _mm256_set1_epi16(0x2000));
-        __m256i index = _mm256_or_si256(_mm256_slli_epi16(mag, 8), _mm256_set1_epi16(0x80));
-        __m256i sub = _mm256_shuffle_epi8(
-            _mm256_load_si256((const __m256i *)wo_e4m3_sub_high), index);
-        __mmask16 small = _mm256_cmplt_epu16_mask(mag, _mm256_set1_epi16(8));
-        __m256i h = _mm256_mask_mov_epi16(normal, small, sub);
-        h = _mm256_mask_mov_epi16(h, _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F)),
-                                  _mm256_set1_epi16(0x7E00));
-        h = _mm256_or_si256(h, _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+        /* the sign-extended byte shifted left by 7 holds the magnitude bits in the fp16 bits
+         * 7..13 and the sign in bit 15: the fp16 of the value times 2^-8, subnormals included
+         * (the scale carries the 2^8); 0x7F (NaN) is 0x3F80 there, moved to 0x7E00 */
+        __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                     _mm256_set1_epi16((short)0xBF80));
+        __mmask16 nan = _mm256_cmpeq_epi16_mask(
+            _mm256_or_si256(h, _mm256_set1_epi16((short)0x8000)), _mm256_set1_epi16((short)0xBF80));
+        h = _mm256_mask_add_epi16(h, nan, h, _mm256_set1_epi16(0x3E80));
         return _mm512_mul_ps(_mm512_cvtph_ps(h), scale);
     }
     __m512i w = second ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b);
@@ -126,7 +123,7 @@ WO_AVX512_INLINE void vb_encode(uint8_t *c, int64_t i, int64_t left, int fmt, in
     }
     __m512i code;
     if (fmt == FMT_FP8) {
-        code = v_e4m3_code(x, inv);
+        code = v_e4m3_code(x, inv, 0); /* no NaN: a block holding one stores zeros */
     } else {
         code = _mm512_cvtps_epi32(_mm512_mul_ps(x, inv)); /* nearest even, as rne */
         if (!second) {
@@ -135,11 +132,10 @@ WO_AVX512_INLINE void vb_encode(uint8_t *c, int64_t i, int64_t left, int fmt, in
             return;
         }
     }
-    if (second) { /* a positive exp_avg_sq never takes code 0 */
-        __mmask16 lift = _mm512_cmpeq_epi32_mask(code, _mm512_setzero_si512()) &
-                         _mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ);
-        code = _mm512_mask_mov_epi32(code, lift, _mm512_set1_epi32(1));
-    }
+    if (second) /* a positive exp_avg_sq never takes code 0: max(code, min(bits of x, 1)) lifts
+                   it to 1 where x > 0 (as an integer, a negative x's bits are below 0) */
+        code = _mm512_max_epi32(code, _mm512_min_epi32(_mm512_castps_si512(x),
+                                                       _mm512_set1_epi32(1)));
     /* (the down-conversions to a register, then one masked store: their memory forms are
      * slow on AMD Zen 4) */
     _mm_mask_storeu_epi8(c + i, lanes,
@@ -208,8 +204,8 @@ WO_AVX512_INLINE void vb_moments(int64_t k, float *restrict p, const float *rest
                    _mm512_set1_ps(h->weight_decay),
                    _mm512_set1_ps(h->inv_bias_correction1),
                    _mm512_set1_ps(h->inv_bias_correction2),
-                   _mm512_set1_ps(m_old),
-                   _mm512_set1_ps(v_old),
+                   _mm512_set1_ps(fmt == FMT_FP8 ? m_old * 256.0f : m_old),
+                   _mm512_set1_ps(fmt == FMT_FP8 ? v_old * 256.0f : v_old),
                    _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
     if (fmt == FMT_INT4) {
@@ -368,7 +364,9 @@ WO_AVX2_INLINE void wb_moments(int64_t k, float *restrict p, const float *restri
     const __m256 inv_bc2 = _mm256_set1_ps(h->inv_bias_correction2);
     const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
     const float m_old = *ms, v_old = *vs;
-    const __m256 m_scale = _mm256_set1_ps(m_old), v_scale = _mm256_set1_ps(v_old);
+    /* FP8: the decode's fp16 is the value times 2^-8 (w_decode16) */
+    const __m256 m_scale = _mm256_set1_ps(fmt == FMT_FP8 ? m_old * 256.0f : m_old);
+    const __m256 v_scale = _mm256_set1_ps(fmt == FMT_FP8 ? v_old * 256.0f : v_old);
     float LM[16] = {0}, LV[16] = {0};
     if (fmt == FMT_INT4) int4_tables(m_old, v_old, LM, LV);
     const __m256 m_low = _mm256_loadu_ps(LM), m_high = _mm256_loadu_ps(LM + 8);
