@@ -72,11 +72,11 @@ WO_AVX2_INLINE void w_decode16(const void *base, int kind, __m256 mult, __m256 o
     }
 }
 
-/* The E4M3 code (sign in bit 7) of x * mult saturated to +-448, in 32-bit lanes. */
-WO_AVX2_INLINE __m256i w_e4m3_code(__m256 x, __m256 mult) {
+/* The E4M3 code (sign in bit 7) of x * mult saturated to +-448, in 32-bit lanes; nan: 0
+ * where no lane can be NaN (the block loops), else NaN lanes take 0x7F with their sign. */
+WO_AVX2_INLINE __m256i w_e4m3_code(__m256 x, __m256 mult, const int nan) {
     __m256 y = _mm256_mul_ps(x, mult);
     __m256i bits = _mm256_castps_si256(y);
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
     __m256 a = _mm256_min_ps(
         _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF))),
         _mm256_set1_ps(448.0f)); /* a NaN lane becomes 448 here; it is replaced below */
@@ -89,7 +89,9 @@ WO_AVX2_INLINE __m256i w_e4m3_code(__m256 x, __m256 mult) {
     __m256i code = _mm256_add_epi32(
         _mm256_sub_epi32(sum, c),
         _mm256_sub_epi32(_mm256_srli_epi32(e, 20), _mm256_set1_epi32(968)));
-    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), nan);
+    if (nan)
+        code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F),
+                                  _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
     return _mm256_or_si256(
         code, _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80)));
 }
@@ -129,7 +131,7 @@ WO_AVX2_INLINE void w_encode16(void *base, int kind, const __m256 x[2], __m256 m
     } else {
         /* codes are 0..255: the saturating packs keep them; words in lane order, then bytes */
         __m256i words = _mm256_permute4x64_epi64(
-            _mm256_packus_epi32(w_e4m3_code(x[0], mult), w_e4m3_code(x[1], mult)), 0xD8);
+            _mm256_packus_epi32(w_e4m3_code(x[0], mult, 1), w_e4m3_code(x[1], mult, 1)), 0xD8);
         _mm_storeu_si128((__m128i *)base, _mm_packus_epi16(_mm256_castsi256_si128(words),
                                                            _mm256_extracti128_si256(words, 1)));
     }

@@ -319,17 +319,14 @@ WO_AVX2_INLINE void wb_encode16(uint8_t *c, int64_t i, int fmt, int second, cons
                 _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_setzero_si256(), n)), negative));
             code[j] = _mm256_and_si256(n, _mm256_set1_epi32(0xF));
         } else if (fmt == FMT_FP8) {
-            code[j] = w_e4m3_code(x[j], inv);
+            code[j] = w_e4m3_code(x[j], inv, 0); /* no NaN: a block holding one stores zeros */
         } else {
             code[j] = _mm256_cvtps_epi32(y); /* nearest even, as rne */
             if (!second) code[j] = _mm256_max_epi32(code[j], _mm256_set1_epi32(-127));
         }
-        if (second && fmt != FMT_INT4) { /* a positive exp_avg_sq never takes code 0 */
-            __m256i lift = _mm256_and_si256(
-                _mm256_cmpeq_epi32(code[j], _mm256_setzero_si256()),
-                _mm256_castps_si256(_mm256_cmp_ps(x[j], zero, _CMP_GT_OQ)));
-            code[j] = _mm256_sub_epi32(code[j], lift);
-        }
+        if (second && fmt != FMT_INT4) /* a positive exp_avg_sq never takes code 0 (as vb_encode) */
+            code[j] = _mm256_max_epi32(code[j], _mm256_min_epi32(_mm256_castps_si256(x[j]),
+                                                                 _mm256_set1_epi32(1)));
     }
     if (fmt != FMT_INT4) {
         wb_store_bytes(c + i, code[0], code[1], fmt == FMT_INT8 && !second);
