@@ -21,7 +21,9 @@
  *   saturated magnitude to 3 mantissa bits);
  * - int4 codes are looked up in the block's two 16-value tables (the portable loop's values,
  *   computed once per block) by a lane permute; exp_avg's code counts the table midpoints
- *   below |y| by seven compares, exp_avg_sq's is ceil(16y - 1.5) by the rounding instruction.
+ *   below |y| by a three-step binary search (each step a permute of the midpoints and one
+ *   compare: the same count as seven compares), exp_avg_sq's is ceil(16y - 1.5) by the
+ *   rounding instruction.
  * No fused multiply-add (each product and sum rounded on its own, -ffp-contract=off), so every
  * result is bitwise the portable loop's and the torch step's; the tests compare them under
  * each family. AVX-512 steps 16 elements with masks for a block's tail; AVX2 steps 16 (two
@@ -45,17 +47,17 @@ static inline __attribute__((always_inline)) void wo_block_prefetch(int64_t i, c
     }
 }
 
-/* The int4 tables of a block: exp_avg's value by code, exp_avg_sq's by code (the root
- * squared), exactly as block_moments computes them. */
-static inline __attribute__((always_inline)) void int4_tables(float m_old, float v_old,
-                                                              float *LM, float *LV) {
-    for (int t = 0; t < 16; ++t) {
-        float mag = INT4_MAGS[t < 8 ? t : (t == 8 ? 7 : 16 - t)];
-        LM[t] = (t < 8 ? mag : -mag) * m_old;
-        float r = ((float)(t + 1) * 0.0625f) * v_old;
-        LV[t] = r * r;
-    }
-}
+/* The int4 tables of a block are these times its old scales (exp_avg_sq's product then
+ * squared): exactly block_moments' products, one vector multiply each. exp_avg's value by
+ * code, and exp_avg_sq's root by code. */
+static const float wo_int4_signed_mags[16] __attribute__((aligned(64))) = {
+    0.0f,        6 / 128.0f,   16 / 128.0f,  30 / 128.0f,  48 / 128.0f,  72 / 128.0f,
+    100 / 128.0f, 1.0f,        -1.0f,        -1.0f,        -100 / 128.0f, -72 / 128.0f,
+    -48 / 128.0f, -30 / 128.0f, -16 / 128.0f, -6 / 128.0f};
+static const float wo_int4_roots[16] __attribute__((aligned(64))) = {
+    1 * 0.0625f,  2 * 0.0625f,  3 * 0.0625f,  4 * 0.0625f,  5 * 0.0625f,  6 * 0.0625f,
+    7 * 0.0625f,  8 * 0.0625f,  9 * 0.0625f,  10 * 0.0625f, 11 * 0.0625f, 12 * 0.0625f,
+    13 * 0.0625f, 14 * 0.0625f, 15 * 0.0625f, 16 * 0.0625f};
 #endif
 
 #ifdef WO_AVX512
@@ -105,13 +107,21 @@ WO_AVX512_INLINE void vb_encode(uint8_t *c, int64_t i, int64_t left, int fmt, in
             t = _mm512_min_ps(_mm512_max_ps(t, zero), _mm512_set1_ps(15.0f));
             q = _mm512_cvttps_epi32(t);
         } else {
-            const __m512i one = _mm512_set1_epi32(1);
+            /* the count of midpoints below |y| by a binary search over the seven (sorted):
+             * the fourth, then the second or sixth, then the one left between (the same
+             * count as comparing with each) */
+            const float *M = INT4_MAG_MIDS;
             __m512 a = _mm512_abs_ps(y);
-            q = _mm512_setzero_si512();
-            for (int t = 0; t < 7; ++t)
-                q = _mm512_mask_add_epi32(
-                    q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(INT4_MAG_MIDS[t]), _CMP_GT_OQ), q,
-                    one);
+            q = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(a, _mm512_set1_ps(M[3]), _CMP_GT_OQ),
+                                       _mm512_set1_epi32(4));
+            __m512 mid = _mm512_permutexvar_ps(q, _mm512_setr_ps(M[1], 0, 0, 0, M[5], 0, 0, 0, 0, 0,
+                                                                 0, 0, 0, 0, 0, 0));
+            q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(a, mid, _CMP_GT_OQ), q,
+                                      _mm512_set1_epi32(2));
+            mid = _mm512_permutexvar_ps(q, _mm512_setr_ps(M[0], 0, M[2], 0, M[4], 0, M[6], 0, 0, 0,
+                                                          0, 0, 0, 0, 0, 0));
+            q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(a, mid, _CMP_GT_OQ), q,
+                                      _mm512_set1_epi32(1));
             q = _mm512_mask_sub_epi32(q, _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ),
                                       _mm512_setzero_si512(), q);
             q = _mm512_and_si512(q, _mm512_set1_epi32(0xF));
@@ -209,10 +219,9 @@ WO_AVX512_INLINE void vb_moments(int64_t k, float *restrict p, const float *rest
                    _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
     if (fmt == FMT_INT4) {
-        float LM[16], LV[16];
-        int4_tables(m_old, v_old, LM, LV);
-        c.m_lut = _mm512_loadu_ps(LM);
-        c.v_lut = _mm512_loadu_ps(LV);
+        c.m_lut = _mm512_mul_ps(_mm512_load_ps(wo_int4_signed_mags), c.m_scale);
+        __m512 r = _mm512_mul_ps(_mm512_load_ps(wo_int4_roots), c.v_scale);
+        c.v_lut = _mm512_mul_ps(r, r);
     }
     float M[WO_QBLOCK_MAX + 16], S[WO_QBLOCK_MAX + 16];
     __m512i ma = _mm512_setzero_si512(), va = _mm512_setzero_si512();
@@ -309,10 +318,18 @@ WO_AVX2_INLINE void wb_encode16(uint8_t *c, int64_t i, int fmt, int second, cons
             code[j] = _mm256_cvttps_epi32(t);
         } else if (fmt == FMT_INT4) {
             __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y);
-            __m256i n = _mm256_setzero_si256();
-            for (int t = 0; t < 7; ++t) /* a true compare is -1 */
-                n = _mm256_sub_epi32(n, _mm256_castps_si256(_mm256_cmp_ps(
-                                            a, _mm256_set1_ps(INT4_MAG_MIDS[t]), _CMP_GT_OQ)));
+            /* the count of midpoints below |y| by vb_encode's binary search (a true compare
+             * is -1) */
+            const float *M = INT4_MAG_MIDS;
+            __m256i n = _mm256_and_si256(
+                _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(M[3]), _CMP_GT_OQ)),
+                _mm256_set1_epi32(4));
+            __m256 mid = _mm256_permutevar8x32_ps(_mm256_setr_ps(M[1], 0, 0, 0, M[5], 0, 0, 0), n);
+            n = _mm256_add_epi32(n, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(
+                                                         a, mid, _CMP_GT_OQ)),
+                                                     _mm256_set1_epi32(2)));
+            mid = _mm256_permutevar8x32_ps(_mm256_setr_ps(M[0], 0, M[2], 0, M[4], 0, M[6], 0), n);
+            n = _mm256_sub_epi32(n, _mm256_castps_si256(_mm256_cmp_ps(a, mid, _CMP_GT_OQ)));
             __m256 negative = _mm256_cmp_ps(y, zero, _CMP_LT_OQ);
             n = _mm256_castps_si256(_mm256_blendv_ps(
                 _mm256_castsi256_ps(n),
@@ -364,10 +381,12 @@ WO_AVX2_INLINE void wb_moments(int64_t k, float *restrict p, const float *restri
     /* FP8: the decode's fp16 is the value times 2^-8 (w_decode16) */
     const __m256 m_scale = _mm256_set1_ps(fmt == FMT_FP8 ? m_old * 256.0f : m_old);
     const __m256 v_scale = _mm256_set1_ps(fmt == FMT_FP8 ? v_old * 256.0f : v_old);
-    float LM[16] = {0}, LV[16] = {0};
-    if (fmt == FMT_INT4) int4_tables(m_old, v_old, LM, LV);
-    const __m256 m_low = _mm256_loadu_ps(LM), m_high = _mm256_loadu_ps(LM + 8);
-    const __m256 v_low = _mm256_loadu_ps(LV), v_high = _mm256_loadu_ps(LV + 8);
+    /* int4: the block's tables (wo_int4_signed_mags) */
+    const __m256 m_low = _mm256_mul_ps(_mm256_load_ps(wo_int4_signed_mags), m_scale);
+    const __m256 m_high = _mm256_mul_ps(_mm256_load_ps(wo_int4_signed_mags + 8), m_scale);
+    const __m256 r_low = _mm256_mul_ps(_mm256_load_ps(wo_int4_roots), v_scale);
+    const __m256 r_high = _mm256_mul_ps(_mm256_load_ps(wo_int4_roots + 8), v_scale);
+    const __m256 v_low = _mm256_mul_ps(r_low, r_low), v_high = _mm256_mul_ps(r_high, r_high);
     float M[WO_QBLOCK_MAX], S[WO_QBLOCK_MAX];
     __m256i ma = _mm256_setzero_si256(), va = _mm256_setzero_si256();
     for (int64_t i = 0; i < k; i += 16) {
