@@ -16,9 +16,10 @@
  *   rounds with the FP32 -> int32 conversion under the caller's rounding (nearest even, as
  *   rne's magic-number add: |y| < 2^9 here) and packs with the saturating down-conversions
  *   (exp_avg: then clamped to -127 from below; exp_avg_sq: 0..255);
- * - FP8 E4M3 codes are decoded into the fp16 bits of their magnitude (all normal in fp16)
- *   and converted by F16C, and encoded as in the fp16/FP8 loops (the FP32 adder rounds the
- *   saturated magnitude to 3 mantissa bits);
+ * - FP8 E4M3 codes are decoded by one shift into the fp16 of their value times 2^-8 (as
+ *   w_decode16; the scale carries the 2^8) and converted by F16C, and encoded as in the
+ *   fp16/FP8 loops (the FP32 adder rounds the saturated magnitude to 3 mantissa bits), less
+ *   the NaN select (a block holding a NaN stores zeros);
  * - int4 codes are looked up in the block's two 16-value tables (the portable loop's values,
  *   computed once per block) by a lane permute; exp_avg's code counts the table midpoints
  *   below |y| by a three-step binary search (each step a permute of the midpoints and one
