@@ -79,12 +79,9 @@ WO_AVX512_INLINE __m512 vb_decode(const uint8_t *c, int64_t i, int64_t left, int
     if (fmt == FMT_FP8) {
         /* the sign-extended byte shifted left by 7 holds the magnitude bits in the fp16 bits
          * 7..13 and the sign in bit 15: the fp16 of the value times 2^-8, subnormals included
-         * (the scale carries the 2^8); 0x7F (NaN) is 0x3F80 there, moved to 0x7E00 */
+         * (the scale carries the 2^8); no NaN code (0x7F, 0xFF) reaches here (vb_moments) */
         __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
                                      _mm256_set1_epi16((short)0xBF80));
-        __mmask16 nan = _mm256_cmpeq_epi16_mask(
-            _mm256_or_si256(h, _mm256_set1_epi16((short)0x8000)), _mm256_set1_epi16((short)0xBF80));
-        h = _mm256_mask_add_epi16(h, nan, h, _mm256_set1_epi16(0x3E80));
         return _mm512_mul_ps(_mm512_cvtph_ps(h), scale);
     }
     __m512i w = second ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b);
@@ -206,6 +203,20 @@ WO_AVX512_INLINE void vb_moments(int64_t k, float *restrict p, const float *rest
                                  float *restrict vs, const wo_hyper *h, const int adam_w_mode,
                                  const int fmt) {
     const float m_old = *ms, v_old = *vs;
+    if (fmt == FMT_FP8) { /* a block holding a NaN code (0x7F, 0xFF: only from a checkpoint)
+                             runs the portable loop: the decode below leaves them out */
+        const __m512i top = _mm512_set1_epi8((char)0x80);
+        __m512i high = top;
+        for (int64_t i = 0; i < k; i += 64) {
+            const __mmask64 b = v_bytes(k - i);
+            high = _mm512_max_epu8(high, _mm512_or_si512(_mm512_maskz_loadu_epi8(b, mc + i), top));
+            high = _mm512_max_epu8(high, _mm512_or_si512(_mm512_maskz_loadu_epi8(b, vc + i), top));
+        }
+        if (_mm512_cmpeq_epi8_mask(high, _mm512_set1_epi8((char)0xFF))) {
+            block_moments(k, p, g, mc, vc, ms, vs, h, adam_w_mode, fmt);
+            return;
+        }
+    }
     vb_consts c = {_mm512_set1_ps(h->lr),
                    _mm512_set1_ps(h->beta1),
                    _mm512_set1_ps(h->one_minus_beta1),
