@@ -280,8 +280,12 @@ WO_AVX512_FN __attribute__((noinline)) static void vb_block_moments(
 /* 16 old moment values from element i, two groups of 8. */
 WO_AVX2_INLINE void wb_decode16(const uint8_t *c, int64_t i, int fmt, int second, __m256 scale,
                                 __m256 lut_low, __m256 lut_high, __m256 out[2]) {
-    if (fmt == FMT_FP8) {
-        w_decode16(c + i, KIND_FP8, scale, out);
+    if (fmt == FMT_FP8) { /* w_decode16's shift, no NaN code here (wb_moments) */
+        __m256i h = _mm256_and_si256(
+            _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + i))), 7),
+            _mm256_set1_epi16((short)0xBF80));
+        out[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), scale);
+        out[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), scale);
         return;
     }
     if (fmt == FMT_INT4) {
@@ -390,6 +394,18 @@ WO_AVX2_INLINE void wb_moments(int64_t k, float *restrict p, const float *restri
     const __m256 inv_bc2 = _mm256_set1_ps(h->inv_bias_correction2);
     const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
     const float m_old = *ms, v_old = *vs;
+    if (fmt == FMT_FP8) { /* a block holding a NaN code runs the portable loop (as vb_moments) */
+        const __m128i top = _mm_set1_epi8((char)0x80);
+        __m128i high = top;
+        for (int64_t i = 0; i < k; i += 16) {
+            high = _mm_max_epu8(high, _mm_or_si128(_mm_loadu_si128((const __m128i *)(mc + i)), top));
+            high = _mm_max_epu8(high, _mm_or_si128(_mm_loadu_si128((const __m128i *)(vc + i)), top));
+        }
+        if (_mm_movemask_epi8(_mm_cmpeq_epi8(high, _mm_set1_epi8((char)0xFF)))) {
+            block_moments(k, p, g, mc, vc, ms, vs, h, adam_w_mode, fmt);
+            return;
+        }
+    }
     /* FP8: the decode's fp16 is the value times 2^-8 (w_decode16) */
     const __m256 m_scale = _mm256_set1_ps(fmt == FMT_FP8 ? m_old * 256.0f : m_old);
     const __m256 v_scale = _mm256_set1_ps(fmt == FMT_FP8 ? v_old * 256.0f : v_old);
