@@ -16,9 +16,10 @@
  *   rounds with the FP32 -> int32 conversion under the caller's rounding (nearest even, as
  *   rne's magic-number add: |y| < 2^9 here) and packs with the saturating down-conversions
  *   (exp_avg: then clamped to -127 from below; exp_avg_sq: 0..255);
- * - FP8 E4M3 codes are decoded into the fp16 bits of their magnitude (all normal in fp16)
- *   and converted by F16C, and encoded as in the fp16/FP8 loops (the FP32 adder rounds the
- *   saturated magnitude to 3 mantissa bits);
+ * - FP8 E4M3 codes are decoded by one shift into the fp16 of their value times 2^-8 (as
+ *   w_decode16; the scale carries the 2^8) and converted by F16C, and encoded as in the
+ *   fp16/FP8 loops (the FP32 adder rounds the saturated magnitude to 3 mantissa bits), less
+ *   the NaN select (a block holding a NaN stores zeros);
  * - int4 codes are looked up in the block's two 16-value tables (the portable loop's values,
  *   computed once per block) by a lane permute; exp_avg's code counts the table midpoints
  *   below |y| by a three-step binary search (each step a permute of the midpoints and one
@@ -78,12 +79,9 @@ WO_AVX512_INLINE __m512 vb_decode(const uint8_t *c, int64_t i, int64_t left, int
     if (fmt == FMT_FP8) {
         /* the sign-extended byte shifted left by 7 holds the magnitude bits in the fp16 bits
          * 7..13 and the sign in bit 15: the fp16 of the value times 2^-8, subnormals included
-         * (the scale carries the 2^8); 0x7F (NaN) is 0x3F80 there, moved to 0x7E00 */
+         * (the scale carries the 2^8); no NaN code (0x7F, 0xFF) reaches here (vb_moments) */
         __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
                                      _mm256_set1_epi16((short)0xBF80));
-        __mmask16 nan = _mm256_cmpeq_epi16_mask(
-            _mm256_or_si256(h, _mm256_set1_epi16((short)0x8000)), _mm256_set1_epi16((short)0xBF80));
-        h = _mm256_mask_add_epi16(h, nan, h, _mm256_set1_epi16(0x3E80));
         return _mm512_mul_ps(_mm512_cvtph_ps(h), scale);
     }
     __m512i w = second ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b);
@@ -205,6 +203,20 @@ WO_AVX512_INLINE void vb_moments(int64_t k, float *restrict p, const float *rest
                                  float *restrict vs, const wo_hyper *h, const int adam_w_mode,
                                  const int fmt) {
     const float m_old = *ms, v_old = *vs;
+    if (fmt == FMT_FP8) { /* a block holding a NaN code (0x7F, 0xFF: only from a checkpoint)
+                             runs the portable loop: the decode below leaves them out */
+        const __m512i top = _mm512_set1_epi8((char)0x80);
+        __m512i high = top;
+        for (int64_t i = 0; i < k; i += 64) {
+            const __mmask64 b = v_bytes(k - i);
+            high = _mm512_max_epu8(high, _mm512_or_si512(_mm512_maskz_loadu_epi8(b, mc + i), top));
+            high = _mm512_max_epu8(high, _mm512_or_si512(_mm512_maskz_loadu_epi8(b, vc + i), top));
+        }
+        if (_mm512_cmpeq_epi8_mask(high, _mm512_set1_epi8((char)0xFF))) {
+            block_moments(k, p, g, mc, vc, ms, vs, h, adam_w_mode, fmt);
+            return;
+        }
+    }
     vb_consts c = {_mm512_set1_ps(h->lr),
                    _mm512_set1_ps(h->beta1),
                    _mm512_set1_ps(h->one_minus_beta1),
@@ -268,8 +280,12 @@ WO_AVX512_FN __attribute__((noinline)) static void vb_block_moments(
 /* 16 old moment values from element i, two groups of 8. */
 WO_AVX2_INLINE void wb_decode16(const uint8_t *c, int64_t i, int fmt, int second, __m256 scale,
                                 __m256 lut_low, __m256 lut_high, __m256 out[2]) {
-    if (fmt == FMT_FP8) {
-        w_decode16(c + i, KIND_FP8, scale, out);
+    if (fmt == FMT_FP8) { /* w_decode16's shift, no NaN code here (wb_moments) */
+        __m256i h = _mm256_and_si256(
+            _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + i))), 7),
+            _mm256_set1_epi16((short)0xBF80));
+        out[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), scale);
+        out[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), scale);
         return;
     }
     if (fmt == FMT_INT4) {
@@ -378,6 +394,18 @@ WO_AVX2_INLINE void wb_moments(int64_t k, float *restrict p, const float *restri
     const __m256 inv_bc2 = _mm256_set1_ps(h->inv_bias_correction2);
     const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
     const float m_old = *ms, v_old = *vs;
+    if (fmt == FMT_FP8) { /* a block holding a NaN code runs the portable loop (as vb_moments) */
+        const __m128i top = _mm_set1_epi8((char)0x80);
+        __m128i high = top;
+        for (int64_t i = 0; i < k; i += 16) {
+            high = _mm_max_epu8(high, _mm_or_si128(_mm_loadu_si128((const __m128i *)(mc + i)), top));
+            high = _mm_max_epu8(high, _mm_or_si128(_mm_loadu_si128((const __m128i *)(vc + i)), top));
+        }
+        if (_mm_movemask_epi8(_mm_cmpeq_epi8(high, _mm_set1_epi8((char)0xFF)))) {
+            block_moments(k, p, g, mc, vc, ms, vs, h, adam_w_mode, fmt);
+            return;
+        }
+    }
     /* FP8: the decode's fp16 is the value times 2^-8 (w_decode16) */
     const __m256 m_scale = _mm256_set1_ps(fmt == FMT_FP8 ? m_old * 256.0f : m_old);
     const __m256 v_scale = _mm256_set1_ps(fmt == FMT_FP8 ? v_old * 256.0f : v_old);
