@@ -185,9 +185,20 @@ def _stored_bytes(value: torch.Tensor) -> int:
     return sum(_stored_bytes(getattr(value, name)) for name in names)
 
 
+#: The tensors' size is a multiple of this: torchao quantizes a state only when its tensor
+#: splits into whole blocks (256 values; 128 for 4 bits), else it keeps FP32 moments.
+_WHOLE_BLOCKS = 4096
+
+
+def _part(numel: int) -> int:
+    """The size of each of the four tensors of a ``numel``-parameter model: ``numel / 4``
+    rounded down to whole blocks of every peer (at least one block)."""
+    return max(_WHOLE_BLOCKS, numel // 4 // _WHOLE_BLOCKS * _WHOLE_BLOCKS)
+
+
 def _model(dtype: torch.dtype, numel: int) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)
-    part = numel // 4
+    part = _part(numel)
     return [torch.nn.Parameter(torch.randn(part, generator=gen).to(dtype)) for _ in range(4)]
 
 
@@ -245,7 +256,7 @@ def _time_config(
         params = _model(dtype, numel)
         runs.append((make(params), params))
     grads = {
-        dtype: [torch.randn(numel // 4, generator=torch.Generator().manual_seed(i)).to(dtype)
+        dtype: [torch.randn(_part(numel), generator=torch.Generator().manual_seed(i)).to(dtype)
                 for i in range(2)]
         for dtype in set(dtypes)
     }  # fmt: skip
@@ -489,7 +500,9 @@ def render(data: dict[str, Any]) -> str:
         "",
         f"torch {data['torch']}, {data['processor']}"
         f"{f' at {hz / 1e9:.2f} GHz' if hz else ''}, {' and '.join(map(str, thread_counts))} "
-        "thread(s). Model: four equal parameter tensors, fresh gradients each step. Every "
+        "thread(s). Model: four equal parameter tensors (n / 4 rounded down to a multiple of "
+        "4096 elements, so that torchao quantizes their state: it keeps FP32 moments for a "
+        "tensor that does not split into its whole blocks), fresh gradients each step. Every "
         "configuration is stepped in rounds (8 at 1M and 10M parameters, 4 at 50M, after a "
         "warm-up round that also allocates the state), each round also stepping torch's "
         "`AdamW(fused=True)` on parameters of the same dtype, DeepSpeedCPUAdam on FP32 "
@@ -892,7 +905,7 @@ def side_by_side(
                 params = _model(config.dtype, numel)
                 runs.append((config, config.factory(params), params))
             grads = {
-                d: [torch.randn(numel // 4, generator=torch.Generator().manual_seed(i)).to(d)
+                d: [torch.randn(_part(numel), generator=torch.Generator().manual_seed(i)).to(d)
                     for i in range(2)]
                 for d in {c.dtype for c, _, _ in runs}
             }  # fmt: skip
