@@ -93,7 +93,7 @@ def test_rows_of_a_loop_family_this_cpu_lacks_are_skipped(monkeypatch: pytest.Mo
     rows, skipped = precision_adam._rows()
     assert all(c.loops in (None, "portable") for c in rows)
     avx2 = [c.label for c in precision_adam.CONFIGS if c.loops == "avx2"]
-    assert len(avx2) == 3
+    assert len(avx2) == 6  # per-tensor FP8 (FP32 and bf16 params), fp16 m + FP8 v, 3 blocks
     assert skipped == [f"{label} skipped: this CPU runs portable" for label in avx2] + [
         "a peer skipped: reason"
     ]
@@ -120,3 +120,68 @@ def test_class_table_takes_the_best_of_each_side_per_cell() -> None:
     table = precision_adam._class_table(rows, cells)
     assert "| G | 0.90-1.20 | 1.40-1.60 | 3.00-4.00 (peer x, peer y) |" in table
     assert "| H | 2.00 | 2.00 | - |" in table
+
+
+def test_block_classes_race_the_8bit_peers_with_their_losses() -> None:
+    """The block-scaled 8-bit class has no peers of its own: it races the 8-bit class's
+    (torchao's and bitsandbytes' moments are block-scaled too), and the loss column names
+    ours and the peers that were fastest."""
+    dummy = precision_adam.CONFIGS[0]
+    rows = [
+        attrs.evolve(dummy, label="ours fp8", group="8-bit moments"),
+        attrs.evolve(dummy, label="ours int8 blocks", group="block-scaled 8-bit moments"),
+        attrs.evolve(dummy, label="torchao AdamW8bit", group="8-bit moments"),
+        attrs.evolve(dummy, label="bnb", group="8-bit moments"),
+        attrs.evolve(dummy, label="torch AdamW foreach", group=None),  # of no class
+    ]
+    cells = {(1, 1): {"ours fp8": 1.4, "ours int8 blocks": 0.7, "torchao AdamW8bit": 1.8,
+                      "bnb": 30.0, "torch AdamW foreach": 0.1}}  # fmt: skip
+    quality = {"ours fp8": 0.93, "ours int8 blocks": 0.8, "torchao AdamW8bit": 0.97, "bnb": 0.9}
+    table = precision_adam._class_table(rows, cells, quality)
+    block = "| block-scaled 8-bit moments | 0.70 | 0.70 | 1.80 (torchao AdamW8bit) | 0.80; 0.97 |"
+    assert block in table
+    assert "| 8-bit moments | 1.40 | 1.40 | 1.80 (torchao AdamW8bit) | 0.93; 0.97 |" in table
+
+
+def _timed(best: float, fused: float, ds: float | None, ao: float | None, cpu: Any = None) -> Any:
+    return precision_adam._Timed(best, best, fused, ds, 1e10, 2.0, ao, cpu)
+
+
+def test_ratios_come_from_the_rows_own_rounds_and_fp32_state_races_deepspeed() -> None:
+    """x DeepSpeed and x torchao divide by the peer's time in the row's own rounds (not the
+    best over the table), and ours with FP32 state misses its target when slower than
+    DeepSpeed, with bytes and cycles in the reason."""
+    spec = precision_adam._Spec
+    results = [
+        (spec(precision_adam.FP32_STATE, "float32", 28, ""), _timed(12.0, 11.0, 10.0, None)),
+        (spec("ours int8 block moments", "float32", 16.03, "", 0.8, torchao="torchao AdamW8bit"),
+         _timed(6.0, 10.0, 20.0, 15.0, {"row": 3.0, "fused": 6.0, "deepspeed": 12.0})),
+    ]  # fmt: skip
+    quality = {precision_adam.FP32_STATE: 1.0, "ours int8 block moments": 0.8}
+    verdicts: list[Any] = []
+    lines = precision_adam._size_table(10**7, 1, results, 1e9, quality, verdicts)
+    table = "\n".join(lines)
+    assert "| ours fp32 state | float32 | 28 | 12.0 / 12.0 | 1.09 | 0.43 | 1.20 |  | 1.2 |" in table
+    block = "| ours int8 block moments | float32 | 16.03 | 6.0 / 6.0 | 0.60 | 0.37 | 0.30 | 0.40 |"
+    assert block in table
+    # CPU-time ratios: fused, DeepSpeed, torchao (not stepped here); none for rows without
+    assert "| 0.80 | 0.50 / 0.25 / - |" in table
+    assert "| 1.00 |  |" in table
+    (fp32_row, (_, _, fp32_reason)), (block_row, (_, _, block_reason)) = verdicts
+    assert fp32_row.endswith("| missed |") and block_row.endswith("| met |")
+    assert fp32_reason == (
+        "1.20x DeepSpeed's time in the same rounds, moving 28 bytes/param against its 28, at "
+        "1.2 cycles/param (0.43x its floor)"
+    )
+    assert block_reason == ""
+
+
+def test_the_tensors_split_into_whole_blocks_of_every_peer() -> None:
+    """torchao keeps FP32 moments for a tensor that does not split into its whole blocks
+    (256 values, 128 for 4 bits): the bench's tensors are sized so its 8- and 4-bit states
+    are what is timed, within 0.2% of the parameter count asked for."""
+    for numel in (1_000_000, 10_000_000, 50_000_000):
+        part = precision_adam._part(numel)
+        assert part % 256 == 0 and part % 128 == 0 and part % 2048 == 0
+        assert 0.998 * numel <= 4 * part <= numel
+    assert [p.numel() for p in precision_adam._model(torch.float32, 10_000_000)] == [2_498_560] * 4

@@ -27,7 +27,7 @@ import torch
 
 from wrapped_optim._bench._figures import Panel, bar_panels
 from wrapped_optim.hybrid import HybridSyncOptimizer
-from wrapped_optim.optimizers import HybridOffloadOptimizer
+from wrapped_optim.optimizers import HybridOffloadOptimizer, PrecisionAwareAdamW
 
 _TENSORS = 10
 
@@ -115,7 +115,25 @@ def _phases_once(opt: HybridOffloadOptimizer) -> tuple[dict[str, float], int]:
 
 
 #: The variants of :func:`breakdown`: key -> (offload_fraction, fused_host_step).
-VARIANTS = {"1.0": (1.0, None), "1.0 unfused": (1.0, False), "0.5": (0.5, None)}
+VARIANTS = {
+    "1.0": (1.0, None),
+    "1.0 unfused": (1.0, False),
+    "0.5": (0.5, None),
+    "1.0 int8 blocks": (1.0, None),
+    "1.0 FP8 blocks": (1.0, None),
+    "1.0 int4 blocks": (1.0, None),
+}
+#: The variants whose host optimizer is PrecisionAwareAdamW with block-scaled moments (its
+#: ``block_moments``; one FP32 scale per 256 values, 128 for int4), the others torch's AdamW.
+BLOCK_VARIANTS = {"1.0 int8 blocks": "int8", "1.0 FP8 blocks": "fp8", "1.0 int4 blocks": "int4"}
+
+
+def _host_options(key: str) -> dict[str, Any]:
+    """The host optimizer of variant ``key``: torch's AdamW (the default), or
+    PrecisionAwareAdamW with the variant's block-scaled moments."""
+    if key not in BLOCK_VARIANTS:
+        return {}
+    return {"cpu_optimizer_cls": PrecisionAwareAdamW, "block_moments": BLOCK_VARIANTS[key]}
 
 
 def breakdown(
@@ -123,15 +141,19 @@ def breakdown(
 ) -> dict[str, dict[str, float]]:
     """Best-of-``rounds`` seconds per phase and for a whole ``step`` of HybridOffloadOptimizer
     in each of :data:`VARIANTS` (default options: the fused host step where it applies; and
-    ``fused_host_step=False``, the unfused path), with ``"fused"``: how many params the fused
-    host step updated; plus ``"bare"``: torch ``AdamW(fused=True)`` over FP32 params of the
-    same numel. Rounds interleave every variant, so load from other processes hits all
-    alike; the minimum is the least disturbed sample.
+    ``fused_host_step=False``, the unfused path; :data:`BLOCK_VARIANTS` step
+    PrecisionAwareAdamW with block-scaled moments on the host), with ``"fused"``: how many
+    params the fused host step updated; plus ``"bare"``: torch ``AdamW(fused=True)`` over
+    FP32 params of the same numel. Rounds interleave every variant, so load from other
+    processes hits all alike; the minimum is the least disturbed sample.
 
     Example:
         >>> result = breakdown(10_000, rounds=1)
-        >>> sorted(result)
-        ['0.5', '1.0', '1.0 unfused', 'bare']
+        >>> list(result)  # doctest: +NORMALIZE_WHITESPACE
+        ['bare', '1.0', '1.0 unfused', '0.5', '1.0 int8 blocks', '1.0 FP8 blocks',
+         '1.0 int4 blocks']
+        >>> result["1.0 int4 blocks"]["fused"]
+        10.0
         >>> sorted(result["1.0"])
         ['copy_in', 'copy_out', 'device', 'fused', 'host', 'step']
         >>> result["1.0 unfused"]["fused"]
@@ -152,7 +174,11 @@ def breakdown(
     bare = torch.optim.AdamW(bare_params, lr=1e-6, fused=True)
     hybrids = {
         key: HybridOffloadOptimizer(
-            make(dtype), offload_fraction=fraction, fused_host_step=fused, lr=1e-6
+            make(dtype),
+            offload_fraction=fraction,
+            fused_host_step=fused,
+            lr=1e-6,
+            **_host_options(key),
         )
         for key, (fraction, fused) in VARIANTS.items()
     }
@@ -189,7 +215,13 @@ def _breakdown_lines(data: dict[str, Any]) -> list[str]:
         "(`fused_host_step=False`) are the separate passes it replaces. Times are the "
         f"best of {rounds} interleaved rounds, in milliseconds; the phases are timed one by "
         "one (the same calls `step` makes), the step column is a whole `step()`. On a CPU the "
-        "'device' is the host too, so the device step runs on the same cores.",
+        "'device' is the host too, so the device step runs on the same cores. The '1.0 int8 "
+        "blocks', '1.0 FP8 blocks' and '1.0 int4 blocks' rows step `PrecisionAwareAdamW` "
+        "with block-scaled moments on the host (`cpu_optimizer_cls=PrecisionAwareAdamW, "
+        "block_moments=...`; one FP32 scale per 256 values, 128 for int4): the fused host "
+        "step reads the bf16 or FP32 grad, updates the FP32 host copy and the 8- or 4-bit "
+        "moments block by block and writes the param, so the host keeps 6.03 (8-bit) or "
+        "5.06 (4-bit) bytes per offloaded parameter instead of 12 with FP32 moments.",
         "",
         "| params | param dtype | offload | copy-in | host step | copy-out | device step "
         "| step | bare | step / bare |",
@@ -199,7 +231,7 @@ def _breakdown_lines(data: dict[str, Any]) -> list[str]:
     for case in data["breakdown"]:
         total, name, result = case["params"], case["dtype"], case["result"]
         bare = result["bare"]["step"]
-        for key in VARIANTS:
+        for key in _measured_variants(result):
             m = result[key]
             ratio = m["step"] / bare
             cells = [f"{m[p] * 1e3:.1f}" for p in _PHASES]
@@ -459,6 +491,12 @@ def run(quick: bool = False, *, sizes: list[int] | None = None) -> str:
     return render(collect(quick, sizes=sizes))
 
 
+def _measured_variants(result: dict[str, Any]) -> list[str]:
+    """The variants ``result`` has, in :data:`VARIANTS` order (rows of an earlier run may
+    lack the newer ones)."""
+    return [key for key in VARIANTS if key in result]
+
+
 _PHASE_LABELS = {"copy_in": "copy-in", "host": "host step", "copy_out": "copy-out",
                  "device": "device step"}  # fmt: skip
 
@@ -479,12 +517,13 @@ def plots(data: dict[str, Any], out_dir: Path | str) -> list[Path]:
     panels = []
     for case in data["breakdown"]:
         result = case["result"]
-        labels = [*(f"offload {key}" for key in VARIANTS), "bare AdamW(fused=True)"]
+        keys = _measured_variants(result)
+        labels = [*(f"offload {key}" for key in keys), "bare AdamW(fused=True)"]
         series = {
-            _PHASE_LABELS[phase]: [*(result[key][phase] * 1e3 for key in VARIANTS), None]
+            _PHASE_LABELS[phase]: [*(result[key][phase] * 1e3 for key in keys), None]
             for phase in _PHASES
         }
-        series["whole step()"] = [None] * len(VARIANTS) + [result["bare"]["step"] * 1e3]
+        series["whole step()"] = [None] * len(keys) + [result["bare"]["step"] * 1e3]
         panels.append(
             Panel(
                 f"{case['params'] / 1e6:g}M {case['dtype']} params: one step by phase",

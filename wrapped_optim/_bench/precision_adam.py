@@ -68,6 +68,8 @@ class Config:
     # CPU has): the AVX2 rows measure the AVX2 loops on an AVX-512 machine too.
     loops: str | None = None
     group: str | None = None
+    # The torchao peer with moments of the same bits, stepped in this row's rounds too.
+    torchao: str | None = None
 
 
 _FP32_TRAFFIC = "p 4+4, g 4, m 4+4, v 4+4"
@@ -77,10 +79,21 @@ _FP8_BF16 = "bf16 params + remainders + FP8 moments"
 _REMAINDERS = "bf16 params + remainders / FP32 master"
 _BLOCK8 = "block-scaled 8-bit moments"
 _BLOCK4 = "block-scaled 4-bit moments"
+_BLOCK8_BF16 = "bf16 params + remainders + block-scaled 8-bit moments"
+#: A class of ours whose peers are listed under another class: the 8-bit peers keep their
+#: moments block-scaled too (torchao, bitsandbytes), so they race both kinds of ours.
+PEER_CLASS = {_BLOCK8: _FP8_FP32, _BLOCK8_BF16: _FP8_BF16}
+#: The label of ours with FP32 state: at or below DeepSpeedCPUAdam's time is its target.
+FP32_STATE = "ours fp32 state"
+# torchao's peers of the same bits (labels of _adam_peers), for the `x torchao` column.
+_AO8, _AOFP8, _AO4 = "torchao AdamW8bit", "torchao AdamWFp8 (FP8 moments)", "torchao AdamW4bit"
+_AO8_BF16 = "torchao AdamW8bit + bf16 stochastic rounding, bf16 params"
+_INT8_TRAFFIC = "one pass: p 4+4, g 4, m 1+1, v 1+1, scales 4/256 each"
+_INT4_TRAFFIC = "one pass: p 4+4, g 4, m 0.5+0.5, v 0.5+0.5, scales 4/128 each"
 CONFIGS: list[Config] = [
     Config("torch AdamW foreach", FP32, lambda ps: torch.optim.AdamW(ps, foreach=True), 28,
            _FP32_TRAFFIC),
-    Config("ours fp32 state", FP32, _ours(), 28, _FP32_TRAFFIC, group="FP32 state"),
+    Config(FP32_STATE, FP32, _ours(), 28, _FP32_TRAFFIC, group="FP32 state"),
     Config(TARGET_CONFIG, FP32, _ours(**_BF16_MOMENTS), 20, "p 4+4, g 4, m 2+2, v 2+2", 0.85,
            group="bf16 moments, FP32 params"),
     Config("ours bf16 moments, no CPU kernel (cpu_kernel=False)", FP32,
@@ -92,22 +105,30 @@ CONFIGS: list[Config] = [
            _ours(exp_avg_dtype=FP16, exp_avg_sq_dtype=FP8), 25, "as above", 1.5, loops="avx2",
            group="fp16 m + FP8 v"),
     Config("ours FP8 moments", FP32, _ours(**_SCALED_PARAMS), 22,
-           "pass 1: g 4, m 1, v 1; pass 2: p 4+4, g 4, m 1+1, v 1+1", 1.3, group=_FP8_FP32),
+           "pass 1: g 4, m 1, v 1; pass 2: p 4+4, g 4, m 1+1, v 1+1", 1.3, group=_FP8_FP32,
+           torchao=_AOFP8),
     Config("ours FP8 moments, AVX2 loops", FP32, _ours(**_SCALED_PARAMS), 22, "as above", 1.5,
-           loops="avx2", group=_FP8_FP32),
+           loops="avx2", group=_FP8_FP32, torchao=_AOFP8),
     Config("ours FP8 moments, portable loops", FP32, _ours(**_SCALED_PARAMS), 22, "as above",
            loops="portable"),
     Config("ours FP8 moments, no CPU kernel (cpu_kernel=False)", FP32,
            _ours(**_SCALED_PARAMS, **_NO_KERNEL), 22, "as above"),
-    Config("ours int8 block moments", FP32, _ours(block_moments="int8"), 16.03,
-           "one pass: p 4+4, g 4, m 1+1, v 1+1, scales 4/256 each", 0.8, group=_BLOCK8),
-    Config("ours FP8 block moments", FP32, _ours(block_moments="fp8"), 16.03,
-           "as above", 0.8, group=_BLOCK8),
-    Config("ours int4 block moments", FP32, _ours(block_moments="int4"), 14.06,
-           "one pass: p 4+4, g 4, m 0.5+0.5, v 0.5+0.5, scales 4/128 each", 0.7, group=_BLOCK4),
+    Config("ours int8 block moments", FP32, _ours(block_moments="int8"), 16.03, _INT8_TRAFFIC,
+           0.8, group=_BLOCK8, torchao=_AO8),
+    Config("ours int8 block moments, AVX2 loops", FP32, _ours(block_moments="int8"), 16.03,
+           "as above", loops="avx2", group=_BLOCK8, torchao=_AO8),
+    Config("ours FP8 block moments", FP32, _ours(block_moments="fp8"), 16.03, _INT8_TRAFFIC,
+           0.8, group=_BLOCK8, torchao=_AOFP8),
+    Config("ours FP8 block moments, AVX2 loops", FP32, _ours(block_moments="fp8"), 16.03,
+           "as above", loops="avx2", group=_BLOCK8, torchao=_AOFP8),
+    Config("ours int4 block moments", FP32, _ours(block_moments="int4"), 14.06, _INT4_TRAFFIC,
+           0.7, group=_BLOCK4, torchao=_AO4),
+    Config("ours int4 block moments, AVX2 loops", FP32, _ours(block_moments="int4"), 14.06,
+           "as above", loops="avx2", group=_BLOCK4, torchao=_AO4),
     Config("ours bf16 params + remainders + int8 block moments", BF16,
            _ours(**_MASTER, store_param_remainders=True, block_moments="int8"), 14.03,
-           "one pass: p 2+2, rem 2+2, g 2, m 1+1, v 1+1, scales", 0.8, group=_BLOCK8),
+           "one pass: p 2+2, rem 2+2, g 2, m 1+1, v 1+1, scales", 0.8, group=_BLOCK8_BF16,
+           torchao=_AO8_BF16),
     Config("ours bf16 params + bf16 moments", BF16, _ours(**_BF16_MOMENTS), 14,
            "p 2+2, g 2, m 2+2, v 2+2", group="bf16 params + bf16 moments"),
     Config("ours bf16 params + remainders + bf16 moments", BF16,
@@ -119,10 +140,10 @@ CONFIGS: list[Config] = [
     Config("ours bf16 params + remainders + FP8 moments", BF16,
            _ours(**_MASTER, store_param_remainders=True, **_SCALED_PARAMS), 20,
            "pass 1: g 2, m 1, v 1; pass 2: p 2+2, rem 2+2, g 2, m 1+1, v 1+1", 1.3,
-           group=_FP8_BF16),
+           group=_FP8_BF16, torchao=_AO8_BF16),
     Config("ours bf16 params + remainders + FP8 moments, AVX2 loops", BF16,
            _ours(**_MASTER, store_param_remainders=True, **_SCALED_PARAMS), 20, "as above",
-           1.5, loops="avx2", group=_FP8_BF16),
+           1.5, loops="avx2", group=_FP8_BF16, torchao=_AO8_BF16),
 ]  # fmt: skip
 
 
@@ -164,9 +185,20 @@ def _stored_bytes(value: torch.Tensor) -> int:
     return sum(_stored_bytes(getattr(value, name)) for name in names)
 
 
+#: The tensors' size is a multiple of this: torchao quantizes a state only when its tensor
+#: splits into whole blocks (256 values; 128 for 4 bits), else it keeps FP32 moments.
+_WHOLE_BLOCKS = 4096
+
+
+def _part(numel: int) -> int:
+    """The size of each of the four tensors of a ``numel``-parameter model: ``numel / 4``
+    rounded down to whole blocks of every peer (at least one block)."""
+    return max(_WHOLE_BLOCKS, numel // 4 // _WHOLE_BLOCKS * _WHOLE_BLOCKS)
+
+
 def _model(dtype: torch.dtype, numel: int) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)
-    part = numel // 4
+    part = _part(numel)
     return [torch.nn.Parameter(torch.randn(part, generator=gen).to(dtype)) for _ in range(4)]
 
 
@@ -194,28 +226,42 @@ class _Timed:
     deepspeed_ms: float | None
     bandwidth: float  # best triad bytes per second during the rounds
     state_bytes: float
+    # torchao's peer of the same bits (Config.torchao), stepped in the same rounds
+    torchao_ms: float | None = None
+    # best process CPU time (all threads) of the steps in the same rounds: "row", "fused" and
+    # "deepspeed" / "torchao" where stepped; what other processes' load inflates less
+    cpu_ms: dict[str, float] | None = None
 
 
 def _time_config(
-    config: Config, numel: int, rounds: int, peer: Factory | None, triad: Callable[[], float]
-) -> _Timed:
-    """Steps the configuration, torch's fused AdamW (same dtype), DeepSpeedCPUAdam (FP32)
-    and the triad in turn, ``rounds`` times after a warm-up round; best of each."""
+    config: Config, numel: int, rounds: int, peer: Factory | None, triad: Callable[[], float],
+    torchao: Config | None = None,
+) -> _Timed:  # fmt: skip
+    """Steps the configuration, torch's fused AdamW (same dtype), DeepSpeedCPUAdam (FP32),
+    torchao's peer of the same bits (``torchao``, on its own dtype) and the triad in turn,
+    ``rounds`` times after a warm-up round; best of each."""
     makers: list[Factory] = [config.factory, lambda ps: torch.optim.AdamW(ps, fused=True)]
     dtypes = [config.dtype, config.dtype]
+    slots: dict[str, int] = {}
     if peer is not None:
+        slots["deepspeed"] = len(makers)
         makers.append(peer)
         dtypes.append(FP32)
+    if torchao is not None:
+        slots["torchao"] = len(makers)
+        makers.append(torchao.factory)
+        dtypes.append(torchao.dtype)
     runs = []
     for make, dtype in zip(makers, dtypes, strict=True):
         params = _model(dtype, numel)
         runs.append((make(params), params))
     grads = {
-        dtype: [torch.randn(numel // 4, generator=torch.Generator().manual_seed(i)).to(dtype)
+        dtype: [torch.randn(_part(numel), generator=torch.Generator().manual_seed(i)).to(dtype)
                 for i in range(2)]
         for dtype in set(dtypes)
     }  # fmt: skip
     times: list[list[float]] = [[] for _ in runs]
+    cpu: list[list[float]] = [[] for _ in runs]
     bandwidth = 0.0
     for i in range(rounds + 1):
         for k, (opt, params) in enumerate(runs):
@@ -224,20 +270,23 @@ def _time_config(
             chosen = k == 0 and config.loops is not None
             if chosen:
                 cpu_kernel.use_loops(config.loops)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             opt.step()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
             if chosen:
                 cpu_kernel.use_loops()
             if i > 0:  # the first step also allocates the state
                 times[k].append(elapsed)
+                cpu[k].append(cpu_s)
         bandwidth = max(bandwidth, triad())
     nbytes = state_bytes_per_param(runs[0][0])
     del runs, grads
     gc.collect()
+    best = {name: min(times[k]) * 1e3 for name, k in slots.items()}
+    best_cpu = {name: min(cpu[k]) * 1e3 for name, k in {"row": 0, "fused": 1, **slots}.items()}
     return _Timed(
         min(times[0]) * 1e3, statistics.median(times[0]) * 1e3, min(times[1]) * 1e3,
-        min(times[2]) * 1e3 if peer is not None else None, bandwidth, nbytes,
+        best.get("deepspeed"), bandwidth, nbytes, best.get("torchao"), best_cpu,
     )  # fmt: skip
 
 
@@ -295,6 +344,7 @@ class _Spec:
     target: float | None = None
     loops: str | None = None
     group: str | None = None
+    torchao: str | None = None
 
 
 def _spec(config: Config) -> dict[str, Any]:
@@ -306,6 +356,7 @@ def _spec(config: Config) -> dict[str, Any]:
         "target": config.target,
         "loops": config.loops,
         "group": config.group,
+        "torchao": config.torchao,
     }
 
 
@@ -326,19 +377,23 @@ def collect(quick: bool = False, sizes: list[int] | None = None) -> dict[str, An
     kernel = cpu_kernel.status()
     rows, skipped = _rows()
     deepspeed = next((c.factory for c in rows if c.label == _DEEPSPEED_FP32), None)
-    reference = quality_loss(lambda ps: torch.optim.AdamW(ps, foreach=False), FP32)
-    quality = {c.label: _quality(c) / reference for c in rows}
+    by_label = {c.label: c for c in rows}
     load_before = os.getloadavg()
     cells = []
     try:
+        # The quality problem is small: one thread, which a loaded machine slows least.
+        torch.set_num_threads(1)
+        reference = quality_loss(lambda ps: torch.optim.AdamW(ps, foreach=False), FP32)
+        quality = {c.label: _quality(c) / reference for c in rows}
         for numel in sizes:
             for t in thread_counts:
                 torch.set_num_threads(t)
                 triad = _triad(numel)
                 results = [
-                    attrs.asdict(_time_config(c, numel, rounds[numel], deepspeed, triad))
+                    attrs.asdict(_time_config(c, numel, rounds[numel], deepspeed, triad,
+                                              by_label.get(c.torchao or "")))
                     for c in rows
-                ]
+                ]  # fmt: skip
                 del triad
                 gc.collect()
                 cells.append({"params": numel, "threads": t, "rounds": rounds[numel],
@@ -445,20 +500,33 @@ def render(data: dict[str, Any]) -> str:
         "",
         f"torch {data['torch']}, {data['processor']}"
         f"{f' at {hz / 1e9:.2f} GHz' if hz else ''}, {' and '.join(map(str, thread_counts))} "
-        "thread(s). Model: four equal parameter tensors, fresh gradients each step. Every "
+        "thread(s). Model: four equal parameter tensors (n / 4 rounded down to a multiple of "
+        "4096 elements, so that torchao quantizes their state: it keeps FP32 moments for a "
+        "tensor that does not split into its whole blocks), fresh gradients each step. Every "
         "configuration is stepped in rounds (8 at 1M and 10M parameters, 4 at 50M, after a "
         "warm-up round that also allocates the state), each round also stepping torch's "
         "`AdamW(fused=True)` on parameters of the same dtype, DeepSpeedCPUAdam on FP32 "
         "parameters and a STREAM-like triad (`a += s * b` over two FP32 arrays of 2n "
         "elements, 12 bytes per element) that measures the memory bandwidth at that moment; "
-        "each figure is the best of its rounds (the median is shown too). `bytes` is what a "
+        "each figure is the best of its rounds (the median is shown too). `x torch fused`, "
+        "`x DeepSpeed` and `x torchao same bits` divide a row's best time by the peer's best "
+        "in the same rounds; `x torchao same bits` is torchao's optimizer with moments of "
+        "the row's bits, stepped in its rounds too (int8 blocks: `AdamW8bit`; FP8 blocks "
+        "and per-tensor FP8: `AdamWFp8`; int4 blocks: `AdamW4bit`; bf16-param 8-bit rows: "
+        "`AdamW8bit` with bf16 stochastic rounding). The last column gives the same three "
+        "ratios by the process's CPU time around each step (`time.process_time`, all its "
+        "threads; best of the same rounds), which other processes' load inflates less than "
+        "the wall time: time slices lost to them are not counted, spinning OpenMP workers "
+        "are. `bytes` is what a "
         "step must move per parameter (each stored operand read once, each updated one "
-        "written once; fp16/FP8 moments take two passes, the first reading only what the new "
-        "amax needs); `x floor` is the best time over `bytes * n / bandwidth`; `cycles` is "
-        "CPU cycles per parameter (best time x clock x threads / n); `loss x FP32` is the "
+        "written once; per-tensor fp16/FP8 moments take two passes, the first reading only "
+        "what the new amax needs; block-scaled moments take one, their scales beside each "
+        "block); `x floor` is the best time over `bytes * n / bandwidth`; `cycles` is "
+        "CPU cycles per parameter (best time x clock x threads / n; with `bytes`, what "
+        "tells a memory-bound row from a compute-bound one); `loss x FP32` is the "
         f"training loss after {QUALITY_STEPS} steps (lr 1e-3) of a 64-256-64 tanh network "
-        "fitting a random teacher, with parameters in the row's dtype, over the loss of "
-        "torch's FP32 AdamW on FP32 parameters (1.00: as good; a wrong or imprecise "
+        "fitting a random teacher on one thread, with parameters in the row's dtype, over "
+        "the loss of torch's FP32 AdamW on FP32 parameters (1.00: as good; a wrong or imprecise "
         "optimizer shows here however fast it is). "
         + kernel_line
         + " Peers: "
@@ -479,12 +547,17 @@ def render(data: dict[str, Any]) -> str:
     head, method = lines[:4], lines[4:]  # title and headline; how it was measured
     lines = [
         *head,
-        *_class_table(specs, cells),
+        *_class_table(specs, cells, data["quality"]),
         *method,
         *tables,
         f"Machine load (1-minute load average, {data['cpus']} CPUs) at the start and the "
         f"end: {load_before:.1f} and {load_after:.1f}: other processes shared the "
-        "cores, which the interleaved rounds and best-of-N figures spread over all rows alike.",
+        "cores, which the interleaved rounds and best-of-N figures spread over all rows alike. "
+        "When the load exceeds the cores, the CPU kernel's default thread count drops (it "
+        "leaves the cores others hold) while torch's fused step, DeepSpeed and torchao keep "
+        "theirs: in the 2-thread cells of a loaded run our kernel rows may step on one thread "
+        "against peers whose two threads wait for each other; the 1-thread cells compare "
+        "like with like.",
         "",
         "How: torch's fused AdamW needs parameter, gradient and moments in one dtype. The "
         "compiled kernel (`wrapped_optim.optimizers.kernels.cpu_kernel`, C built "
@@ -499,7 +572,10 @@ def render(data: dict[str, Any]) -> str:
         "loops: AVX-512 (VBMI byte tables, 16 FP32 lanes) or AVX2 (F16C, a byte-shuffle table, "
         "8 lanes; the `AVX2 loops` rows force them on an AVX-512 machine with "
         "`cpu_kernel.use_loops`), bitwise equal to the portable loops the `portable loops` "
-        "row runs. Without the kernel (`cpu_kernel=False`, or no C compiler) each slice is "
+        'row runs. Block-scaled moments (`block_moments="int8"`, `"fp8"`, '
+        '`"int4"`: one FP32 scale per 256 values, 128 for int4) take one pass: each block '
+        "is decoded, updated and encoded under its own new amax, with AVX-512 and AVX2 loops "
+        "of their own. Without the kernel (`cpu_kernel=False`, or no C compiler) each slice is "
         "expanded to FP32, updated by torch's fused kernel and re-encoded: several extra "
         "passes.",
         "",
@@ -531,7 +607,10 @@ def targets(data: dict[str, Any]) -> str:
             "",
             "bf16 moments: <= 0.85x torch's fused FP32 step and <= 1.2x the floor; fp16/FP8 "
             "moments: <= 1.3x torch fused with the AVX-512 loops, <= 1.5x with the AVX2 loops; "
-            "every kernel configuration faster than DeepSpeedCPUAdam, or the gap explained by "
+            "block-scaled moments (one pass): int8 and FP8 blocks <= 0.8x torch fused, int4 "
+            "blocks <= 0.7x; FP32 state at or below DeepSpeedCPUAdam's time; "
+            "every kernel configuration faster than DeepSpeedCPUAdam (stepped in the same "
+            "rounds), or the gap explained by "
             "bytes moved and cycles per parameter. A missed target's reason is listed under "
             "the table.",
             "",
@@ -630,26 +709,40 @@ def _size_table(
         ),
         "",
         "| configuration | param dtype | bytes | best / median ms | x torch fused | x floor "
-        "| x DeepSpeed | cycles | state B/param | loss x FP32 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| x DeepSpeed | x torchao same bits | cycles | state B/param | loss x FP32 "
+        "| CPU time x fused / DeepSpeed / torchao |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
     for config, r in results:
         floor_ms = config.bytes_moved * numel / bandwidth * 1e3
         x_fused = r.best_ms / r.fused_ms
-        x_ds = f"{r.best_ms / ds_ms:.2f}" if ds_ms is not None else "n/a"
+        # DeepSpeed and torchao as stepped in this row's own rounds
+        x_ds = "n/a" if r.deepspeed_ms is None else f"{r.best_ms / r.deepspeed_ms:.2f}"
+        x_ao = "" if r.torchao_ms is None else f"{r.best_ms / r.torchao_ms:.2f}"
         cycles = r.best_ms * 1e-3 * hz * t / numel if hz else None
         lines.append(
             f"| {config.label} | {config.dtype} | "
             f"{config.bytes_moved:g} | {r.best_ms:.1f} / {r.median_ms:.1f} | "
-            f"{x_fused:.2f} | {r.best_ms / floor_ms:.2f} | {x_ds} | "
+            f"{x_fused:.2f} | {r.best_ms / floor_ms:.2f} | {x_ds} | {x_ao} | "
             f"{'n/a' if cycles is None else f'{cycles:.1f}'} | {r.state_bytes:.2f} | "
-            f"{quality[config.label]:.2f} |"
+            f"{quality[config.label]:.2f} | {_cpu_ratios(r.cpu_ms)} |"
         )
-        verdict = _verdict(config, numel, t, x_fused, r.best_ms / floor_ms, r.best_ms, ds_ms,
-                           cycles)  # fmt: skip
+        verdict = _verdict(config, numel, t, x_fused, r.best_ms / floor_ms, r.best_ms,
+                           r.deepspeed_ms, cycles)  # fmt: skip
         if verdict is not None:
             verdicts.append(verdict)
     return [*lines, ""]
+
+
+def _cpu_ratios(cpu_ms: dict[str, float] | None) -> str:
+    """The row's CPU time over the fused step's, DeepSpeed's and torchao's ("-" where one
+    was not stepped; empty for rows measured before CPU time was)."""
+    if cpu_ms is None:
+        return ""
+    row = cpu_ms["row"]
+    return " / ".join(
+        f"{row / cpu_ms[k]:.2f}" if k in cpu_ms else "-" for k in ("fused", "deepspeed", "torchao")
+    )
 
 
 def _span(values: list[float]) -> str:
@@ -659,27 +752,40 @@ def _span(values: list[float]) -> str:
     return f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}"
 
 
-def _class_table(rows: Sequence[Config | _Spec], cells: _Cells) -> list[str]:
+def _class_table(
+    rows: Sequence[Config | _Spec], cells: _Cells, quality: dict[str, float] | None = None
+) -> list[str]:
     """Per class, ours (each loop family) and the fastest peer, x torch fused on parameters
-    of the same dtype, over every size and thread count measured."""
+    of the same dtype, over every size and thread count measured (the peers of a class in
+    :data:`PEER_CLASS` are those of the class it names); with ``quality``, the loss x FP32
+    of ours and of the peers named."""
     groups = list(dict.fromkeys(c.group for c in rows if c.group))
     lines = [
         "### Against the peers: step time x torch's fused AdamW (same param dtype)",
         "",
         "Lower is faster; torch's `AdamW(fused=True)` is 1.00. Range over the sizes and "
         "thread counts below; per cell the best of our rows in the "
-        "class (the AVX2 column: its `AVX2 loops` rows where the class has fp16/FP8 moments, "
-        "else the same rows, which do not depend on the loop family) and the best peer.",
+        "class (the AVX2 column: its `AVX2 loops` rows where the class has hand-written "
+        "loops, else the same rows, which do not depend on the loop family) and the best "
+        "peer (block-scaled 8-bit classes race the 8-bit peers, whose moments are "
+        "block-scaled too)"
+        + ("; `loss x FP32`: the quality figure of our rows in the class and of the peers "
+           "named." if quality is not None else "."),
         "",
-        "| class | ours, AVX-512 loops | ours, AVX2 loops | fastest peer |",
-        "|---|---:|---:|---|",
-    ]
+        "| class | ours, AVX-512 loops | ours, AVX2 loops | fastest peer |"
+        + (" loss x FP32, ours; peers |" if quality is not None else ""),
+        "|---|---:|---:|---|" + ("---|" if quality is not None else ""),
+    ]  # fmt: skip
     for group in groups:
         members = [c for c in rows if c.group == group]
         ours = [c for c in members if c.label.startswith("ours")]
+        if not ours:
+            continue  # a class of peers only (raced by a class of PEER_CLASS)
         native = [c.label for c in ours if c.loops is None]
         avx2 = [c.label for c in ours if c.loops == "avx2"] or native
-        others = [c.label for c in members if not c.label.startswith("ours")]
+        classes = {group, PEER_CLASS.get(group, group)}
+        rivals = [c for c in rows if c.group in classes]  # not the rows of no class
+        others = [c.label for c in rivals if not c.label.startswith("ours")]
         best_peer: list[float] = []
         names: set[str] = set()
         for cell in cells.values():
@@ -688,11 +794,15 @@ def _class_table(rows: Sequence[Config | _Spec], cells: _Cells) -> list[str]:
                 names.add(name)
                 best_peer.append(cell[name])
         named = " (" + ", ".join(sorted(names)) + ")" if names else ""
-        lines.append(
+        line = (
             f"| {group} | {_span([min(cell[x] for x in native) for cell in cells.values()])} | "
             f"{_span([min(cell[x] for x in avx2) for cell in cells.values()])} | "
             f"{_span(best_peer)}{named} |"
         )
+        if quality is not None:
+            peers = _span([quality[n] for n in sorted(names)])
+            line += f" {_span([quality[x] for x in native])}; {peers} |"
+        lines.append(line)
     return [*lines, ""]
 
 
@@ -700,12 +810,13 @@ def _verdict(
     config: _Spec, numel: int, threads: int, x_fused: float, x_floor: float, best_ms: float,
     ds_ms: float | None, cycles: float | None,
 ) -> _Verdict | None:  # fmt: skip
-    """A row of the targets table for configurations that run in the kernel, and the
-    reasons a missed target was missed (listed under the table)."""
-    if config.target is None:
+    """A row of the targets table for configurations that run in the kernel (and ours with
+    FP32 state, whose target is DeepSpeedCPUAdam's time), and the reasons a missed target
+    was missed (listed under the table)."""
+    if config.target is None and config.label != FP32_STATE:
         return None
     reasons = []
-    if x_fused > config.target:
+    if config.target is not None and x_fused > config.target:
         reasons.append(
             f"x fused {x_fused:.2f} > {config.target}: {config.bytes_moved:g} bytes/param at "
             f"{x_floor:.2f}x the floor, compute-bound at "
@@ -718,8 +829,10 @@ def _verdict(
         vs_ds = f"{best_ms / ds_ms:.2f}"
         if best_ms > ds_ms:
             reasons.append(
-                f"slower than DeepSpeed although it moves {config.bytes_moved:g} bytes "
-                f"against 28 (compute-bound here: {x_floor:.2f}x its floor)"
+                f"{best_ms / ds_ms:.2f}x DeepSpeed's time in the same rounds, moving "
+                f"{config.bytes_moved:g} bytes/param against its 28, at "
+                f"{'n/a' if cycles is None else f'{cycles:.1f}'} cycles/param "
+                f"({x_floor:.2f}x its floor)"
             )
     size = f"{numel / 1e6:g}M, {threads} thread{'s' if threads > 1 else ''}"
     row = (
@@ -792,7 +905,7 @@ def side_by_side(
                 params = _model(config.dtype, numel)
                 runs.append((config, config.factory(params), params))
             grads = {
-                d: [torch.randn(numel // 4, generator=torch.Generator().manual_seed(i)).to(d)
+                d: [torch.randn(_part(numel), generator=torch.Generator().manual_seed(i)).to(d)
                     for i in range(2)]
                 for d in {c.dtype for c, _, _ in runs}
             }  # fmt: skip

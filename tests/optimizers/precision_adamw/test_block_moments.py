@@ -75,6 +75,33 @@ def test_every_loop_family_gives_the_bits_of_the_torch_block_step(
 
 
 @needs_kernel
+@pytest.mark.parametrize("family", [f for f in CPU_FAMILIES if f != "portable"])
+@pytest.mark.parametrize("case", ["nan codes", "huge scales"])
+def test_fp8_nan_codes_and_huge_scales_give_the_portable_loops_bits(family: str, case: str) -> None:
+    """What only a checkpoint can hold: E4M3 NaN codes (0x7F, 0xFF) among live ones, or block
+    scales at and past 2^120 (the vector loops fold 2^8 into the scale, so those blocks take
+    the portable loop): each vector family leaves the portable loop's bits."""
+    fmt = blocks.BlockFormat("fp8", 32)
+    runs = {f: block_operands(fmt, seed=5) for f in ("portable", family)}
+    for ops in runs.values():
+        for op in ops:
+            codes, scales = op["codes"], op["scales"]
+            if case == "nan codes":
+                codes[0][5::37] = 0x7F
+                codes[1][9::41] = 0xFF
+            else:
+                scales[0][::2] = 2.0**120
+                scales[1][1::3] = -(2.0**121)
+    for _ in range(2):
+        for f, ops in runs.items():
+            with running(f):
+                block_kernel_step(ops, fmt, True, 1)
+    same_block_results(runs["portable"], runs[family])
+    if case == "nan codes":  # the NaN codes reached the parameters
+        assert any(bool(op["param"].isnan().any()) for op in runs[family])
+
+
+@needs_kernel
 def test_block_kernel_threads_split_blocks_by_their_start() -> None:
     """Many tensors laid end to end, split among threads in 16384-element ranges that cut
     blocks of tensors whose sizes are not multiples of the block: the same bits as one

@@ -77,6 +77,15 @@ static inline __attribute__((always_inline)) int is_scaled(int kind) {
     return kind == KIND_FP16 || kind == KIND_FP8;
 }
 
+/* Whether a decode multiplier of E4M3 codes may carry a factor 2^8 (the AVX2 and block loops
+ * decode a code into the fp16 of its value times 2^-8): mult * 2^8 is then exact, and
+ * h * (mult * 2^8) rounds the same real product as (h * 2^8) * mult. Not for |mult| >= 2^120
+ * (finite): the factor would overflow; those multipliers run the portable loops. */
+static inline __attribute__((always_inline)) int wo_fp8_fold_ok(int kind, float mult) {
+    float a = __builtin_fabsf(mult);
+    return kind != KIND_FP8 || !(a >= 0x1p120f && a <= 0x1.fffffep127f);
+}
+
 /* A moment the amax pass does not read (it is not scaled: pass 0 updates it). */
 #define KIND_SKIP 4
 
@@ -412,7 +421,8 @@ static inline __attribute__((always_inline)) void split_range(wo_tensor *t, int6
         else
 #endif
 #ifdef WO_AVX2
-        if (scaled && wo_loops == LOOPS_AVX2)
+        if (scaled && wo_loops == LOOPS_AVX2 && wo_fp8_fold_ok(t->m_kind, t->m_decode) &&
+            wo_fp8_fold_ok(t->v_kind, t->v_decode))
             w_split_moments(k, p, g, m, v, t, h, pass, &m_amax, &v_amax);
         else
 #endif

@@ -13,13 +13,13 @@
  * the hardware where it gives the same bits:
  * - fp16 <-> FP32 by F16C's conversions (round to nearest even; a NaN re-encoded as the quiet
  *   NaN 0x7E00 with its sign, as the portable code);
- * - an FP8 code decoded in 16-bit lanes into the fp16 bits of its magnitude, then F16C: a
- *   normal E4M3 code c is the fp16 (c << 7) + 0x2000 (the exponent re-biased from 7 to 15);
- *   the eight subnormal ones (c < 8, multiples of 2^-9, all normal in fp16) come from a
- *   byte-shuffle table of their high bytes (their low bytes are zero); 0x7F is the quiet
- *   NaN 0x7E00 (FP32 0x7FC00000 after the conversion, the portable decode's NaN). Exact,
- *   and no subnormal fp16 or FP32 operand anywhere (Intel CPUs take a microcode assist for
- *   an instruction that reads one);
+ * - an FP8 code decoded in 16-bit lanes, then F16C: its sign-extended byte shifted left by 7
+ *   holds the magnitude bits in the fp16 bits 7..13 and the sign in bit 15, the fp16 of the
+ *   value times 2^-8 (the E4M3 subnormals land on fp16 subnormals: same spacing); the
+ *   multiplier carries the 2^8 (exact, wo_fp8_fold_ok); 0x7F is the quiet NaN 0x7E00 (FP32
+ *   0x7FC00000 after the conversion, the portable decode's NaN). No subnormal FP32 operand
+ *   (Intel CPUs take a microcode assist for an instruction that reads one; F16C's reading
+ *   of a subnormal fp16 costs nothing extra on AMD Zen 4, measured);
  * - an FP8 code encoded as in the AVX-512 loops: the saturated magnitude rounded by the FP32
  *   adder against c = 2^(max(exponent, -6) + 20), whose sum keeps 3 mantissa bits (ties to
  *   even); the codes packed to bytes with the saturating packs (they are 0..255).
@@ -39,12 +39,6 @@
 /* Elements a step: two vectors of 8 FP32 lanes. */
 #define WO_W 16
 
-/* High bytes of the fp16 bits of the subnormal E4M3 magnitudes m * 2^-9, m = 0..7 (their low
- * bytes are zero); replicated in both 128-bit lanes for the byte shuffle. */
-static const uint8_t wo_e4m3_sub_high[32] __attribute__((aligned(32))) = {
-    0x00, 0x18, 0x1C, 0x1E, 0x20, 0x21, 0x22, 0x23, 0, 0, 0, 0, 0, 0, 0, 0,
-    0x00, 0x18, 0x1C, 0x1E, 0x20, 0x21, 0x22, 0x23, 0, 0, 0, 0, 0, 0, 0, 0};
-
 /* 16 moment values in FP32 (stored value times the decode multiplier), two groups of 8,
  * from the step's first element at base. */
 WO_AVX2_INLINE void w_decode16(const void *base, int kind, __m256 mult, __m256 out[2]) {
@@ -63,31 +57,26 @@ WO_AVX2_INLINE void w_decode16(const void *base, int kind, __m256 mult, __m256 o
                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + 8 * j))),
                 mult);
     } else {
-        __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)base));
-        __m256i mag = _mm256_and_si256(c, _mm256_set1_epi16(0x7F));
-        __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(mag, 7), _mm256_set1_epi16(0x2000));
-        /* the index in each word's high byte, 0x80 (a zero) in its low byte */
-        __m256i index = _mm256_or_si256(_mm256_slli_epi16(mag, 8), _mm256_set1_epi16(0x80));
-        __m256i sub = _mm256_shuffle_epi8(
-            _mm256_load_si256((const __m256i *)wo_e4m3_sub_high), index);
-        __m256i h = _mm256_blendv_epi8(normal, sub,
-                                       _mm256_cmpgt_epi16(_mm256_set1_epi16(8), mag));
-        /* 0x7F: the quiet NaN 0x7E00, as the portable decode (the same NaN bits reach the
-         * amax, and so the scale) */
-        h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7E00),
-                               _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F)));
-        h = _mm256_or_si256(
-            h, _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8)); /* sign */
+        /* the sign-extended byte shifted left by 7: the magnitude bits in the fp16 bits 7..13,
+         * the sign in bit 15 */
+        __m256i h = _mm256_and_si256(
+            _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)base)), 7),
+            _mm256_set1_epi16((short)0xBF80));
+        /* 0x7F (0x3F80 here): the quiet NaN 0x7E00 with its sign, as the portable decode (the
+         * same NaN bits reach the amax, and so the scale) */
+        __m256i nan = _mm256_cmpeq_epi16(_mm256_or_si256(h, _mm256_set1_epi16((short)0x8000)),
+                                         _mm256_set1_epi16((short)0xBF80));
+        h = _mm256_add_epi16(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x3E80)));
         out[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), mult);
         out[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), mult);
     }
 }
 
-/* The E4M3 code (sign in bit 7) of x * mult saturated to +-448, in 32-bit lanes. */
-WO_AVX2_INLINE __m256i w_e4m3_code(__m256 x, __m256 mult) {
+/* The E4M3 code (sign in bit 7) of x * mult saturated to +-448, in 32-bit lanes; nan: 0
+ * where no lane can be NaN (the block loops), else NaN lanes take 0x7F with their sign. */
+WO_AVX2_INLINE __m256i w_e4m3_code(__m256 x, __m256 mult, const int nan) {
     __m256 y = _mm256_mul_ps(x, mult);
     __m256i bits = _mm256_castps_si256(y);
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
     __m256 a = _mm256_min_ps(
         _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF))),
         _mm256_set1_ps(448.0f)); /* a NaN lane becomes 448 here; it is replaced below */
@@ -100,7 +89,9 @@ WO_AVX2_INLINE __m256i w_e4m3_code(__m256 x, __m256 mult) {
     __m256i code = _mm256_add_epi32(
         _mm256_sub_epi32(sum, c),
         _mm256_sub_epi32(_mm256_srli_epi32(e, 20), _mm256_set1_epi32(968)));
-    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), nan);
+    if (nan)
+        code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F),
+                                  _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
     return _mm256_or_si256(
         code, _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80)));
 }
@@ -140,10 +131,16 @@ WO_AVX2_INLINE void w_encode16(void *base, int kind, const __m256 x[2], __m256 m
     } else {
         /* codes are 0..255: the saturating packs keep them; words in lane order, then bytes */
         __m256i words = _mm256_permute4x64_epi64(
-            _mm256_packus_epi32(w_e4m3_code(x[0], mult), w_e4m3_code(x[1], mult)), 0xD8);
+            _mm256_packus_epi32(w_e4m3_code(x[0], mult, 1), w_e4m3_code(x[1], mult, 1)), 0xD8);
         _mm_storeu_si128((__m128i *)base, _mm_packus_epi16(_mm256_castsi256_si128(words),
                                                            _mm256_extracti128_si256(words, 1)));
     }
+}
+
+/* The decode multiplier as w_decode16 uses it: FP8's times 2^8 (its fp16 is the value times
+ * 2^-8; exact: wo_fp8_fold_ok). */
+static inline __attribute__((always_inline)) float w_dec_mult(int kind, float mult) {
+    return kind == KIND_FP8 ? mult * 256.0f : mult;
 }
 
 /* The hyper-parameters and multipliers, broadcast once per call. */
@@ -156,8 +153,8 @@ WO_AVX2_INLINE w_consts w_broadcast(const wo_tensor *t, const wo_hyper *h) {
                   _mm256_set1_ps(h->one_minus_beta1), _mm256_set1_ps(h->beta2),
                   _mm256_set1_ps(h->one_minus_beta2), _mm256_set1_ps(h->eps),
                   _mm256_set1_ps(h->weight_decay), _mm256_set1_ps(h->inv_bias_correction1),
-                  _mm256_set1_ps(h->inv_bias_correction2), _mm256_set1_ps(t->m_decode),
-                  _mm256_set1_ps(t->v_decode),    _mm256_set1_ps(t->m_encode),
+                  _mm256_set1_ps(h->inv_bias_correction2), _mm256_set1_ps(w_dec_mult(t->m_kind, t->m_decode)),
+                  _mm256_set1_ps(w_dec_mult(t->v_kind, t->v_decode)),    _mm256_set1_ps(t->m_encode),
                   _mm256_set1_ps(t->v_encode)};
     return c;
 }

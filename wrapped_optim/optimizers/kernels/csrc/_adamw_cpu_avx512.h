@@ -103,14 +103,14 @@ WO_AVX512_INLINE void v_decode64(const void *base, int64_t i, int kind, int64_t 
     }
 }
 
-/* The E4M3 code (sign in bit 7) of x * mult saturated to +-448, in 32-bit lanes. */
-WO_AVX512_INLINE __m512i v_e4m3_code(__m512 x, __m512 mult) {
+/* The E4M3 code (sign in bit 7) of x * mult saturated to +-448, in 32-bit lanes; nan: 0
+ * where no lane can be NaN (the block loops), else NaN lanes take 0x7F with their sign. */
+WO_AVX512_INLINE __m512i v_e4m3_code(__m512 x, __m512 mult, const int nan) {
     __m512 y = _mm512_mul_ps(x, mult);
     __m512i bits = _mm512_castps_si512(y);
-    __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-    __m512 a = _mm512_min_ps(
-        _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF))),
-        _mm512_set1_ps(448.0f)); /* a NaN lane becomes 448 here; it is replaced below */
+    /* min(|y|, 448) (the smaller magnitude, sign cleared); a NaN lane stays NaN here (its
+     * code is replaced below) */
+    __m512 a = _mm512_range_ps(y, _mm512_set1_ps(448.0f), 0x0A);
     __m512i e = _mm512_max_epu32(
         _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7F800000)),
         _mm512_set1_epi32(121 << 23));
@@ -120,7 +120,9 @@ WO_AVX512_INLINE __m512i v_e4m3_code(__m512 x, __m512 mult) {
     __m512i code = _mm512_add_epi32(
         _mm512_sub_epi32(sum, c),
         _mm512_sub_epi32(_mm512_srli_epi32(e, 20), _mm512_set1_epi32(968)));
-    code = _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(0x7F));
+    if (nan)
+        code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q),
+                                     _mm512_set1_epi32(0x7F));
     /* code | (bits >> 24 & 0x80) */
     return _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80),
                                      0xF8);
@@ -130,8 +132,8 @@ WO_AVX512_INLINE __m512i v_e4m3_code(__m512 x, __m512 mult) {
 WO_AVX512_INLINE void v_encode64(void *base, int64_t i, int kind, int64_t left,
                                  const __m512 x[4], __m512 mult) {
     if (kind == KIND_FP8) {
-        __m512i c0 = v_e4m3_code(x[0], mult), c1 = v_e4m3_code(x[1], mult);
-        __m512i c2 = v_e4m3_code(x[2], mult), c3 = v_e4m3_code(x[3], mult);
+        __m512i c0 = v_e4m3_code(x[0], mult, 1), c1 = v_e4m3_code(x[1], mult, 1);
+        __m512i c2 = v_e4m3_code(x[2], mult, 1), c3 = v_e4m3_code(x[3], mult, 1);
         /* codes are 0..255: the saturating packs keep them; then one permute to order */
         __m512i packed = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1),
                                              _mm512_packus_epi32(c2, c3));

@@ -246,14 +246,17 @@ static inline __attribute__((always_inline)) void block_moments_any(
 static inline __attribute__((always_inline)) void block_step(
     int64_t k, float *p, const float *g, uint8_t *mc, uint8_t *vc, float *ms, float *vs,
     const wo_hyper *h, const int fmt) {
+    /* FP8 scales at or past 2^120 (only from a checkpoint): the portable loop (see
+     * wo_fp8_fold_ok) */
+    const int fold = fmt != FMT_FP8 || (wo_fp8_fold_ok(KIND_FP8, *ms) && wo_fp8_fold_ok(KIND_FP8, *vs));
 #ifdef WO_AVX512
-    if (wo_loops == LOOPS_AVX512) {
+    if (wo_loops == LOOPS_AVX512 && fold) {
         vb_block_moments(k, p, g, mc, vc, ms, vs, h, fmt);
         return;
     }
 #endif
 #ifdef WO_AVX2
-    if (wo_loops == LOOPS_AVX2 && k % 16 == 0) {
+    if (wo_loops == LOOPS_AVX2 && k % 16 == 0 && fold) {
         wb_block_moments(k, p, g, mc, vc, ms, vs, h, fmt);
         return;
     }

@@ -16,12 +16,15 @@
  *   rounds with the FP32 -> int32 conversion under the caller's rounding (nearest even, as
  *   rne's magic-number add: |y| < 2^9 here) and packs with the saturating down-conversions
  *   (exp_avg: then clamped to -127 from below; exp_avg_sq: 0..255);
- * - FP8 E4M3 codes are decoded into the fp16 bits of their magnitude (all normal in fp16)
- *   and converted by F16C, and encoded as in the fp16/FP8 loops (the FP32 adder rounds the
- *   saturated magnitude to 3 mantissa bits);
+ * - FP8 E4M3 codes are decoded by one shift into the fp16 of their value times 2^-8 (as
+ *   w_decode16; the scale carries the 2^8) and converted by F16C, and encoded as in the
+ *   fp16/FP8 loops (the FP32 adder rounds the saturated magnitude to 3 mantissa bits), less
+ *   the NaN select (a block holding a NaN stores zeros);
  * - int4 codes are looked up in the block's two 16-value tables (the portable loop's values,
  *   computed once per block) by a lane permute; exp_avg's code counts the table midpoints
- *   below |y| by seven compares, exp_avg_sq's is ceil(16y - 1.5) by the rounding instruction.
+ *   below |y| by a three-step binary search (each step a permute of the midpoints and one
+ *   compare: the same count as seven compares), exp_avg_sq's is ceil(16y - 1.5) by the
+ *   rounding instruction.
  * No fused multiply-add (each product and sum rounded on its own, -ffp-contract=off), so every
  * result is bitwise the portable loop's and the torch step's; the tests compare them under
  * each family. AVX-512 steps 16 elements with masks for a block's tail; AVX2 steps 16 (two
@@ -45,17 +48,17 @@ static inline __attribute__((always_inline)) void wo_block_prefetch(int64_t i, c
     }
 }
 
-/* The int4 tables of a block: exp_avg's value by code, exp_avg_sq's by code (the root
- * squared), exactly as block_moments computes them. */
-static inline __attribute__((always_inline)) void int4_tables(float m_old, float v_old,
-                                                              float *LM, float *LV) {
-    for (int t = 0; t < 16; ++t) {
-        float mag = INT4_MAGS[t < 8 ? t : (t == 8 ? 7 : 16 - t)];
-        LM[t] = (t < 8 ? mag : -mag) * m_old;
-        float r = ((float)(t + 1) * 0.0625f) * v_old;
-        LV[t] = r * r;
-    }
-}
+/* The int4 tables of a block are these times its old scales (exp_avg_sq's product then
+ * squared): exactly block_moments' products, one vector multiply each. exp_avg's value by
+ * code, and exp_avg_sq's root by code. */
+static const float wo_int4_signed_mags[16] __attribute__((aligned(64))) = {
+    0.0f,        6 / 128.0f,   16 / 128.0f,  30 / 128.0f,  48 / 128.0f,  72 / 128.0f,
+    100 / 128.0f, 1.0f,        -1.0f,        -1.0f,        -100 / 128.0f, -72 / 128.0f,
+    -48 / 128.0f, -30 / 128.0f, -16 / 128.0f, -6 / 128.0f};
+static const float wo_int4_roots[16] __attribute__((aligned(64))) = {
+    1 * 0.0625f,  2 * 0.0625f,  3 * 0.0625f,  4 * 0.0625f,  5 * 0.0625f,  6 * 0.0625f,
+    7 * 0.0625f,  8 * 0.0625f,  9 * 0.0625f,  10 * 0.0625f, 11 * 0.0625f, 12 * 0.0625f,
+    13 * 0.0625f, 14 * 0.0625f, 15 * 0.0625f, 16 * 0.0625f};
 #endif
 
 #ifdef WO_AVX512
@@ -74,17 +77,11 @@ WO_AVX512_INLINE __m512 vb_decode(const uint8_t *c, int64_t i, int64_t left, int
     }
     __m128i b = _mm_maskz_loadu_epi8(lanes, c + i);
     if (fmt == FMT_FP8) {
-        __m256i w = _mm256_cvtepu8_epi16(b);
-        __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
-        __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(mag, 7), _mm256_set1_epi16(0x2000));
-        __m256i index = _mm256_or_si256(_mm256_slli_epi16(mag, 8), _mm256_set1_epi16(0x80));
-        __m256i sub = _mm256_shuffle_epi8(
-            _mm256_load_si256((const __m256i *)wo_e4m3_sub_high), index);
-        __mmask16 small = _mm256_cmplt_epu16_mask(mag, _mm256_set1_epi16(8));
-        __m256i h = _mm256_mask_mov_epi16(normal, small, sub);
-        h = _mm256_mask_mov_epi16(h, _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F)),
-                                  _mm256_set1_epi16(0x7E00));
-        h = _mm256_or_si256(h, _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+        /* the sign-extended byte shifted left by 7 holds the magnitude bits in the fp16 bits
+         * 7..13 and the sign in bit 15: the fp16 of the value times 2^-8, subnormals included
+         * (the scale carries the 2^8); no NaN code (0x7F, 0xFF) reaches here (vb_moments) */
+        __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                     _mm256_set1_epi16((short)0xBF80));
         return _mm512_mul_ps(_mm512_cvtph_ps(h), scale);
     }
     __m512i w = second ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b);
@@ -108,13 +105,21 @@ WO_AVX512_INLINE void vb_encode(uint8_t *c, int64_t i, int64_t left, int fmt, in
             t = _mm512_min_ps(_mm512_max_ps(t, zero), _mm512_set1_ps(15.0f));
             q = _mm512_cvttps_epi32(t);
         } else {
-            const __m512i one = _mm512_set1_epi32(1);
+            /* the count of midpoints below |y| by a binary search over the seven (sorted):
+             * the fourth, then the second or sixth, then the one left between (the same
+             * count as comparing with each) */
+            const float *M = INT4_MAG_MIDS;
             __m512 a = _mm512_abs_ps(y);
-            q = _mm512_setzero_si512();
-            for (int t = 0; t < 7; ++t)
-                q = _mm512_mask_add_epi32(
-                    q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(INT4_MAG_MIDS[t]), _CMP_GT_OQ), q,
-                    one);
+            q = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(a, _mm512_set1_ps(M[3]), _CMP_GT_OQ),
+                                       _mm512_set1_epi32(4));
+            __m512 mid = _mm512_permutexvar_ps(q, _mm512_setr_ps(M[1], 0, 0, 0, M[5], 0, 0, 0, 0, 0,
+                                                                 0, 0, 0, 0, 0, 0));
+            q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(a, mid, _CMP_GT_OQ), q,
+                                      _mm512_set1_epi32(2));
+            mid = _mm512_permutexvar_ps(q, _mm512_setr_ps(M[0], 0, M[2], 0, M[4], 0, M[6], 0, 0, 0,
+                                                          0, 0, 0, 0, 0, 0));
+            q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(a, mid, _CMP_GT_OQ), q,
+                                      _mm512_set1_epi32(1));
             q = _mm512_mask_sub_epi32(q, _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ),
                                       _mm512_setzero_si512(), q);
             q = _mm512_and_si512(q, _mm512_set1_epi32(0xF));
@@ -126,7 +131,7 @@ WO_AVX512_INLINE void vb_encode(uint8_t *c, int64_t i, int64_t left, int fmt, in
     }
     __m512i code;
     if (fmt == FMT_FP8) {
-        code = v_e4m3_code(x, inv);
+        code = v_e4m3_code(x, inv, 0); /* no NaN: a block holding one stores zeros */
     } else {
         code = _mm512_cvtps_epi32(_mm512_mul_ps(x, inv)); /* nearest even, as rne */
         if (!second) {
@@ -135,11 +140,10 @@ WO_AVX512_INLINE void vb_encode(uint8_t *c, int64_t i, int64_t left, int fmt, in
             return;
         }
     }
-    if (second) { /* a positive exp_avg_sq never takes code 0 */
-        __mmask16 lift = _mm512_cmpeq_epi32_mask(code, _mm512_setzero_si512()) &
-                         _mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ);
-        code = _mm512_mask_mov_epi32(code, lift, _mm512_set1_epi32(1));
-    }
+    if (second) /* a positive exp_avg_sq never takes code 0: max(code, min(bits of x, 1)) lifts
+                   it to 1 where x > 0 (as an integer, a negative x's bits are below 0) */
+        code = _mm512_max_epi32(code, _mm512_min_epi32(_mm512_castps_si512(x),
+                                                       _mm512_set1_epi32(1)));
     /* (the down-conversions to a register, then one masked store: their memory forms are
      * slow on AMD Zen 4) */
     _mm_mask_storeu_epi8(c + i, lanes,
@@ -199,6 +203,20 @@ WO_AVX512_INLINE void vb_moments(int64_t k, float *restrict p, const float *rest
                                  float *restrict vs, const wo_hyper *h, const int adam_w_mode,
                                  const int fmt) {
     const float m_old = *ms, v_old = *vs;
+    if (fmt == FMT_FP8) { /* a block holding a NaN code (0x7F, 0xFF: only from a checkpoint)
+                             runs the portable loop: the decode below leaves them out */
+        const __m512i top = _mm512_set1_epi8((char)0x80);
+        __m512i high = top;
+        for (int64_t i = 0; i < k; i += 64) {
+            const __mmask64 b = v_bytes(k - i);
+            high = _mm512_max_epu8(high, _mm512_or_si512(_mm512_maskz_loadu_epi8(b, mc + i), top));
+            high = _mm512_max_epu8(high, _mm512_or_si512(_mm512_maskz_loadu_epi8(b, vc + i), top));
+        }
+        if (_mm512_cmpeq_epi8_mask(high, _mm512_set1_epi8((char)0xFF))) {
+            block_moments(k, p, g, mc, vc, ms, vs, h, adam_w_mode, fmt);
+            return;
+        }
+    }
     vb_consts c = {_mm512_set1_ps(h->lr),
                    _mm512_set1_ps(h->beta1),
                    _mm512_set1_ps(h->one_minus_beta1),
@@ -208,15 +226,14 @@ WO_AVX512_INLINE void vb_moments(int64_t k, float *restrict p, const float *rest
                    _mm512_set1_ps(h->weight_decay),
                    _mm512_set1_ps(h->inv_bias_correction1),
                    _mm512_set1_ps(h->inv_bias_correction2),
-                   _mm512_set1_ps(m_old),
-                   _mm512_set1_ps(v_old),
+                   _mm512_set1_ps(fmt == FMT_FP8 ? m_old * 256.0f : m_old),
+                   _mm512_set1_ps(fmt == FMT_FP8 ? v_old * 256.0f : v_old),
                    _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
     if (fmt == FMT_INT4) {
-        float LM[16], LV[16];
-        int4_tables(m_old, v_old, LM, LV);
-        c.m_lut = _mm512_loadu_ps(LM);
-        c.v_lut = _mm512_loadu_ps(LV);
+        c.m_lut = _mm512_mul_ps(_mm512_load_ps(wo_int4_signed_mags), c.m_scale);
+        __m512 r = _mm512_mul_ps(_mm512_load_ps(wo_int4_roots), c.v_scale);
+        c.v_lut = _mm512_mul_ps(r, r);
     }
     float M[WO_QBLOCK_MAX + 16], S[WO_QBLOCK_MAX + 16];
     __m512i ma = _mm512_setzero_si512(), va = _mm512_setzero_si512();
@@ -263,8 +280,12 @@ WO_AVX512_FN __attribute__((noinline)) static void vb_block_moments(
 /* 16 old moment values from element i, two groups of 8. */
 WO_AVX2_INLINE void wb_decode16(const uint8_t *c, int64_t i, int fmt, int second, __m256 scale,
                                 __m256 lut_low, __m256 lut_high, __m256 out[2]) {
-    if (fmt == FMT_FP8) {
-        w_decode16(c + i, KIND_FP8, scale, out);
+    if (fmt == FMT_FP8) { /* w_decode16's shift, no NaN code here (wb_moments) */
+        __m256i h = _mm256_and_si256(
+            _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + i))), 7),
+            _mm256_set1_epi16((short)0xBF80));
+        out[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), scale);
+        out[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), scale);
         return;
     }
     if (fmt == FMT_INT4) {
@@ -313,27 +334,32 @@ WO_AVX2_INLINE void wb_encode16(uint8_t *c, int64_t i, int fmt, int second, cons
             code[j] = _mm256_cvttps_epi32(t);
         } else if (fmt == FMT_INT4) {
             __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y);
-            __m256i n = _mm256_setzero_si256();
-            for (int t = 0; t < 7; ++t) /* a true compare is -1 */
-                n = _mm256_sub_epi32(n, _mm256_castps_si256(_mm256_cmp_ps(
-                                            a, _mm256_set1_ps(INT4_MAG_MIDS[t]), _CMP_GT_OQ)));
+            /* the count of midpoints below |y| by vb_encode's binary search (a true compare
+             * is -1) */
+            const float *M = INT4_MAG_MIDS;
+            __m256i n = _mm256_and_si256(
+                _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(M[3]), _CMP_GT_OQ)),
+                _mm256_set1_epi32(4));
+            __m256 mid = _mm256_permutevar8x32_ps(_mm256_setr_ps(M[1], 0, 0, 0, M[5], 0, 0, 0), n);
+            n = _mm256_add_epi32(n, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(
+                                                         a, mid, _CMP_GT_OQ)),
+                                                     _mm256_set1_epi32(2)));
+            mid = _mm256_permutevar8x32_ps(_mm256_setr_ps(M[0], 0, M[2], 0, M[4], 0, M[6], 0), n);
+            n = _mm256_sub_epi32(n, _mm256_castps_si256(_mm256_cmp_ps(a, mid, _CMP_GT_OQ)));
             __m256 negative = _mm256_cmp_ps(y, zero, _CMP_LT_OQ);
             n = _mm256_castps_si256(_mm256_blendv_ps(
                 _mm256_castsi256_ps(n),
                 _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_setzero_si256(), n)), negative));
             code[j] = _mm256_and_si256(n, _mm256_set1_epi32(0xF));
         } else if (fmt == FMT_FP8) {
-            code[j] = w_e4m3_code(x[j], inv);
+            code[j] = w_e4m3_code(x[j], inv, 0); /* no NaN: a block holding one stores zeros */
         } else {
             code[j] = _mm256_cvtps_epi32(y); /* nearest even, as rne */
             if (!second) code[j] = _mm256_max_epi32(code[j], _mm256_set1_epi32(-127));
         }
-        if (second && fmt != FMT_INT4) { /* a positive exp_avg_sq never takes code 0 */
-            __m256i lift = _mm256_and_si256(
-                _mm256_cmpeq_epi32(code[j], _mm256_setzero_si256()),
-                _mm256_castps_si256(_mm256_cmp_ps(x[j], zero, _CMP_GT_OQ)));
-            code[j] = _mm256_sub_epi32(code[j], lift);
-        }
+        if (second && fmt != FMT_INT4) /* a positive exp_avg_sq never takes code 0 (as vb_encode) */
+            code[j] = _mm256_max_epi32(code[j], _mm256_min_epi32(_mm256_castps_si256(x[j]),
+                                                                 _mm256_set1_epi32(1)));
     }
     if (fmt != FMT_INT4) {
         wb_store_bytes(c + i, code[0], code[1], fmt == FMT_INT8 && !second);
@@ -368,11 +394,27 @@ WO_AVX2_INLINE void wb_moments(int64_t k, float *restrict p, const float *restri
     const __m256 inv_bc2 = _mm256_set1_ps(h->inv_bias_correction2);
     const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
     const float m_old = *ms, v_old = *vs;
-    const __m256 m_scale = _mm256_set1_ps(m_old), v_scale = _mm256_set1_ps(v_old);
-    float LM[16] = {0}, LV[16] = {0};
-    if (fmt == FMT_INT4) int4_tables(m_old, v_old, LM, LV);
-    const __m256 m_low = _mm256_loadu_ps(LM), m_high = _mm256_loadu_ps(LM + 8);
-    const __m256 v_low = _mm256_loadu_ps(LV), v_high = _mm256_loadu_ps(LV + 8);
+    if (fmt == FMT_FP8) { /* a block holding a NaN code runs the portable loop (as vb_moments) */
+        const __m128i top = _mm_set1_epi8((char)0x80);
+        __m128i high = top;
+        for (int64_t i = 0; i < k; i += 16) {
+            high = _mm_max_epu8(high, _mm_or_si128(_mm_loadu_si128((const __m128i *)(mc + i)), top));
+            high = _mm_max_epu8(high, _mm_or_si128(_mm_loadu_si128((const __m128i *)(vc + i)), top));
+        }
+        if (_mm_movemask_epi8(_mm_cmpeq_epi8(high, _mm_set1_epi8((char)0xFF)))) {
+            block_moments(k, p, g, mc, vc, ms, vs, h, adam_w_mode, fmt);
+            return;
+        }
+    }
+    /* FP8: the decode's fp16 is the value times 2^-8 (w_decode16) */
+    const __m256 m_scale = _mm256_set1_ps(fmt == FMT_FP8 ? m_old * 256.0f : m_old);
+    const __m256 v_scale = _mm256_set1_ps(fmt == FMT_FP8 ? v_old * 256.0f : v_old);
+    /* int4: the block's tables (wo_int4_signed_mags) */
+    const __m256 m_low = _mm256_mul_ps(_mm256_load_ps(wo_int4_signed_mags), m_scale);
+    const __m256 m_high = _mm256_mul_ps(_mm256_load_ps(wo_int4_signed_mags + 8), m_scale);
+    const __m256 r_low = _mm256_mul_ps(_mm256_load_ps(wo_int4_roots), v_scale);
+    const __m256 r_high = _mm256_mul_ps(_mm256_load_ps(wo_int4_roots + 8), v_scale);
+    const __m256 v_low = _mm256_mul_ps(r_low, r_low), v_high = _mm256_mul_ps(r_high, r_high);
     float M[WO_QBLOCK_MAX], S[WO_QBLOCK_MAX];
     __m256i ma = _mm256_setzero_si256(), va = _mm256_setzero_si256();
     for (int64_t i = 0; i < k; i += 16) {
