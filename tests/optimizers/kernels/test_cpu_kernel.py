@@ -634,6 +634,8 @@ def test_a_compiler_without_the_vector_intrinsics_gets_the_portable_loops(
     cpu_kernel.adamw_step_(*want, **hyper, exp_avg_scales=want_scales[0],
                            exp_avg_sq_scales=want_scales[1])  # fmt: skip
     monkeypatch.setenv("CC", str(fake))
+    # A run that forces a vector family (WRAPPED_OPTIM_CPU_LOOPS) would ask this build for one.
+    monkeypatch.delenv("WRAPPED_OPTIM_CPU_LOOPS", raising=False)
     cpu_kernel._reset_for_tests()
     s = cpu_kernel.status()
     assert s.available and s.loops == "portable" and s.loop_families == ("portable",)
