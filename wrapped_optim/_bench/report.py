@@ -517,7 +517,7 @@ def render_report(
             f"Measured by hand, outside these topics: [{BY_HAND_PAGE}]({TOPIC_DIR}/{BY_HAND_PAGE})"
             " (the every-step stale-master watch, the CPU kernel and the demo on a busy machine,"
             " the staged save on Megatron's precision-aware DistributedOptimizer, the checkpoint"
-            " converter at 92M and 747M parameters (1.5B partly), and the block-scaled"
+            " converter at 92M, 747M and 1.5B parameters, and the block-scaled"
             " moments' loops step by step, by thread CPU time; the precision_adam and hybrid"
             " sections above measure the block formats beside the peers in one run).",
             "",
