@@ -8,6 +8,7 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -155,3 +156,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def pytest_make_collect_report(collector: pytest.Collector) -> Any:
     outcome = yield
     fail_megatron_import_skip(outcome.get_result())
+
+
+@pytest.fixture
+def one_process_group() -> Iterator[None]:
+    """A real one-process gloo group for DTensor and mesh tests on the CPU; one already there
+    (a test that made its own) is used and left alone."""
+    dist = torch.distributed
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()

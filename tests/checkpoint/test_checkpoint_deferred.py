@@ -4,8 +4,6 @@ writes them; what an asynchronous save stages is detached from the live optimize
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -266,18 +264,9 @@ def test_a_copy_is_made_on_the_host_whatever_the_default_device() -> None:
 
 
 @pytest.fixture
-def mesh(tmp_path: Path) -> Iterator[DeviceMesh]:
-    """A one-process gloo group and its CPU mesh (the group already there, if any)."""
-    dist = torch.distributed
-    created = not dist.is_initialized()
-    if created:
-        store = f"file://{tmp_path / 'store'}"
-        dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (dist.get_world_size(),))
-    finally:
-        if created:
-            dist.destroy_process_group()
+def mesh(one_process_group: None) -> DeviceMesh:
+    """The one-process gloo group's CPU mesh."""
+    return init_device_mesh("cpu", (torch.distributed.get_world_size(),))
 
 
 @pytest.mark.parametrize("cls", [PrecisionAwareAdamW, _WholeStatesOnly])

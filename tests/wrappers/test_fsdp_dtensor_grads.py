@@ -5,12 +5,10 @@ same local shape, so only the placements tell them apart."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -20,19 +18,12 @@ FULL = torch.linspace(-1.0, 1.0, 24).reshape(6, 4)
 
 
 @pytest.fixture
-def meshes() -> Iterator[tuple[DeviceMesh, DeviceMesh]]:
+def meshes(one_process_group: None) -> tuple[DeviceMesh, DeviceMesh]:
     """Two CPU meshes over the one rank, told apart by their dimension names."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield (
-            init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)),
-            init_device_mesh("cpu", (1,), mesh_dim_names=("shard",)),
-        )
-    finally:
-        if created:
-            dist.destroy_process_group()
+    return (
+        init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)),
+        init_device_mesh("cpu", (1,), mesh_dim_names=("shard",)),
+    )
 
 
 class _SeenGrads(torch.optim.Optimizer):
