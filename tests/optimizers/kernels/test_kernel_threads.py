@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.kernel_support import needs_kernel
+from wrapped_optim.optimizers.kernels import _build as _kernel_build
 from wrapped_optim.optimizers.kernels import _threads as _kernel_threads
 from wrapped_optim.optimizers.kernels import cpu_kernel
 
@@ -90,3 +91,46 @@ def test_the_kernel_uses_the_default_count(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(os, "getloadavg", lambda: (50.0, 50.0, 50.0))
     cpu_kernel.adamw_step_(*operands, num_threads=2, **options)
     assert seen[-1] == 2  # an explicit count is the caller's
+
+
+def test_a_step_asks_for_the_cores_cheaply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each kernel call asks for its thread count: one thread looks at nothing, and this
+    process's own quota is read at most once a second (a read costs tens of microseconds,
+    a share of a small step), while other cgroup paths are read each time."""
+    monkeypatch.setattr(_kernel_threads, "usable_cores", lambda: pytest.fail("cores asked"))
+    assert _kernel_threads.default_threads(1, own_threads=1) == 1
+    monkeypatch.undo()
+
+    reads: list[Path] = []
+    real_read = _kernel_threads._read
+
+    def counting(path: Path) -> str | None:
+        reads.append(path)
+        return real_read(path)
+
+    clock = [1000.0]
+    monkeypatch.setattr(_kernel_threads, "_read", counting)
+    monkeypatch.setattr(_kernel_threads.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(_kernel_threads, "_own_limit", None)
+    first = _kernel_threads.cgroup_cpu_limit()
+    assert reads and reads[0] == _kernel_threads._PROC_CGROUP
+    count = len(reads)
+    clock[0] += 0.9
+    assert _kernel_threads.cgroup_cpu_limit() == first
+    assert len(reads) == count  # reused within the second
+    clock[0] += 0.2
+    assert _kernel_threads.cgroup_cpu_limit() == first
+    assert len(reads) == 2 * count  # read again after it
+    tmp = reads[0].parent
+    assert _kernel_threads.cgroup_cpu_limit(Path("/nonexistent"), tmp / "none") is None
+    assert len(reads) > 2 * count  # another path is read, not the cached quota
+
+
+def test_the_kernel_is_found_available_without_a_compiler_search(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step asks whether the kernel is available for every param: the answer is the loaded
+    library's, never a new search for a compiler on PATH (status() reports that)."""
+    expected = cpu_kernel.status().available
+    monkeypatch.setattr(_kernel_build, "find_compiler", lambda: pytest.fail("searched"))
+    assert cpu_kernel.available() is expected

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 __all__ = ["cgroup_cpu_limit", "default_threads", "usable_cores"]
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _PROC_CGROUP = Path("/proc/self/cgroup")
+#: How long this process's own quota is reused (seconds): reading it takes tens of
+#: microseconds and a multi-threaded step asks each time; a resized quota is seen this late.
+_OWN_LIMIT_TTL = 1.0
+_own_limit: tuple[float, float | None] | None = None  # (read at, quota)
 
 
 def _read(path: Path) -> str | None:
@@ -71,6 +76,16 @@ def cgroup_cpu_limit(root: Path = _CGROUP_ROOT, proc_cgroup: Path = _PROC_CGROUP
         >>> cgroup_cpu_limit(root, root / "cgroup")
         1.5
     """
+    global _own_limit
+    if root != _CGROUP_ROOT or proc_cgroup != _PROC_CGROUP:
+        return _read_limit(root, proc_cgroup)
+    now = time.monotonic()
+    if _own_limit is None or now - _own_limit[0] >= _OWN_LIMIT_TTL:
+        _own_limit = (now, _read_limit(root, proc_cgroup))
+    return _own_limit[1]
+
+
+def _read_limit(root: Path, proc_cgroup: Path) -> float | None:
     text = _read(proc_cgroup) or ""
     for line in text.splitlines():
         hierarchy, _, path = line.partition("::")
@@ -114,6 +129,8 @@ def default_threads(
         >>> default_threads(16, own_threads=16, cores=4, load=0.5)  # affinity: 4 cores
         4
     """
+    if wanted <= 1:
+        return 1  # one thread needs no look at the cores (a step calls this each time)
     cores = usable_cores() if cores is None else cores
     threads = max(1, min(wanted, cores))
     if threads == 1:
