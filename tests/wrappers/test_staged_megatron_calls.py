@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from wrapped_optim import StagedCheckpointOptimizer
+from wrapped_optim import PrecisionAwareAdamW, StagedCheckpointOptimizer
 from wrapped_optim._staging.engine import StagingStats
 
 
@@ -83,3 +83,27 @@ def test_a_loading_scaffold_arms_the_common_read_until_the_load_or_the_next_step
         "load_parameter_state": lambda: stack.load_parameter_state("params.pt"),
     }[ends_it]()
     assert load_common() == original
+
+
+class RecordingHolder(PrecisionAwareAdamW):
+    """A precision-aware holder with Megatron's scaffold method, recording whether the staged
+    load's chunked writer is in place while the scaffold is built."""
+
+    def __init__(self) -> None:
+        super().__init__([torch.nn.Parameter(torch.ones(8))], lr=0.1, exp_avg_dtype=torch.bfloat16)
+        self.writer_patched: list[bool] = []
+
+    def sharded_state_dict(self, model: Any, is_loading: bool = False, **kwargs: Any) -> Any:
+        self.writer_patched.append("set_scaled_state" in vars(self))
+        return {}
+
+
+def test_only_a_loading_scaffold_is_built_under_the_loading_scopes() -> None:
+    """A save's scaffold must not run under the staged load: its writer would quantize
+    whatever Megatron writes into the holder meanwhile chunk by chunk, as if it were a load."""
+    holder = RecordingHolder()
+    stack = StagedCheckpointOptimizer(holder)
+    stack.sharded_state_dict({}, is_loading=False)
+    stack.sharded_state_dict({}, is_loading=True)
+    assert holder.writer_patched == [False, True]
+    assert "set_scaled_state" not in vars(holder)  # both scopes ended
