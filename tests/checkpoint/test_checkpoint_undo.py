@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,40 @@ def test_a_holders_scales_are_put_back_with_its_stored_state(tmp_path: Path) -> 
     assert opt.state[params[0]] is entry
     assert all(entry[name] is tensor for name, tensor in tensors.items())
     assert torch.equal(params[0], stepped)  # no wrapper: the weights were not kept
+
+
+def test_a_hybrids_own_loader_waits_for_its_regions_even_with_the_worker_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal's worker normally keeps every planned region long before the load writes;
+    held back here until the loader has written, it leaves before_install() to journal what
+    the hybrid's own loader overwrites, in the calling thread, so the rollback still has the
+    old bytes."""
+    release = threading.Event()
+    work = journal_module.UndoJournal._work
+
+    def held_back(journal: journal_module.UndoJournal) -> None:
+        release.wait(timeout=30)
+        work(journal)
+
+    monkeypatch.setattr(journal_module.UndoJournal, "_work", held_back)
+    params = [torch.nn.Parameter(torch.arange(6.0)), torch.nn.Parameter(torch.ones(4))]
+    opt = _stepped(HybridOffloadOptimizer(params, offload_fraction=0.5, lr=0.1))
+    before = copy.deepcopy(opt.state_dict())
+    undo = _Undo.take(opt, [], with_params=False, journal_dir=tmp_path)
+    assert undo.own is not None and undo.installs
+    undo.before_install()
+    changed = copy.deepcopy(before)
+    with torch.no_grad():
+        for entry in changed["state"].values():
+            for name, value in entry.items():
+                if name != "step":
+                    value.fill_(2.0)
+    opt.load_state_dict(changed)  # writes the sub-optimizers' tensors in place
+    release.set()  # the worker now finds the regions kept (or would keep the new bytes)
+    undo.restore()
+    undo.close()
+    assert_state_dict_equal(opt.state_dict(), before)
 
 
 def test_a_plain_optimizer_keeps_no_tables_and_no_own_undo(tmp_path: Path) -> None:

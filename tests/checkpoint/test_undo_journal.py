@@ -1007,14 +1007,16 @@ def test_o_direct_puts_larger_than_the_buffer_go_window_by_window(
         raise OSError(errno.EINVAL, "not for O_DIRECT")
 
     monkeypatch.setattr(journal_module, "_span", refusing)
-    storage, region = _at_page_offset(page_offset, 30_000)
+    # 34,000 bytes: 7 whole pages after the partial first one, so 3.5 windows of 8 KiB (the
+    # last one shorter than the buffer)
+    storage, region = _at_page_offset(page_offset, 34_000)
     before = storage.clone()
     with UndoJournal(tmp_path, piece_bytes=1 << 20) as journal:
         assert journal.direct
         journal.keep_now(storage[page_offset + 1 : page_offset + 1])  # empty, off a page
         assert _file_size(journal) == 4096
         journal.keep_now(region)
-        assert _file_size(journal) == 2 * 4096 + journal._aligned(page_offset + 30_000)
+        assert _file_size(journal) == 2 * 4096 + journal._aligned(page_offset + 34_000)
         region.fill_(3)
         journal.rollback()
     assert torch.equal(storage, before)
