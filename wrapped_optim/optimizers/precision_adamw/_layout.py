@@ -7,6 +7,8 @@ is an int16 remainder, which kernels may run, the step's slice size.
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
 from torch import Tensor
@@ -67,7 +69,7 @@ class PrecisionLayout:
         """The moments' block format, or None (TE's formats)."""
         if self.block_format is None:
             return None
-        return blocks.BlockFormat(self.block_format, self.block_size)
+        return _block_format(self.block_format, self.block_size)
 
     def is_blocked(self, state_name: str) -> bool:
         """Whether a state is stored block-scaled (the moments, with a block format)."""
@@ -106,3 +108,9 @@ class PrecisionLayout:
         return not self.uses_remainder(param, state_name) and codecs.is_scaled(
             self.dtype_of(state_name)
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _block_format(name: str, size: int) -> blocks.BlockFormat:
+    """One validated (frozen) format per name and size: a step asks for it for every param."""
+    return blocks.BlockFormat(name, size)
