@@ -125,6 +125,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "checkpoint._save": (
         ["wrapped_optim/checkpoint/_save.py"],
         [
+            "tests/checkpoint/test_checkpoint_save_shards.py",
             "tests/checkpoint/test_checkpoint_faults.py",
             "tests/checkpoint/test_checkpoint_atomic.py",
             "tests/checkpoint/test_checkpoint.py",
