@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from wrapped_optim.checkpoint import StreamingSavePlanner, save_optimizer
@@ -189,3 +189,38 @@ def test_the_second_ranks_shard_is_written_at_its_rows_and_read_back_exactly(
     for name, read in out["state"][0].items():
         expected = opt.get_unscaled_state(param, name).to_local()  # type: ignore[attr-defined]
         assert torch.equal(read.to_local(), expected), name
+
+
+def test_a_plain_optimizers_sharded_state_is_written_as_its_shard(
+    mesh: DeviceMesh, tmp_path: Path
+) -> None:
+    full = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(2))
+    param = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+    opt = torch.optim.AdamW([param], lr=0.1)
+    param.grad = distribute_tensor(full * 0.5, mesh, [Shard(0)])
+    opt.step()
+    metadata = save_optimizer(opt, tmp_path, chunk_bytes=12)  # DTensors are not cut in rows
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert _chunks(metadata.state_dict_metadata[f"state.0.{name}"]) == [([0, 0], [ROWS, COLS])]
+    out = {"state": {0: {n: torch.zeros(ROWS, COLS) for n in ("exp_avg", "exp_avg_sq")}}}
+    dcp.load(out, checkpoint_id=tmp_path, no_dist=True)
+    for name, read in out["state"][0].items():
+        assert torch.equal(read, opt.state[param][name].to_local()), name
+
+
+def test_a_replicated_scalar_params_state_is_read_from_its_start(
+    mesh: DeviceMesh, tmp_path: Path
+) -> None:
+    param = torch.nn.Parameter(distribute_tensor(torch.tensor(2.0), mesh, [Replicate()]))
+    opt = PrecisionAwareAdamW(
+        [param], lr=0.1, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.uint8
+    )
+    param.grad = distribute_tensor(torch.tensor(0.75), mesh, [Replicate()])
+    opt.step()
+    metadata = save_optimizer(opt, tmp_path, chunk_bytes=2)
+    out = {"state": {0: {n: torch.tensor(float("nan")) for n in ("exp_avg", "exp_avg_sq")}}}
+    dcp.load(out, checkpoint_id=tmp_path, no_dist=True)
+    for name, read in out["state"][0].items():
+        assert _chunks(metadata.state_dict_metadata[f"state.0.{name}"]) == [([], [])]
+        expected = opt.get_unscaled_state(param, name).to_local()  # type: ignore[attr-defined]
+        assert read.item() != 0.0 and torch.equal(read, expected), name
