@@ -132,9 +132,11 @@ def test_each_chunk_is_freed_once_the_writer_asks_for_the_next(tmp_path: Path) -
     writer = _Recording(tmp_path / "ckpt")
     metadata = save_optimizer(opt, tmp_path / "ckpt", storage_writer=writer, chunk_bytes=32)
     assert _chunks(metadata, "state.0.exp_avg") == [([r, 0], [2, 4]) for r in (0, 2, 4)]
-    assert len(writer.chunks) == 8  # three chunks of each moment, and the scalar's two
+    count = len(writer.chunks)  # (a freed chunk's repr would crash a failing assert)
+    assert count == 8  # three chunks of each moment, and the scalar's two
     assert writer.previous_kept == [0] * 7  # freed when the next one is asked for
-    assert [c.untyped_storage().nbytes() for c in writer.chunks] == [0] * 8  # the last too
+    left = [c.untyped_storage().nbytes() for c in writer.chunks]
+    assert left == [0] * 8  # the last one too, after the save
     out = {
         "state": {
             i: {n: torch.zeros(s) for n in ("exp_avg", "exp_avg_sq")}
@@ -158,7 +160,8 @@ def test_an_async_save_writes_through_the_callers_writer_in_its_own_thread(tmp_p
     metadata = future.result(timeout=60)
     assert [name.rsplit("_", 1)[0] for name in writer.threads] == ["wrapped_optim-save"]
     assert _chunks(metadata, "state.0.exp_avg_sq") == [([0, 0], [3, 4]), ([3, 0], [3, 4])]
-    assert len(writer.chunks) == 4
+    count = len(writer.chunks)  # (a freed chunk's repr would crash a failing assert)
+    assert count == 4
     assert _chunks(FileSystemReader(tmp_path / "ckpt").read_metadata(), "state.0.exp_avg") == [
         ([0, 0], [3, 4]),
         ([3, 0], [3, 4]),

@@ -124,6 +124,17 @@ def test_another_ranks_shard_is_split_at_its_own_rows_of_the_whole_tensor() -> N
         assert item.tensor_data.properties == TensorProperties(dtype=torch.float32)
 
 
+def test_a_shard_is_split_by_the_element_size_of_its_expansion() -> None:
+    shard = _shard("state.1.master_param", [4, 2], [5, 3], [12, 6])
+    items = _shard_write_items(shard, torch.int16, 12)  # 6-byte rows of an int16 remainder
+    assert [(list(i.index.offset), list(i.tensor_data.chunk.sizes)) for i in items] == [  # type: ignore[union-attr]
+        ([4, 2], [2, 3]),
+        ([6, 2], [2, 3]),
+        ([8, 2], [1, 3]),
+    ]
+    assert {i.tensor_data.properties.dtype for i in items} == {torch.int16}  # type: ignore[union-attr]
+
+
 def test_a_shard_in_one_chunk_is_kept_with_the_expansions_dtype() -> None:
     shard = _shard("state.1.master_param", [4, 2], [5, 3], [12, 6])
     for chunk_bytes in (None, 60, 1000):
