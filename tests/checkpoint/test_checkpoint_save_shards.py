@@ -114,7 +114,7 @@ def test_another_ranks_shard_is_split_at_its_own_rows_of_the_whole_tensor() -> N
         _shard("state.3.exp_avg", [4, 2], [5, 3], [12, 6]), torch.float32, 24
     )
     expected = [([4, 2], [2, 3]), ([6, 2], [2, 3]), ([8, 2], [1, 3])]
-    assert [(list(i.index.offset), list(i.tensor_data.chunk.sizes)) for i in items] == expected  # type: ignore[union-attr]
+    assert [(list(i.index.offset), list(i.tensor_data.chunk.sizes)) for i in items] == expected  # type: ignore[union-attr,arg-type]
     for item, (offsets, _) in zip(items, expected, strict=True):
         assert item.index == MetadataIndex("state.3.exp_avg", torch.Size(offsets))
         assert item.type == WriteItemType.SHARD
@@ -127,7 +127,7 @@ def test_another_ranks_shard_is_split_at_its_own_rows_of_the_whole_tensor() -> N
 def test_a_shard_is_split_by_the_element_size_of_its_expansion() -> None:
     shard = _shard("state.1.master_param", [4, 2], [5, 3], [12, 6])
     items = _shard_write_items(shard, torch.int16, 12)  # 6-byte rows of an int16 remainder
-    assert [(list(i.index.offset), list(i.tensor_data.chunk.sizes)) for i in items] == [  # type: ignore[union-attr]
+    assert [(list(i.index.offset), list(i.tensor_data.chunk.sizes)) for i in items] == [  # type: ignore[union-attr,arg-type]
         ([4, 2], [2, 3]),
         ([6, 2], [2, 3]),
         ([8, 2], [1, 3]),
