@@ -125,6 +125,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "checkpoint._save": (
         ["wrapped_optim/checkpoint/_save.py"],
         [
+            "tests/checkpoint/test_checkpoint_save.py",
+            "tests/checkpoint/test_checkpoint_save_shards.py",
+            # Two real gloo processes (about 4 s): a save in a subgroup, told from the world.
+            "tests/checkpoint/test_checkpoint_save_subgroup.py",
             "tests/checkpoint/test_checkpoint_faults.py",
             "tests/checkpoint/test_checkpoint_atomic.py",
             "tests/checkpoint/test_checkpoint.py",

@@ -1,0 +1,88 @@
+"""``save_optimizer`` coordinates over the process group it is given
+(``wrapped_optim.checkpoint._save``), in the calling thread and in an asynchronous save's.
+Real gloo, two processes: this test's process is global rank 1 and saves alone in the
+subgroup ``[1]``; a helper process, global rank 0, never enters a collective, so a save that
+used the default group would wait for it and fail after the group's timeout."""
+
+from __future__ import annotations
+
+import multiprocessing
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from wrapped_optim.checkpoint import save_optimizer
+
+WORLD = 2
+COLLECTIVE_TIMEOUT = timedelta(seconds=10)  # a collective on the wrong group fails after this
+START_TIMEOUT = timedelta(seconds=120)  # the helper importing torch on a busy machine
+
+
+def _helper(port: int) -> None:
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=START_TIMEOUT)
+    try:
+        store.set("up/0", "1")
+        dist.init_process_group(
+            "gloo", store=store, rank=0, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
+        )
+        dist.new_group([1])  # every rank creates every group
+        store.wait(["done"], START_TIMEOUT)
+        store.set("result/0", "ok")
+    except BaseException:
+        store.set("result/0", traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _read_back(path: Path, shape: torch.Size) -> torch.Tensor:
+    out = {"state": {0: {"exp_avg": torch.zeros(shape)}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(out, checkpoint_id=path, no_dist=True)
+    return out["state"][0]["exp_avg"]
+
+
+@pytest.mark.slow  # about 5 s: a helper process starts and imports torch
+def test_a_save_in_a_subgroup_waits_for_the_subgroup_only(tmp_path: Path) -> None:
+    assert not dist.is_initialized()
+    store = dist.TCPStore(
+        "127.0.0.1", 0, WORLD, is_master=True, timeout=START_TIMEOUT, wait_for_workers=False
+    )
+    helper = multiprocessing.get_context("spawn").Process(target=_helper, args=(store.port,))
+    helper.start()
+    try:
+        store.wait(["up/0"], START_TIMEOUT)
+        dist.init_process_group(
+            "gloo", store=store, rank=1, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
+        )
+        try:
+            group = dist.new_group([1])
+            param = torch.nn.Parameter(torch.ones(4, 2))
+            opt = torch.optim.AdamW([param], lr=0.1)
+            param.grad = torch.linspace(-1.0, 1.0, 8).reshape(4, 2)
+            opt.step()
+            save_optimizer(opt, tmp_path / "sync", process_group=group, chunk_bytes=8)
+            future = save_optimizer(
+                opt, tmp_path / "async", process_group=group, chunk_bytes=8, async_=True
+            )
+            future.result(timeout=START_TIMEOUT.total_seconds())
+            for name in ("sync", "async"):
+                read = _read_back(tmp_path / name, param.shape)
+                assert torch.equal(read, opt.state[param]["exp_avg"]), name
+        finally:
+            store.set("done", "1")
+            dist.destroy_process_group()
+        helper.join(START_TIMEOUT.total_seconds())
+        assert store.get("result/0").decode() == "ok"
+    finally:
+        store.set("done", "1")
+        if helper.is_alive():
+            helper.kill()
+            helper.join()
