@@ -26,7 +26,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from tests.checkpoint.test_checkpoint import ToyPrecisionMomentum
 from wrapped_optim.checkpoint import (
     OptimizerCheckpointError,
     StreamingLoadPlanner,
@@ -459,3 +462,221 @@ def test_the_planner_used_directly_journals_and_checks_by_default(tmp_path: Path
         assert planner.state[0]["exp_avg"][0, 0] == math.inf
     finally:
         undo.close()
+
+
+# ------------------------------------------------------------------------------------------
+# Precision-aware holders
+# ------------------------------------------------------------------------------------------
+class _RecordingHolder(ToyPrecisionMomentum):
+    """The chunked toy holder, recording what its chunked writer is handed."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params)
+        self.handed: list[tuple[str, torch.Tensor, int]] = []
+
+    def write_scaled_state_chunked(
+        self, p: torch.Tensor, name: str, source: torch.Tensor, chunk_numel: int
+    ) -> None:
+        self.handed.append((name, source, chunk_numel))
+        super().write_scaled_state_chunked(p, name, source, chunk_numel)
+
+
+@pytest.mark.parametrize(("chunk_bytes", "chunk_numel"), [(2, 1), (4, 1), (8, 2), (64, 16)])
+def test_a_holder_quantizes_in_chunk_bytes_and_frees_the_accumulator(
+    chunk_bytes: int, chunk_numel: int, tmp_path: Path
+) -> None:
+    source = _stepped(ToyPrecisionMomentum(_params()))
+    save_optimizer(source, tmp_path)
+    opt = _stepped(_RecordingHolder(_params(seed=2)), steps=1)
+    load_optimizer(opt, tmp_path, chunk_bytes=chunk_bytes)
+    assert [name for name, _, _ in opt.handed] == ["exp_avg_sq"] * len(SHAPES)
+    for _, accumulator, numel in opt.handed:
+        assert numel == chunk_numel
+        assert accumulator.untyped_storage().size() == 0  # not adopted: released at once
+    for p, q in zip(opt.param_groups[0]["params"], source.param_groups[0]["params"], strict=True):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], source.state[q]["exp_avg_sq"])
+
+
+class _TorchLoaderHolder(ToyPrecisionMomentum):
+    """A holder that keeps torch's own loader."""
+
+    load_state_dict = torch.optim.Optimizer.load_state_dict  # type: ignore[assignment]
+
+
+def test_a_holder_is_installed_in_place_whatever_its_loader(tmp_path: Path) -> None:
+    source = _stepped(ToyPrecisionMomentum(_params()))
+    save_optimizer(source, tmp_path)
+    opt = _stepped(_TorchLoaderHolder(_params(seed=2)), steps=1)
+    load_optimizer(opt, tmp_path)
+    for p, q in zip(opt.param_groups[0]["params"], source.param_groups[0]["params"], strict=True):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][name], source.state[q][name]), name
+    assert opt.param_groups[0]["step"] == 2
+
+
+def test_a_holders_group_step_saved_as_a_float_loads_as_an_int(tmp_path: Path) -> None:
+    source = _stepped(ToyPrecisionMomentum(_params()))
+    state_dict = checkpoint_roundtrip(source.state_dict())
+    state_dict["param_groups"][0]["step"] = 2.0
+    _dcp_save(state_dict, tmp_path)
+    opt = ToyPrecisionMomentum(_params(seed=2))
+    load_optimizer(opt, tmp_path)
+    step = opt.param_groups[0]["step"]
+    assert type(step) is int and step == 2
+
+
+def _remainder_adamw(seed: int, shapes: list[tuple[int, ...]] | None = None) -> Any:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    g = torch.Generator().manual_seed(seed)
+    params = [
+        torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16))
+        for s in (shapes or SHAPES)
+    ]
+    return PrecisionAwareAdamW(
+        params,
+        lr=0.01,
+        master_weights=True,
+        store_param_remainders=True,
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.float16,
+    )
+
+
+def test_a_holders_remainders_and_bf16_moments_are_read_in_place(tmp_path: Path) -> None:
+    source = _stepped(_remainder_adamw(0))
+    save_optimizer(source, tmp_path)
+    opt = _stepped(_remainder_adamw(2), steps=1)
+    live = {(id(p), n): t for p in opt.param_groups[0]["params"] for n, t in opt.state[p].items()}
+    written: list[str] = []
+    for method in ("set_scaled_state", "write_scaled_state_chunked"):
+        original = getattr(opt, method)
+        setattr(
+            opt, method, lambda p, name, *a, _o=original: (written.append(name), _o(p, name, *a))
+        )
+    load_optimizer(opt, tmp_path)
+    assert sorted(written) == ["exp_avg_sq"] * len(SHAPES)  # only the scaled fp16 state
+    for p in opt.param_groups[0]["params"]:
+        assert opt.state[p]["master_param"] is live[(id(p), "master_param")]
+        assert opt.state[p]["master_param"].dtype == torch.int16
+        assert opt.state[p]["exp_avg"] is live[(id(p), "exp_avg")]
+    for p, q in zip(opt.param_groups[0]["params"], source.param_groups[0]["params"], strict=True):
+        for name in ("master_param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][name], source.state[q][name]), name
+
+
+def test_a_value_too_large_for_a_holders_storage_is_refused(tmp_path: Path) -> None:
+    opt = _stepped(_remainder_adamw(0))
+    state_dict = checkpoint_roundtrip(opt.state_dict())
+    state_dict["state"][1]["exp_avg"][2] = 3.4e38  # beyond bf16, within FP32
+    _dcp_save(state_dict, tmp_path)
+    before = checkpoint_roundtrip(opt.state_dict())
+    problem = r"param 1: state 'exp_avg' has a value of magnitude .* its bf16 storage"
+    with pytest.raises(OptimizerCheckpointError, match=problem):
+        load_optimizer(opt, tmp_path)
+    assert_state_dict_equal(before, checkpoint_roundtrip(opt.state_dict()))
+
+
+def test_every_zero_element_holder_state_is_written(tmp_path: Path) -> None:
+    """Zero-element states have no read: each is written empty, after other states too, in
+    the holder's dtype on the param's device (never the defaults)."""
+    shapes = [(3,), (0,), (2, 0)]
+    source = _stepped(_remainder_adamw(0, shapes))
+    save_optimizer(source, tmp_path)
+    fresh = _remainder_adamw(1, shapes)
+    with _default_dtype(torch.float64):
+        load_optimizer(fresh, tmp_path)
+    for p, q in zip(fresh.param_groups[0]["params"], source.param_groups[0]["params"], strict=True):
+        assert fresh.state[p].keys() == source.state[q].keys()
+        for name, value in source.state[q].items():
+            assert fresh.state[p][name].dtype == value.dtype, name
+            assert torch.equal(fresh.state[p][name], value), name
+
+
+def test_a_zero_element_param_of_a_torch_optimizer_round_trips(tmp_path: Path) -> None:
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(0))]
+    source = _stepped(torch.optim.Adam(params, lr=0.1))
+    save_optimizer(source, tmp_path)
+    fresh = torch.optim.Adam([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1.0)
+    load_optimizer(fresh, tmp_path)
+    assert_state_dict_equal(
+        checkpoint_roundtrip(source.state_dict()), checkpoint_roundtrip(fresh.state_dict())
+    )
+
+
+def test_a_holder_keeps_its_own_param_names(tmp_path: Path) -> None:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    def named(names: tuple[str, str], seed: int) -> Any:
+        pairs = list(zip(names, _params(seed=seed), strict=True))
+        return PrecisionAwareAdamW(pairs, lr=0.01, exp_avg_dtype=torch.bfloat16)
+
+    source = _stepped(named(("a", "b"), 0))
+    save_optimizer(source, tmp_path)
+    opt = _stepped(named(("x", "y"), 2), steps=1)
+    load_optimizer(opt, tmp_path)
+    assert opt.param_groups[0]["param_names"] == ["x", "y"]
+    assert opt.param_groups[0]["lr"] == 0.01
+
+
+# ------------------------------------------------------------------------------------------
+# Sharded (DTensor) params on a one-process gloo group's CPU mesh
+# ------------------------------------------------------------------------------------------
+@pytest.fixture
+def mesh(one_process_group: None) -> DeviceMesh:
+    return init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+
+def _sharded(mesh: DeviceMesh, seed: int) -> list[torch.nn.Parameter]:
+    return [
+        torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]))
+        for p in _params(seed=seed)
+    ]
+
+
+def _sharded_step(opt: Any, seed: int = 1) -> Any:
+    for p in opt.param_groups[0]["params"]:
+        full = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+        p.grad = distribute_tensor(full, p.device_mesh, p.placements)
+    opt.step()
+    return opt
+
+
+def _locals(opt: Any, p: torch.Tensor, name: str) -> torch.Tensor:
+    value = opt.state[p][name]
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def test_a_sharded_param_without_state_is_refused(mesh: DeviceMesh, tmp_path: Path) -> None:
+    source = _sharded_step(torch.optim.Adam(_sharded(mesh, 0), lr=0.1))
+    save_optimizer(source, tmp_path)
+    fresh = torch.optim.Adam(_sharded(mesh, 1), lr=0.1)
+    with pytest.raises(OptimizerCheckpointError) as raised:
+        load_optimizer(fresh, tmp_path)
+    assert str(raised.value) == (
+        "param 0: state 'step': the optimizer has no state for this sharded (DTensor) "
+        "parameter yet; initialise it first (wrapped_optim.init_optimizer_state)"
+    )
+
+
+@pytest.mark.parametrize("kind", ["adam", "precision"])
+def test_sharded_state_is_read_into_its_shards(kind: str, mesh: DeviceMesh, tmp_path: Path) -> None:
+    from wrapped_optim.optimizers import PrecisionAwareAdamW
+
+    def make(seed: int) -> Any:
+        if kind == "adam":
+            return torch.optim.Adam(_sharded(mesh, seed), lr=0.1)
+        return PrecisionAwareAdamW(
+            _sharded(mesh, seed), lr=0.1, exp_avg_dtype=torch.bfloat16,
+            exp_avg_sq_dtype=torch.float16,
+        )  # fmt: skip
+
+    source = _sharded_step(make(0))
+    save_optimizer(source, tmp_path)
+    opt = _sharded_step(make(1), seed=5)
+    live = {(id(p), n): t for p in opt.param_groups[0]["params"] for n, t in opt.state[p].items()}
+    load_optimizer(opt, tmp_path)
+    for p, q in zip(opt.param_groups[0]["params"], source.param_groups[0]["params"], strict=True):
+        assert opt.state[p]["exp_avg"] is live[(id(p), "exp_avg")]  # in place
+        for name in source.state[q]:
+            assert torch.equal(_locals(opt, p, name), _locals(source, q, name)), name
