@@ -12,6 +12,7 @@ failure is the checkpoint's only while reading.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import math
 import tempfile
@@ -24,12 +25,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.checkpoint.test_checkpoint import ToyPrecisionMomentum
+from wrapped_optim._formats.errors import UndoJournalError
 from wrapped_optim.checkpoint import (
     OptimizerCheckpointError,
     StreamingLoadPlanner,
@@ -394,8 +397,8 @@ def test_entries_before_the_state_and_other_tensors_are_passed_over(tmp_path: Pa
     source = _stepped(torch.optim.Adam(_params(), lr=0.01))
     state_dict = checkpoint_roundtrip(source.state_dict())
     _dcp_save(
-        {"a_model": {"weight": torch.ones(2)}, "param_groups": state_dict["param_groups"],
-         "state": state_dict["state"]},
+        {"a_model": {"weight": torch.ones(2)}, "extras": [torch.ones(1)],
+         "param_groups": state_dict["param_groups"], "state": state_dict["state"]},
         tmp_path,
     )  # fmt: skip
     fresh = torch.optim.Adam(_params(seed=4), lr=1.0)
@@ -680,3 +683,81 @@ def test_sharded_state_is_read_into_its_shards(kind: str, mesh: DeviceMesh, tmp_
         assert opt.state[p]["exp_avg"] is live[(id(p), "exp_avg")]  # in place
         for name in source.state[q]:
             assert torch.equal(_locals(opt, p, name), _locals(source, q, name)), name
+
+
+# ------------------------------------------------------------------------------------------
+# load_optimizer's arguments and errors
+# ------------------------------------------------------------------------------------------
+def test_load_optimizer_needs_a_checkpoint_id_or_a_reader() -> None:
+    with pytest.raises(ValueError) as raised:
+        load_optimizer(torch.optim.SGD(_params(), lr=0.1))
+    assert str(raised.value) == "load_optimizer needs a checkpoint_id or a storage_reader"
+
+
+@pytest.mark.parametrize("chunk_bytes", [True, 1.5, "64", 0])
+def test_chunk_bytes_must_be_a_positive_int(chunk_bytes: Any, tmp_path: Path) -> None:
+    opt = _stepped(torch.optim.SGD(_params(), lr=0.1, momentum=0.9))
+    save_optimizer(opt, tmp_path)
+    with pytest.raises(ValueError) as raised:
+        load_optimizer(opt, tmp_path, chunk_bytes=chunk_bytes)
+    assert str(raised.value) == (
+        f"chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}"
+    )
+    load_optimizer(opt, tmp_path, chunk_bytes=1)  # one byte is enough
+
+
+def test_a_reader_alone_is_named_by_its_repr_when_unreadable(tmp_path: Path) -> None:
+    opt = _stepped(torch.optim.SGD(_params(), lr=0.1, momentum=0.9))
+    save_optimizer(opt, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / ".metadata").write_bytes(b"not a pickle")
+    reader = FileSystemReader(tmp_path / "ckpt")
+    with pytest.raises(OptimizerCheckpointError) as raised:
+        load_optimizer(opt, storage_reader=reader)
+    assert str(raised.value).startswith(f"cannot read the checkpoint {reader!r}: ")
+    good = FileSystemReader(tmp_path / "good")
+    save_optimizer(opt, tmp_path / "good")
+    load_optimizer(opt, storage_reader=good)  # the reader given is the one read
+
+
+class _FailingReset(FileSystemReader):
+    """A reader that fails before DCP runs (while it is reset for the checkpoint_id)."""
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        raise OSError(errno.EIO, "planted", "the reader")
+
+
+def test_an_os_error_before_reading_is_an_unreadable_checkpoint(tmp_path: Path) -> None:
+    opt = _stepped(torch.optim.SGD(_params(), lr=0.1, momentum=0.9))
+    save_optimizer(opt, tmp_path)
+    with pytest.raises(OptimizerCheckpointError) as raised:
+        load_optimizer(opt, tmp_path, storage_reader=_FailingReset(tmp_path))
+    assert str(raised.value).splitlines()[0] == (
+        f"cannot read the checkpoint {tmp_path}: the reader: OSError: planted"
+    )
+    assert isinstance(raised.value.__cause__, OSError)
+
+
+def test_the_undo_journal_goes_to_journal_dir(tmp_path: Path) -> None:
+    opt = _stepped(torch.optim.Adam(_params(), lr=0.01))
+    save_optimizer(opt, tmp_path / "ckpt")
+    before = checkpoint_roundtrip(opt.state_dict())
+    with pytest.raises(UndoJournalError, match="missing"):
+        load_optimizer(opt, tmp_path / "ckpt", journal_dir=tmp_path / "missing")
+    assert_state_dict_equal(before, checkpoint_roundtrip(opt.state_dict()))
+    load_optimizer(opt, tmp_path / "ckpt", journal_dir=tmp_path)
+
+
+def test_errors_in_saved_entries_name_the_param_or_group(tmp_path: Path) -> None:
+    holder = _stepped(ToyPrecisionMomentum(_params()))
+    state_dict = checkpoint_roundtrip(holder.state_dict())
+    state_dict["param_groups"][0]["step"] = -1
+    _dcp_save(state_dict, tmp_path / "step")
+    with pytest.raises(OptimizerCheckpointError, match=r"^param group 0: invalid step -1 "):
+        load_optimizer(holder, tmp_path / "step")
+    opt = _stepped(torch.optim.SGD(_params(), lr=0.1, momentum=0.9))
+    state_dict = checkpoint_roundtrip(opt.state_dict())
+    state_dict["state"][1] = 5
+    _dcp_save(state_dict, tmp_path / "entry")
+    with pytest.raises(OptimizerCheckpointError) as raised:
+        load_optimizer(opt, tmp_path / "entry")
+    assert str(raised.value) == "param 1: state must be a dict, got int"
