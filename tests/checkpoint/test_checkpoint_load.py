@@ -244,6 +244,15 @@ def test_a_live_state_of_another_shape_names_what_the_optimizer_keeps(tmp_path: 
     )
 
 
+def test_a_new_state_that_cannot_fit_the_param_names_both_shapes(tmp_path: Path) -> None:
+    source = _stepped(torch.optim.Adam([torch.nn.Parameter(torch.ones(2, 3))], lr=0.1))
+    save_optimizer(source, tmp_path)
+    fresh = torch.optim.Adam([torch.nn.Parameter(torch.ones(2, 4))], lr=0.1)
+    with pytest.raises(OptimizerCheckpointError) as raised:
+        load_optimizer(fresh, tmp_path)
+    assert str(raised.value) == "param 0: state 'exp_avg' has shape (2, 3), the param has (2, 4)"
+
+
 def test_a_live_state_of_another_kind_names_both_dtypes(tmp_path: Path) -> None:
     opt = _stepped(torch.optim.Adam([torch.nn.Parameter(torch.ones(3))], lr=0.1))
     state_dict = checkpoint_roundtrip(opt.state_dict())
