@@ -278,6 +278,24 @@ def test_a_fresh_optimizer_takes_integer_state_in_its_params_dtype(tmp_path: Pat
         assert buffer.dtype == torch.float32 and torch.equal(buffer, torch.full(p.shape, 3.0))
 
 
+def test_an_integer_params_new_state_keeps_the_checkpoints_dtype(tmp_path: Path) -> None:
+    """torch's loader casts new state to the param's dtype only for a floating param."""
+
+    def make() -> torch.optim.SGD:
+        return torch.optim.SGD([torch.zeros(3, dtype=torch.int32)], lr=0.1, momentum=0.9)
+
+    state_dict = checkpoint_roundtrip(make().state_dict())
+    state_dict["state"] = {0: {"momentum_buffer": torch.arange(3)}}  # int64
+    _dcp_save(state_dict, tmp_path)
+    fresh = make()
+    load_optimizer(fresh, tmp_path)
+    reference = make()
+    reference.load_state_dict(checkpoint_roundtrip(state_dict))
+    buffer = fresh.state[fresh.param_groups[0]["params"][0]]["momentum_buffer"]
+    want = reference.state[reference.param_groups[0]["params"][0]]["momentum_buffer"]
+    assert buffer.dtype == want.dtype == torch.int64 and torch.equal(buffer, want)
+
+
 def test_a_custom_loader_is_handed_the_state_when_some_is_new(tmp_path: Path) -> None:
     source = _stepped(torch.optim.Adam(_params(), lr=0.01))
     save_optimizer(source, tmp_path)
