@@ -137,6 +137,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "checkpoint._load": (
         ["wrapped_optim/checkpoint/_load.py"],
         [
+            "tests/checkpoint/test_checkpoint_load.py",
             "tests/checkpoint/test_checkpoint.py",
             "tests/checkpoint/test_checkpoint_faults.py",
             "tests/checkpoint/test_checkpoint_atomic.py",

@@ -574,7 +574,7 @@ def _new_state_tensor(
     if name == "step":
         if group.get("capturable", False) or group.get("fused", False):
             return torch.empty(md.size, dtype=torch.float32, device=param.device)
-        return torch.empty(md.size, dtype=md.properties.dtype)
+        return torch.empty(md.size, dtype=md.properties.dtype, device="cpu")
     dtype = param.dtype if param.is_floating_point() else md.properties.dtype
     return torch.empty(md.size, dtype=dtype, device=param.device)
 
