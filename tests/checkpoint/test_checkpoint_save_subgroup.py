@@ -2,7 +2,8 @@
 (``wrapped_optim.checkpoint._save``), in the calling thread and in an asynchronous save's.
 Real gloo, two processes: this test's process is global rank 1 and saves alone in the
 subgroup ``[1]``; a helper process, global rank 0, never enters a collective, so a save that
-used the default group would wait for it and fail after the group's timeout."""
+used the default group would wait for it and fail after the group's timeout. And with
+``refuse_non_finite`` every rank refuses when one rank's state is not finite."""
 
 from __future__ import annotations
 
@@ -81,6 +82,76 @@ def test_a_save_in_a_subgroup_waits_for_the_subgroup_only(tmp_path: Path) -> Non
             dist.destroy_process_group()
         helper.join(START_TIMEOUT.total_seconds())
         assert store.get("result/0").decode() == "ok"
+    finally:
+        store.set("done", "1")
+        if helper.is_alive():
+            helper.kill()
+            helper.join()
+
+
+def _refusing_helper(port: int) -> None:
+    """Global rank 0: its own state holds an inf; it saves with refuse_non_finite."""
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=START_TIMEOUT)
+    try:
+        store.set("up/0", "1")
+        dist.init_process_group(
+            "gloo", store=store, rank=0, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
+        )
+        opt = _stepped(torch.tensor([1.0, float("inf"), 3.0, 4.0]))
+        try:
+            save_optimizer(opt, store.get("path").decode(), refuse_non_finite=True)
+            store.set("result/0", "saved")
+        except ValueError as exc:
+            store.set("result/0", str(exc))
+        store.wait(["done"], START_TIMEOUT)
+    except BaseException:
+        store.set("result/0", traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _stepped(grad: torch.Tensor) -> torch.optim.Optimizer:
+    param = torch.nn.Parameter(torch.ones_like(grad))
+    opt = torch.optim.AdamW([param], lr=0.1)
+    param.grad = grad
+    opt.step()
+    return opt
+
+
+@pytest.mark.slow  # about 5 s: a helper process starts and imports torch
+def test_every_rank_refuses_when_one_ranks_state_is_not_finite(tmp_path: Path) -> None:
+    """Rank 1's state is finite, rank 0's (its shard, in a sharded run) is not: both raise at
+    once, and nothing is written. Rank 1 used to go on into the save's first collective and
+    wait there for rank 0, which had refused, until the group's timeout."""
+    assert not dist.is_initialized()
+    store = dist.TCPStore(
+        "127.0.0.1", 0, WORLD, is_master=True, timeout=START_TIMEOUT, wait_for_workers=False
+    )
+    target = tmp_path / "refused"
+    store.set("path", str(target))
+    helper = multiprocessing.get_context("spawn").Process(
+        target=_refusing_helper, args=(store.port,)
+    )
+    helper.start()
+    try:
+        store.wait(["up/0"], START_TIMEOUT)
+        dist.init_process_group(
+            "gloo", store=store, rank=1, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
+        )
+        try:
+            opt = _stepped(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+            with pytest.raises(ValueError) as refused:
+                save_optimizer(opt, target, refuse_non_finite=True)
+            store.wait(["result/0"], START_TIMEOUT)
+            own = store.get("result/0").decode()
+        finally:
+            store.set("done", "1")
+            dist.destroy_process_group()
+        helper.join(START_TIMEOUT.total_seconds())
+        assert own.startswith("param 0: state 'exp_avg' holds non-finite values"), own
+        assert str(refused.value) == (f"rank 0 of the save's process group refused it: {own}")
+        assert not target.exists() and list(tmp_path.iterdir()) == []
     finally:
         store.set("done", "1")
         if helper.is_alive():

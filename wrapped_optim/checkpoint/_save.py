@@ -13,6 +13,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemWriter
@@ -318,6 +319,8 @@ def save_optimizer(
             gradient element) before anything is written. By default it is written as it
             is, and ``load_optimizer`` loads it back bitwise, as torch's optimizers keep
             such state (``load_optimizer(..., refuse_non_finite=True)`` refuses it there).
+            With several processes every rank refuses when any rank's state (its shard)
+            holds such values: the ranks agree through one small collective first.
 
     Returns:
         The DCP metadata of the checkpoint; with ``async_``, a future of it.
@@ -347,7 +350,7 @@ def save_optimizer(
         raise ValueError("save_optimizer needs a checkpoint_id or a storage_writer")
     leaf = _leaf_of(optimizer)
     if refuse_non_finite:
-        _refuse_non_finite(leaf)
+        _refuse_non_finite(leaf, process_group)
     # The directory is resolved here, in the calling thread: a later os.chdir or a changed
     # symlink does not move an asynchronous save.
     writer = storage_writer if storage_writer is not None else FileSystemWriter(checkpoint_id)  # type: ignore[arg-type]
@@ -368,9 +371,27 @@ def save_optimizer(
         executor.shutdown(wait=False)
 
 
-def _refuse_non_finite(leaf: torch.optim.Optimizer) -> None:
-    """``ValueError`` naming the first state (in ``state_dict`` order) holding inf or NaN;
-    FP8 storage (uint8 codes) has no such values to look for."""
+def _refuse_non_finite(leaf: torch.optim.Optimizer, process_group: Any) -> None:
+    """``ValueError`` naming the first state (in ``state_dict`` order) holding inf or NaN, on
+    every rank of the save: a rank whose own shard is finite would otherwise go on into the
+    save's first collective and wait there for the ranks that refused, until the group's
+    timeout. FP8 storage (uint8 codes) has no such values to look for."""
+    problem = _non_finite_state(leaf)
+    verdicts = [problem]
+    if dist.is_available() and dist.is_initialized():
+        size = dist.get_world_size(process_group)
+        if size > 1:  # one small object collective, only when the caller asked for the check
+            verdicts = [None] * size
+            dist.all_gather_object(verdicts, problem, group=process_group)
+    if problem is not None:
+        raise ValueError(problem)
+    for rank, found in enumerate(verdicts):
+        if found is not None:
+            raise ValueError(f"rank {rank} of the save's process group refused it: {found}")
+
+
+def _non_finite_state(leaf: torch.optim.Optimizer) -> str | None:
+    """The refusal of this rank's first state holding inf or NaN, or None."""
     params = [p for group in leaf.param_groups for p in group["params"]]
     for index, param in enumerate(params):
         for name, value in leaf.state.get(param, {}).items():
@@ -383,12 +404,13 @@ def _refuse_non_finite(leaf: torch.optim.Optimizer) -> None:
             # min and max are NaN if any value is, +-inf if any value is infinite.
             lo, hi = torch.stack(torch.aminmax(local.reshape(-1))).tolist()
             if not (math.isfinite(lo) and math.isfinite(hi)):
-                raise ValueError(
+                return (
                     f"param {index}: state {name!r} holds non-finite values (inf or NaN) "
                     "and refuse_non_finite=True; nothing was written. Fix the run (a "
                     "gradient overflowed?), or save without refuse_non_finite to keep them "
                     "as torch's optimizers do"
                 )
+    return None
 
 
 def _save(
