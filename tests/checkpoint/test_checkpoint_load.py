@@ -17,6 +17,7 @@ import io
 import math
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,7 @@ from wrapped_optim.checkpoint import (
     save_optimizer,
 )
 from wrapped_optim.checkpoint._common import DEFAULT_CHUNK_BYTES
+from wrapped_optim.checkpoint._journal import UndoJournal
 from wrapped_optim.checkpoint._load import _COMMITTED
 from wrapped_optim.testing import assert_state_dict_equal, checkpoint_roundtrip
 
@@ -364,8 +366,23 @@ def test_a_value_too_large_for_the_live_state_is_refused(
         assert torch.equal(opt.state[p]["exp_avg"], want)
 
 
-def test_a_narrowing_read_restored_after_a_later_failure(tmp_path: Path) -> None:
-    """The regions read through the buffer are journaled before they are written."""
+@pytest.mark.parametrize("worker", ["ahead", "held back"])
+def test_a_narrowing_read_restored_after_a_later_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker: str
+) -> None:
+    """The regions read through the buffer are journaled before they are written: by the
+    journal's worker, which normally runs ahead, or, held back until the rollback stops it,
+    by the reader itself."""
+    if worker == "held back":
+
+        def held_back(journal: UndoJournal) -> None:
+            while True:
+                with journal._cond:
+                    if journal._stop:
+                        return
+                time.sleep(0.001)
+
+        monkeypatch.setattr(UndoJournal, "_work", held_back)
     opt = _stepped(torch.optim.Adam(_params(), lr=0.01))
     state_dict = checkpoint_roundtrip(opt.state_dict())
     for entry in state_dict["state"].values():
