@@ -69,9 +69,18 @@ def test_a_save_in_a_subgroup_waits_for_the_subgroup_only(tmp_path: Path) -> Non
             opt = torch.optim.AdamW([param], lr=0.1)
             param.grad = torch.linspace(-1.0, 1.0, 8).reshape(4, 2)
             opt.step()
-            save_optimizer(opt, tmp_path / "sync", process_group=group, chunk_bytes=8)
+            # refuse_non_finite: its ranks agree over the subgroup too (a one-rank group: no
+            # collective at all)
+            save_optimizer(
+                opt, tmp_path / "sync", process_group=group, chunk_bytes=8, refuse_non_finite=True
+            )
             future = save_optimizer(
-                opt, tmp_path / "async", process_group=group, chunk_bytes=8, async_=True
+                opt,
+                tmp_path / "async",
+                process_group=group,
+                chunk_bytes=8,
+                async_=True,
+                refuse_non_finite=True,
             )
             future.result(timeout=START_TIMEOUT.total_seconds())
             for name in ("sync", "async"):
