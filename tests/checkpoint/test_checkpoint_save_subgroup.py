@@ -7,9 +7,11 @@ used the default group would wait for it and fail after the group's timeout. And
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import traceback
 import warnings
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,52 +52,62 @@ def _read_back(path: Path, shape: torch.Size) -> torch.Tensor:
     return out["state"][0]["exp_avg"]
 
 
-@pytest.mark.slow  # about 5 s: a helper process starts and imports torch
-def test_a_save_in_a_subgroup_waits_for_the_subgroup_only(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _as_rank_1(helper: Callable[[int], None], **values: str) -> Iterator[dist.TCPStore]:
+    """This process as global rank 1 of a real gloo group, ``helper`` spawned as rank 0 (the
+    store holding ``values`` first); on exit the helper is told it is done and joined."""
     assert not dist.is_initialized()
     store = dist.TCPStore(
         "127.0.0.1", 0, WORLD, is_master=True, timeout=START_TIMEOUT, wait_for_workers=False
     )
-    helper = multiprocessing.get_context("spawn").Process(target=_helper, args=(store.port,))
-    helper.start()
+    for key, value in values.items():
+        store.set(key, value)
+    process = multiprocessing.get_context("spawn").Process(target=helper, args=(store.port,))
+    process.start()
     try:
         store.wait(["up/0"], START_TIMEOUT)
         dist.init_process_group(
             "gloo", store=store, rank=1, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
         )
         try:
-            group = dist.new_group([1])
-            param = torch.nn.Parameter(torch.ones(4, 2))
-            opt = torch.optim.AdamW([param], lr=0.1)
-            param.grad = torch.linspace(-1.0, 1.0, 8).reshape(4, 2)
-            opt.step()
-            # refuse_non_finite: its ranks agree over the subgroup too (a one-rank group: no
-            # collective at all)
-            save_optimizer(
-                opt, tmp_path / "sync", process_group=group, chunk_bytes=8, refuse_non_finite=True
-            )
-            future = save_optimizer(
-                opt,
-                tmp_path / "async",
-                process_group=group,
-                chunk_bytes=8,
-                async_=True,
-                refuse_non_finite=True,
-            )
-            future.result(timeout=START_TIMEOUT.total_seconds())
-            for name in ("sync", "async"):
-                read = _read_back(tmp_path / name, param.shape)
-                assert torch.equal(read, opt.state[param]["exp_avg"]), name
+            yield store
         finally:
             store.set("done", "1")
             dist.destroy_process_group()
-        helper.join(START_TIMEOUT.total_seconds())
-        assert store.get("result/0").decode() == "ok"
+        process.join(START_TIMEOUT.total_seconds())
     finally:
         store.set("done", "1")
-        if helper.is_alive():
-            helper.kill()
-            helper.join()
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+@pytest.mark.slow  # about 5 s: a helper process starts and imports torch
+def test_a_save_in_a_subgroup_waits_for_the_subgroup_only(tmp_path: Path) -> None:
+    with _as_rank_1(_helper) as store:
+        group = dist.new_group([1])
+        param = torch.nn.Parameter(torch.ones(4, 2))
+        opt = torch.optim.AdamW([param], lr=0.1)
+        param.grad = torch.linspace(-1.0, 1.0, 8).reshape(4, 2)
+        opt.step()
+        # refuse_non_finite: its ranks agree over the subgroup too (a one-rank group: no
+        # collective at all)
+        save_optimizer(
+            opt, tmp_path / "sync", process_group=group, chunk_bytes=8, refuse_non_finite=True
+        )
+        future = save_optimizer(
+            opt,
+            tmp_path / "async",
+            process_group=group,
+            chunk_bytes=8,
+            async_=True,
+            refuse_non_finite=True,
+        )
+        future.result(timeout=START_TIMEOUT.total_seconds())
+        for name in ("sync", "async"):
+            read = _read_back(tmp_path / name, param.shape)
+            assert torch.equal(read, opt.state[param]["exp_avg"]), name
+    assert store.get("result/0").decode() == "ok"
 
 
 def _refusing_helper(port: int) -> None:
@@ -133,36 +145,13 @@ def test_every_rank_refuses_when_one_ranks_state_is_not_finite(tmp_path: Path) -
     """Rank 1's state is finite, rank 0's (its shard, in a sharded run) is not: both raise at
     once, and nothing is written. Rank 1 used to go on into the save's first collective and
     wait there for rank 0, which had refused, until the group's timeout."""
-    assert not dist.is_initialized()
-    store = dist.TCPStore(
-        "127.0.0.1", 0, WORLD, is_master=True, timeout=START_TIMEOUT, wait_for_workers=False
-    )
     target = tmp_path / "refused"
-    store.set("path", str(target))
-    helper = multiprocessing.get_context("spawn").Process(
-        target=_refusing_helper, args=(store.port,)
-    )
-    helper.start()
-    try:
-        store.wait(["up/0"], START_TIMEOUT)
-        dist.init_process_group(
-            "gloo", store=store, rank=1, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
-        )
-        try:
-            opt = _stepped(torch.tensor([1.0, 2.0, 3.0, 4.0]))
-            with pytest.raises(ValueError) as refused:
-                save_optimizer(opt, target, refuse_non_finite=True)
-            store.wait(["result/0"], START_TIMEOUT)
-            own = store.get("result/0").decode()
-        finally:
-            store.set("done", "1")
-            dist.destroy_process_group()
-        helper.join(START_TIMEOUT.total_seconds())
-        assert own.startswith("param 0: state 'exp_avg' holds non-finite values"), own
-        assert str(refused.value) == (f"rank 0 of the save's process group refused it: {own}")
-        assert not target.exists() and list(tmp_path.iterdir()) == []
-    finally:
-        store.set("done", "1")
-        if helper.is_alive():
-            helper.kill()
-            helper.join()
+    with _as_rank_1(_refusing_helper, path=str(target)) as store:
+        opt = _stepped(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        with pytest.raises(ValueError) as refused:
+            save_optimizer(opt, target, refuse_non_finite=True)
+        store.wait(["result/0"], START_TIMEOUT)
+        own = store.get("result/0").decode()
+    assert own.startswith("param 0: state 'exp_avg' holds non-finite values"), own
+    assert str(refused.value) == f"rank 0 of the save's process group refused it: {own}"
+    assert not target.exists() and list(tmp_path.iterdir()) == []
