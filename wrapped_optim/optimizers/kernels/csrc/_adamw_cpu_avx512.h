@@ -108,8 +108,8 @@ WO_AVX512_INLINE void v_decode64(const void *base, int64_t i, int kind, int64_t 
 WO_AVX512_INLINE __m512i v_e4m3_code(__m512 x, __m512 mult, const int nan) {
     __m512 y = _mm512_mul_ps(x, mult);
     __m512i bits = _mm512_castps_si512(y);
-    /* min(|y|, 448) (the smaller magnitude, sign cleared); a NaN lane stays NaN here (its
-     * code is replaced below) */
+    /* min(|y|, 448) (the smaller magnitude, sign cleared); a NaN lane's code is replaced
+     * below (the range instruction returns the other operand for a quiet NaN) */
     __m512 a = _mm512_range_ps(y, _mm512_set1_ps(448.0f), 0x0A);
     __m512i e = _mm512_max_epu32(
         _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7F800000)),
@@ -182,6 +182,16 @@ WO_AVX512_INLINE v_consts v_broadcast(const wo_tensor *t, const wo_hyper *h) {
     return c;
 }
 
+/* Software prefetch, about 1024 elements ahead, of a 64-element step's FP32 stream x (four
+ * lines) or moment of kind k (one line a byte per element): the hardware prefetchers alone
+ * left these loops waiting on memory between their compute (about a quarter of the FP8 step
+ * at 10M parameters on AMD Zen 4). Bits are unchanged: a prefetch only moves cache lines. */
+WO_AVX512_INLINE void v_prefetch64(const void *x, int64_t i, int k) {
+    const int bytes = k == KIND_FP32 ? 4 : (k == KIND_FP8 ? 1 : 2);
+    const char *at = (const char *)x + i * bytes + 1024 * bytes;
+    for (int line = 0; line < bytes; ++line) _mm_prefetch(at + 64 * line, _MM_HINT_T0);
+}
+
 /* 64 elements from i of moments_write (fewer when left < 64): the same operations in the
  * same order. Called with left = 64 for every whole step, so its masks are constants. */
 WO_AVX512_INLINE void v_write_step(int64_t i, int64_t left, float *restrict p,
@@ -189,6 +199,10 @@ WO_AVX512_INLINE void v_write_step(int64_t i, int64_t left, float *restrict p,
                                    const v_consts *c, const int adam_w_mode, const int mk,
                                    const int vk) {
     __m512 mo[4], vo[4];
+    v_prefetch64(p, i, KIND_FP32);
+    v_prefetch64(g, i, KIND_FP32);
+    v_prefetch64(m, i, mk);
+    v_prefetch64(v, i, vk);
     v_decode64(m, i, mk, left, c->m_dec, mo);
     v_decode64(v, i, vk, left, c->v_dec, vo);
     for (int j = 0; j < 4; ++j) {
@@ -230,6 +244,10 @@ WO_AVX512_INLINE void v_amax_step(int64_t i, int64_t left, const float *restrict
                                   __m512i *ma, __m512i *va) {
     const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
     __m512 mo[4], vo[4];
+    v_prefetch64(g, i, KIND_FP32);
+    if (!adam_w_mode) v_prefetch64(p, i, KIND_FP32);
+    if (mk != KIND_SKIP) v_prefetch64(m, i, mk);
+    if (vk != KIND_SKIP) v_prefetch64(v, i, vk);
     if (mk != KIND_SKIP) v_decode64(m, i, mk, left, c->m_dec, mo);
     if (vk != KIND_SKIP) v_decode64(v, i, vk, left, c->v_dec, vo);
     for (int j = 0; j < 4; ++j) {

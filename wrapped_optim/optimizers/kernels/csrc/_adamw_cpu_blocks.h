@@ -238,6 +238,31 @@ static inline __attribute__((always_inline)) void block_moments_any(
         block_moments(k, p, g, mc, vc, ms, vs, h, 0, fmt);
 }
 
+/* The operands of t's block from element s: its length, FP32 param and gradient (through the
+ * tiles P and G where they are stored in another dtype), codes and scales. */
+typedef struct {
+    int64_t k;
+    float *p;
+    const float *g;
+    uint8_t *mc, *vc;
+    float *ms, *vs;
+} wo_block_ops;
+
+static inline __attribute__((always_inline)) wo_block_ops block_ops(const wo_tensor *t,
+                                                                    int64_t s, float *P,
+                                                                    float *G, const int fmt) {
+    const int64_t q = t->qblock, byte = fmt == FMT_INT4 ? s / 2 : s;
+    wo_block_ops o;
+    o.k = t->numel - s < q ? t->numel - s : q;
+    o.g = tile_grad(t, s, o.k, G);
+    o.p = tile_param(t, s, o.k, P);
+    o.mc = (uint8_t *)t->exp_avg + byte;
+    o.vc = (uint8_t *)t->exp_avg_sq + byte;
+    o.ms = t->m_scales + s / q;
+    o.vs = t->v_scales + s / q;
+    return o;
+}
+
 /* The hand-written loops of the block formats (WO_AVX512 / WO_AVX2 where they build). */
 #include "_adamw_cpu_blocks_simd.h"
 
@@ -249,12 +274,6 @@ static inline __attribute__((always_inline)) void block_step(
     /* FP8 scales at or past 2^120 (only from a checkpoint): the portable loop (see
      * wo_fp8_fold_ok) */
     const int fold = fmt != FMT_FP8 || (wo_fp8_fold_ok(KIND_FP8, *ms) && wo_fp8_fold_ok(KIND_FP8, *vs));
-#ifdef WO_AVX512
-    if (wo_loops == LOOPS_AVX512 && fold) {
-        vb_block_moments(k, p, g, mc, vc, ms, vs, h, fmt);
-        return;
-    }
-#endif
 #ifdef WO_AVX2
     if (wo_loops == LOOPS_AVX2 && k % 16 == 0 && fold) {
         wb_block_moments(k, p, g, mc, vc, ms, vs, h, fmt);
@@ -267,28 +286,31 @@ static inline __attribute__((always_inline)) void block_step(
 /* The blocks of t that start in [begin, end): each updated whole (see the file's note). */
 static inline __attribute__((always_inline)) void block_range(wo_tensor *t, int64_t begin,
                                                                int64_t end, const wo_hyper *h) {
+#ifdef WO_AVX512
+    if (wo_loops == LOOPS_AVX512) {
+        vb_block_range(t, begin, end, h);
+        return;
+    }
+#endif
     float P[WO_QBLOCK_MAX], G[WO_QBLOCK_MAX];
     const int64_t q = t->qblock;
     const int fmt = block_fmt(t->m_kind);
-    int64_t first = (begin + q - 1) / q * q;
-    for (int64_t s = first; s < end; s += q) {
-        int64_t k = t->numel - s < q ? t->numel - s : q;
-        const float *g = tile_grad(t, s, k, G);
-        float *p = tile_param(t, s, k, P);
-        int64_t b = s / q;
-        int64_t byte = fmt == FMT_INT4 ? s / 2 : s;
-        uint8_t *mc = (uint8_t *)t->exp_avg + byte, *vc = (uint8_t *)t->exp_avg_sq + byte;
+    for (int64_t s = (begin + q - 1) / q * q; s < end; s += q) {
+        wo_block_ops o;
         switch (fmt) {
             case FMT_INT8:
-                block_step(k, p, g, mc, vc, t->m_scales + b, t->v_scales + b, h, FMT_INT8);
+                o = block_ops(t, s, P, G, FMT_INT8);
+                block_step(o.k, o.p, o.g, o.mc, o.vc, o.ms, o.vs, h, FMT_INT8);
                 break;
             case FMT_FP8:
-                block_step(k, p, g, mc, vc, t->m_scales + b, t->v_scales + b, h, FMT_FP8);
+                o = block_ops(t, s, P, G, FMT_FP8);
+                block_step(o.k, o.p, o.g, o.mc, o.vc, o.ms, o.vs, h, FMT_FP8);
                 break;
             default:
-                block_step(k, p, g, mc, vc, t->m_scales + b, t->v_scales + b, h, FMT_INT4);
+                o = block_ops(t, s, P, G, FMT_INT4);
+                block_step(o.k, o.p, o.g, o.mc, o.vc, o.ms, o.vs, h, FMT_INT4);
                 break;
         }
-        tile_store_param(t, s, k, p);
+        tile_store_param(t, s, o.k, o.p);
     }
 }

@@ -21,10 +21,13 @@
  *   fp16/FP8 loops (the FP32 adder rounds the saturated magnitude to 3 mantissa bits), less
  *   the NaN select (a block holding a NaN stores zeros);
  * - int4 codes are looked up in the block's two 16-value tables (the portable loop's values,
- *   computed once per block) by a lane permute; exp_avg's code counts the table midpoints
- *   below |y| by a three-step binary search (each step a permute of the midpoints and one
- *   compare: the same count as seven compares), exp_avg_sq's is ceil(16y - 1.5) by the
- *   rounding instruction.
+ *   computed once per block) by a lane permute (AVX-512: each lane's nibble moved into place
+ *   by one multishift). exp_avg's code counts the table midpoints below |y|: AVX-512 codes 64
+ *   values at once, packed to bytes, through a 128-entry table of counts indexed by
+ *   ceil(128|y|) (vb_int4_encode64); AVX2 by a three-step binary search (each step a permute
+ *   of the midpoints and one compare: the same count as seven compares). exp_avg_sq's is
+ *   ceil(16y - 1.5) by the rounding instruction.
+ * The AVX-512 loops encode each block after the next one is updated (vb_range).
  * No fused multiply-add (each product and sum rounded on its own, -ffp-contract=off), so every
  * result is bitwise the portable loop's and the torch step's; the tests compare them under
  * each family. AVX-512 steps 16 elements with masks for a block's tail; AVX2 steps 16 (two
@@ -62,12 +65,45 @@ static const float wo_int4_roots[16] __attribute__((aligned(64))) = {
 #endif
 
 #ifdef WO_AVX512
+/* int4 exp_avg's code magnitude by k = ceil(128|y|) (0..127): the count of midpoints below |y|,
+ * INT4_MAG_MIDS times 128 being the integers 3, 11, 23, 39, 60, 86, 114 (|y| > m / 128 exactly
+ * when ceil(128|y|) > m); one two-register byte permute looks up 64 codes. */
+static const uint8_t wo_int4_counts[128] __attribute__((aligned(64))) = {
+    0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+    3, 3, 3, 3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5,
+    5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 6,
+    6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7,
+};
+/* Byte order of 64 nibble pairs packed from four groups of 16 codes (vb_int4_encode64): the
+ * packs leave element 16g + 4L + r at byte 16L + 4g + r, each pair's byte at its first. */
+static const uint8_t wo_int4_pair_order[64] __attribute__((aligned(64))) = {
+    0, 2, 16, 18, 32, 34, 48, 50, 4, 6, 20, 22, 36, 38, 52, 54, 8, 10, 24, 26, 40, 42, 56, 58, 12, 14, 28, 30, 44, 46, 60, 62,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+};
+/* Bit offset of nibble d of an 8-byte group, at byte 0 of 32-bit lane d (vb_int4_decode16: the
+ * table permute reads the low 4 bits of each lane). */
+static const uint8_t wo_int4_nibble_shifts[64] __attribute__((aligned(64))) = {
+    0, 0, 0, 0, 4, 0, 0, 0, 8, 0, 0, 0, 12, 0, 0, 0, 16, 0, 0, 0, 20, 0, 0, 0, 24, 0, 0, 0, 28, 0, 0, 0,
+    32, 0, 0, 0, 36, 0, 0, 0, 40, 0, 0, 0, 44, 0, 0, 0, 48, 0, 0, 0, 52, 0, 0, 0, 56, 0, 0, 0, 60, 0, 0, 0,
+};
+#endif
+
+#ifdef WO_AVX512
 /* 16 old moment values from element i (lanes past the block read code 0). */
 WO_AVX512_INLINE __m512 vb_decode(const uint8_t *c, int64_t i, int64_t left, int fmt,
                                   int second, __m512 scale, __m512 lut) {
     const __mmask16 lanes = v_lanes(left);
+    if (fmt == FMT_INT4 && left >= 16) {
+        /* the 8 bytes broadcast, each lane's nibble moved to its low bits by one
+         * multishift */
+        int64_t group;
+        memcpy(&group, c + i / 2, sizeof group);
+        __m512i w = _mm512_multishift_epi64_epi8(_mm512_load_si512(wo_int4_nibble_shifts),
+                                                 _mm512_set1_epi64(group));
+        return _mm512_permutexvar_ps(w, lut);
+    }
     if (fmt == FMT_INT4) {
-        const __mmask16 bytes = v_lanes(((left < 16 ? left : 16) + 1) / 2);
+        const __mmask16 bytes = v_lanes((left + 1) / 2);
         __m128i b = _mm_maskz_loadu_epi8(bytes, c + i / 2);
         __m512i w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
         /* odd lanes take the high nibble; the permute reads the low 4 bits of each lane */
@@ -89,46 +125,11 @@ WO_AVX512_INLINE __m512 vb_decode(const uint8_t *c, int64_t i, int64_t left, int
     return second ? _mm512_mul_ps(x, x) : x;
 }
 
-/* Stores the codes of 16 new moment values x (already zero where the scale is 0 or NaN, and
- * past the block) from element i. */
+/* Stores the int8 or FP8 codes of 16 new moment values x (already zero where the scale is 0 or
+ * NaN, and past the block) from element i (int4: vb_int4_encode64). */
 WO_AVX512_INLINE void vb_encode(uint8_t *c, int64_t i, int64_t left, int fmt, int second,
                                 __m512 x, __m512 inv) {
     const __mmask16 lanes = v_lanes(left);
-    const __m512 zero = _mm512_setzero_ps();
-    if (fmt == FMT_INT4) {
-        __m512 y = _mm512_mul_ps(x, inv);
-        __m512i q;
-        if (second) {
-            __m512 t = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(16.0f), y),
-                                     _mm512_set1_ps(1.5f));
-            t = _mm512_roundscale_ps(t, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-            t = _mm512_min_ps(_mm512_max_ps(t, zero), _mm512_set1_ps(15.0f));
-            q = _mm512_cvttps_epi32(t);
-        } else {
-            /* the count of midpoints below |y| by a binary search over the seven (sorted):
-             * the fourth, then the second or sixth, then the one left between (the same
-             * count as comparing with each) */
-            const float *M = INT4_MAG_MIDS;
-            __m512 a = _mm512_abs_ps(y);
-            q = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(a, _mm512_set1_ps(M[3]), _CMP_GT_OQ),
-                                       _mm512_set1_epi32(4));
-            __m512 mid = _mm512_permutexvar_ps(q, _mm512_setr_ps(M[1], 0, 0, 0, M[5], 0, 0, 0, 0, 0,
-                                                                 0, 0, 0, 0, 0, 0));
-            q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(a, mid, _CMP_GT_OQ), q,
-                                      _mm512_set1_epi32(2));
-            mid = _mm512_permutexvar_ps(q, _mm512_setr_ps(M[0], 0, M[2], 0, M[4], 0, M[6], 0, 0, 0,
-                                                          0, 0, 0, 0, 0, 0));
-            q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(a, mid, _CMP_GT_OQ), q,
-                                      _mm512_set1_epi32(1));
-            q = _mm512_mask_sub_epi32(q, _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ),
-                                      _mm512_setzero_si512(), q);
-            q = _mm512_and_si512(q, _mm512_set1_epi32(0xF));
-        }
-        /* lanes 2j and 2j + 1 into one byte: the low nibble and the high one */
-        q = _mm512_or_si512(q, _mm512_srli_epi64(q, 28));
-        _mm_mask_storeu_epi8(c + i / 2, v_lanes(((left < 16 ? left : 16) + 1) / 2), _mm512_cvtepi64_epi8(q));
-        return;
-    }
     __m512i code;
     if (fmt == FMT_FP8) {
         code = v_e4m3_code(x, inv, 0); /* no NaN: a block holding one stores zeros */
@@ -148,6 +149,51 @@ WO_AVX512_INLINE void vb_encode(uint8_t *c, int64_t i, int64_t left, int fmt, in
      * slow on AMD Zen 4) */
     _mm_mask_storeu_epi8(c + i, lanes,
                          fmt == FMT_FP8 ? _mm512_cvtepi32_epi8(code) : _mm512_cvtusepi32_epi8(code));
+}
+
+/* The int4 codes of the values x[i, i + left) (fewer than 64 past i: the rest read as 0;
+ * keep 0: all 0), as nibble pairs at c + i / 2. mult is 1/scale times 128 (exp_avg) or 16
+ * (exp_avg_sq): a power of two more than the portable loop's y = x / scale, the same product
+ * scaled exactly (a y too small for a normal float codes 0 either way). Four groups of 16
+ * values are coded in 32-bit lanes, packed to bytes, looked up (exp_avg) and paired:
+ * - exp_avg: k = ceil(min(128|y|, 127)) with y's sign in bit 7; the count of midpoints below
+ *   |y| is wo_int4_counts[k], negated where the sign is set (the portable loop's
+ *   (0 - n) & 0xF);
+ * - exp_avg_sq: ceil(16y - 1.5) by the conversion's rounding, clamped to 0..15 by the
+ *   unsigned packs (below 0) and a byte minimum. */
+WO_AVX512_INLINE void vb_int4_encode64(uint8_t *c, const float *x, int64_t i, int64_t left,
+                                       __mmask16 keep, __m512 mult, int second) {
+    const int rounding = _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC;
+    __m512i q[4];
+    for (int j = 0; j < 4; ++j) {
+        __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(v_lanes(left - 16 * j) & keep,
+                                                       x + i + 16 * j),
+                                 mult);
+        if (second) {
+            q[j] = _mm512_cvt_roundps_epi32(_mm512_sub_ps(v, _mm512_set1_ps(1.5f)), rounding);
+        } else {
+            __m512i k = _mm512_cvt_roundps_epi32(_mm512_range_ps(v, _mm512_set1_ps(127.0f), 0x0A),
+                                                 rounding);
+            /* k | (the sign bit moved to bit 7) */
+            q[j] = _mm512_ternarylogic_epi32(k, _mm512_srli_epi32(_mm512_castps_si512(v), 24),
+                                             _mm512_set1_epi32(0x80), 0xF8);
+        }
+    }
+    __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(q[0], q[1]),
+                                    _mm512_packus_epi32(q[2], q[3]));
+    if (second) {
+        b = _mm512_min_epu8(b, _mm512_set1_epi8(15));
+    } else {
+        __m512i n = _mm512_permutex2var_epi8(_mm512_load_si512(wo_int4_counts), b,
+                                             _mm512_load_si512(wo_int4_counts + 64));
+        b = _mm512_mask_sub_epi8(n, _mm512_movepi8_mask(b), _mm512_setzero_si512(), n);
+    }
+    /* each pair's byte: its first code's low nibble, the second's above it (16-bit shift) */
+    b = _mm512_ternarylogic_epi32(_mm512_set1_epi8(0x0F), b, _mm512_srli_epi16(b, 4), 0xCA);
+    b = _mm512_permutexvar_epi8(_mm512_load_si512(wo_int4_pair_order), b);
+    const int64_t bytes = ((left < 64 ? left : 64) + 1) / 2;
+    _mm256_mask_storeu_epi8(c + i / 2, (__mmask32)(((uint64_t)1 << bytes) - 1),
+                            _mm512_castsi512_si256(b));
 }
 
 /* The hyper-parameters, broadcast once per block, and the block's old scales (int4: its
@@ -197,26 +243,94 @@ WO_AVX512_INLINE void vb_encode16(int64_t i, int64_t left, uint8_t *restrict mc,
     vb_encode(vc, i, left, fmt, 1, _mm512_maskz_loadu_ps(lanes & v_keep, S + i), v_mult);
 }
 
-/* block_moments, 16 elements a step. */
-WO_AVX512_INLINE void vb_moments(int64_t k, float *restrict p, const float *restrict g,
-                                 uint8_t *restrict mc, uint8_t *restrict vc, float *restrict ms,
-                                 float *restrict vs, const wo_hyper *h, const int adam_w_mode,
-                                 const int fmt) {
-    const float m_old = *ms, v_old = *vs;
-    if (fmt == FMT_FP8) { /* a block holding a NaN code (0x7F, 0xFF: only from a checkpoint)
-                             runs the portable loop: the decode below leaves them out */
-        const __m512i top = _mm512_set1_epi8((char)0x80);
-        __m512i high = top;
-        for (int64_t i = 0; i < k; i += 64) {
-            const __mmask64 b = v_bytes(k - i);
-            high = _mm512_max_epu8(high, _mm512_or_si512(_mm512_maskz_loadu_epi8(b, mc + i), top));
-            high = _mm512_max_epu8(high, _mm512_or_si512(_mm512_maskz_loadu_epi8(b, vc + i), top));
-        }
-        if (_mm512_cmpeq_epi8_mask(high, _mm512_set1_epi8((char)0xFF))) {
-            block_moments(k, p, g, mc, vc, ms, vs, h, adam_w_mode, fmt);
-            return;
-        }
+/* A block whose encode waits (vb_range): where its codes go, its length, the inverses of its
+ * new scales, and its new moments (M, S). */
+typedef struct {
+    uint8_t *mc, *vc;
+    int64_t k;
+    float m_inv, v_inv;
+    float M[WO_QBLOCK_MAX + 16], S[WO_QBLOCK_MAX + 16];
+} vb_block;
+
+/* 1 when an FP8 block holds a NaN code (0x7F, 0xFF: only from a checkpoint); such a block
+ * runs the portable loop: the decode leaves them out. */
+WO_AVX512_INLINE int vb_fp8_nan_codes(int64_t k, const uint8_t *mc, const uint8_t *vc) {
+    const __m512i top = _mm512_set1_epi8((char)0x80);
+    __m512i high = top;
+    for (int64_t i = 0; i < k; i += 64) {
+        const __mmask64 b = v_bytes(k - i);
+        high = _mm512_max_epu8(high, _mm512_or_si512(_mm512_maskz_loadu_epi8(b, mc + i), top));
+        high = _mm512_max_epu8(high, _mm512_or_si512(_mm512_maskz_loadu_epi8(b, vc + i), top));
     }
+    return _mm512_cmpeq_epi8_mask(high, _mm512_set1_epi8((char)0xFF)) != 0;
+}
+
+/* block_moments' update of one block, 16 elements a step: the parameter written, the new
+ * moments into out->M and out->S, the new scales into *ms and *vs and their inverses into
+ * out (the encode is vb_encode_block's). c holds the hyper-parameters; its scales and tables
+ * are set here from the block's old scales. */
+WO_AVX512_INLINE void vb_update_block(int64_t k, float *restrict p, const float *restrict g,
+                                      uint8_t *mc, uint8_t *vc, float *ms, float *vs,
+                                      vb_consts *c, const int adam_w_mode, const int fmt,
+                                      vb_block *out) {
+    const float m_old = *ms, v_old = *vs;
+    c->m_scale = _mm512_set1_ps(fmt == FMT_FP8 ? m_old * 256.0f : m_old);
+    c->v_scale = _mm512_set1_ps(fmt == FMT_FP8 ? v_old * 256.0f : v_old);
+    if (fmt == FMT_INT4) {
+        c->m_lut = _mm512_mul_ps(_mm512_load_ps(wo_int4_signed_mags), c->m_scale);
+        __m512 r = _mm512_mul_ps(_mm512_load_ps(wo_int4_roots), c->v_scale);
+        c->v_lut = _mm512_mul_ps(r, r);
+    }
+    float *restrict M = out->M, *restrict S = out->S;
+    __m512i ma = _mm512_setzero_si512(), va = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) vb_update16(i, 16, p, g, mc, vc, M, S, c, adam_w_mode, fmt, &ma, &va);
+    if (i < k) vb_update16(i, k - i, p, g, mc, vc, M, S, c, adam_w_mode, fmt, &ma, &va);
+    uint32_t m_amax = _mm512_reduce_max_epu32(ma), v_amax = _mm512_reduce_max_epu32(va);
+    if (fmt == FMT_INT4) {
+        *ms = int4_scale(m_amax, &out->m_inv);
+        *vs = int4_scale(v_amax, &out->v_inv);
+    } else {
+        *ms = block_scale(m_amax, block_headroom(fmt, 0), &out->m_inv);
+        *vs = block_scale(v_amax, block_headroom(fmt, 1), &out->v_inv);
+    }
+    out->mc = mc;
+    out->vc = vc;
+    out->k = k;
+}
+
+/* block_moments' encode of a block vb_update_block left (a zero or NaN scale, inverse 0,
+ * stores codes 0: no lane is read). */
+WO_AVX512_INLINE void vb_encode_block(const vb_block *b, const int fmt) {
+    const int64_t k = b->k;
+    const __mmask16 m_keep = b->m_inv == 0.0f ? 0 : 0xFFFF, v_keep = b->v_inv == 0.0f ? 0 : 0xFFFF;
+    int64_t i;
+    if (fmt == FMT_INT4) {
+        const __m512 m_mult = _mm512_set1_ps(b->m_inv * 128.0f);
+        const __m512 v_mult = _mm512_set1_ps(b->v_inv * 16.0f);
+        for (i = 0; i < k; i += 64) {
+            vb_int4_encode64(b->mc, b->M, i, k - i, m_keep, m_mult, 0);
+            vb_int4_encode64(b->vc, b->S, i, k - i, v_keep, v_mult, 1);
+        }
+        return;
+    }
+    const __m512 m_mult = _mm512_set1_ps(b->m_inv), v_mult = _mm512_set1_ps(b->v_inv);
+    for (i = 0; i + 16 <= k; i += 16)
+        vb_encode16(i, 16, b->mc, b->vc, b->M, b->S, m_keep, v_keep, m_mult, v_mult, fmt);
+    if (i < k) vb_encode16(i, k - i, b->mc, b->vc, b->M, b->S, m_keep, v_keep, m_mult, v_mult, fmt);
+}
+
+/* block_range with these loops: the blocks of t that start in [begin, end), each updated
+ * whole. A block's encode waits until the next block is updated: its codes need its new
+ * scales (an amax reduction and, for int4, a division: tens of cycles of latency), and
+ * running them right after its update stalled the step on that chain (about a third of the
+ * int4 step at 128-value blocks). The blocks' codes, scales and elements are disjoint, so the
+ * order changes no bits. */
+WO_AVX512_INLINE void vb_range(wo_tensor *t, int64_t begin, int64_t end, const wo_hyper *h,
+                               const int adam_w_mode, const int fmt) {
+    float P[WO_QBLOCK_MAX], G[WO_QBLOCK_MAX];
+    vb_block done[2];
+    int waiting = -1; /* the block in done[] whose encode waits, or -1 */
     vb_consts c = {_mm512_set1_ps(h->lr),
                    _mm512_set1_ps(h->beta1),
                    _mm512_set1_ps(h->one_minus_beta1),
@@ -226,46 +340,40 @@ WO_AVX512_INLINE void vb_moments(int64_t k, float *restrict p, const float *rest
                    _mm512_set1_ps(h->weight_decay),
                    _mm512_set1_ps(h->inv_bias_correction1),
                    _mm512_set1_ps(h->inv_bias_correction2),
-                   _mm512_set1_ps(fmt == FMT_FP8 ? m_old * 256.0f : m_old),
-                   _mm512_set1_ps(fmt == FMT_FP8 ? v_old * 256.0f : v_old),
+                   _mm512_setzero_ps(),
+                   _mm512_setzero_ps(),
                    _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
-    if (fmt == FMT_INT4) {
-        c.m_lut = _mm512_mul_ps(_mm512_load_ps(wo_int4_signed_mags), c.m_scale);
-        __m512 r = _mm512_mul_ps(_mm512_load_ps(wo_int4_roots), c.v_scale);
-        c.v_lut = _mm512_mul_ps(r, r);
+    const int64_t q = t->qblock;
+    for (int64_t s = (begin + q - 1) / q * q; s < end; s += q) {
+        const wo_block_ops o = block_ops(t, s, P, G, fmt);
+        /* FP8 scales at or past 2^120 (see wo_fp8_fold_ok) and FP8 NaN codes: the portable
+         * loop, update and encode at once */
+        if (fmt == FMT_FP8 &&
+            (!(wo_fp8_fold_ok(KIND_FP8, *o.ms) && wo_fp8_fold_ok(KIND_FP8, *o.vs)) ||
+             vb_fp8_nan_codes(o.k, o.mc, o.vc))) {
+            block_moments(o.k, o.p, o.g, o.mc, o.vc, o.ms, o.vs, h, adam_w_mode, fmt);
+        } else {
+            const int next = waiting == 0 ? 1 : 0;
+            vb_update_block(o.k, o.p, o.g, o.mc, o.vc, o.ms, o.vs, &c, adam_w_mode, fmt,
+                            &done[next]);
+            if (waiting >= 0) vb_encode_block(&done[waiting], fmt);
+            waiting = next;
+        }
+        tile_store_param(t, s, o.k, o.p);
     }
-    float M[WO_QBLOCK_MAX + 16], S[WO_QBLOCK_MAX + 16];
-    __m512i ma = _mm512_setzero_si512(), va = _mm512_setzero_si512();
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) vb_update16(i, 16, p, g, mc, vc, M, S, &c, adam_w_mode, fmt, &ma, &va);
-    if (i < k) vb_update16(i, k - i, p, g, mc, vc, M, S, &c, adam_w_mode, fmt, &ma, &va);
-    uint32_t m_amax = _mm512_reduce_max_epu32(ma), v_amax = _mm512_reduce_max_epu32(va);
-    float m_inv, v_inv;
-    if (fmt == FMT_INT4) {
-        *ms = int4_scale(m_amax, &m_inv);
-        *vs = int4_scale(v_amax, &v_inv);
-    } else {
-        *ms = block_scale(m_amax, block_headroom(fmt, 0), &m_inv);
-        *vs = block_scale(v_amax, block_headroom(fmt, 1), &v_inv);
-    }
-    /* a zero or NaN scale (inverse 0) stores codes 0: no lane is read */
-    const __mmask16 m_keep = m_inv == 0.0f ? 0 : 0xFFFF, v_keep = v_inv == 0.0f ? 0 : 0xFFFF;
-    const __m512 m_mult = _mm512_set1_ps(m_inv), v_mult = _mm512_set1_ps(v_inv);
-    for (i = 0; i + 16 <= k; i += 16)
-        vb_encode16(i, 16, mc, vc, M, S, m_keep, v_keep, m_mult, v_mult, fmt);
-    if (i < k) vb_encode16(i, k - i, mc, vc, M, S, m_keep, v_keep, m_mult, v_mult, fmt);
+    if (waiting >= 0) vb_encode_block(&done[waiting], fmt);
 }
 
-WO_AVX512_FN __attribute__((noinline)) static void vb_block_moments(
-    int64_t k, float *p, const float *g, uint8_t *mc, uint8_t *vc, float *ms, float *vs,
-    const wo_hyper *h, int fmt) {
-#define WO_VB_CASE(f)                                        \
-    case f:                                                  \
-        if (h->adam_w_mode)                                  \
-            vb_moments(k, p, g, mc, vc, ms, vs, h, 1, f);    \
-        else                                                 \
-            vb_moments(k, p, g, mc, vc, ms, vs, h, 0, f);    \
+WO_AVX512_FN __attribute__((noinline)) static void vb_block_range(wo_tensor *t, int64_t begin,
+                                                                 int64_t end, const wo_hyper *h) {
+    const int fmt = block_fmt(t->m_kind);
+#define WO_VB_CASE(f)                                  \
+    case f:                                            \
+        if (h->adam_w_mode)                            \
+            vb_range(t, begin, end, h, 1, f);          \
+        else                                           \
+            vb_range(t, begin, end, h, 0, f);          \
         return;
     switch (fmt) {
         WO_VB_CASE(FMT_INT8)
