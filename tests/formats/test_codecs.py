@@ -97,7 +97,8 @@ def ref_split(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     hi = b >> 16
     lo = b & 0xFFFF
     hi = np.where(lo >= 0x8000, (hi + 1) & 0xFFFF, hi)
-    return hi.astype(np.uint16), lo.astype(np.uint16)
+    nan = (b & 0x7FFFFFFF) > 0x7F800000  # the bf16 quiet NaN, remainder 0
+    return np.where(nan, 0x7FC0, hi).astype(np.uint16), np.where(nan, 0, lo).astype(np.uint16)
 
 
 def ref_join(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
@@ -265,20 +266,42 @@ def test_remainder_split_join_bit_arithmetic(ints: list[int]) -> None:
     ref_hi, ref_lo = ref_split(bits)
     assert np.array_equal(hi.view(torch.int16).numpy().view(np.uint16), ref_hi)
     assert np.array_equal(rem.numpy().view(np.uint16), ref_lo)
+    # every value comes back bit for bit; a NaN as the quiet NaN (its payload is dropped)
+    nan = master.isnan()
+    want = torch.where(nan, torch.tensor(0x7FC00000, dtype=torch.int32), master.view(torch.int32))
     joined = remainders.join_master(hi, rem)
-    assert np.array_equal(joined.view(torch.int32).numpy().view(np.uint32), bits)
+    assert torch.equal(joined.view(torch.int32), want)
     into = torch.full_like(master, 7.0)
     remainders.join_master(hi, rem, out=into)  # the allocation-free forms used by the step
-    assert torch.equal(into.view(torch.int32), master.view(torch.int32))
+    assert torch.equal(into.view(torch.int32), want)
     into.fill_(7.0)
     remainders.join_master(hi, rem, out=into, scratch=torch.empty(len(ints), dtype=torch.int32))
-    assert torch.equal(into.view(torch.int32), master.view(torch.int32))
+    assert torch.equal(into.view(torch.int32), want)
     hi2, rem2 = torch.empty_like(hi), torch.empty_like(rem)
     remainders.split_master_into(
         master, hi2, rem2, scratch=torch.empty(len(ints), dtype=torch.int32)
     )
     assert torch.equal(hi2.view(torch.int16), hi.view(torch.int16)) and torch.equal(rem2, rem)
-    assert np.array_equal(ref_join(ref_hi, ref_lo), bits)
+    assert np.array_equal(ref_join(ref_hi, ref_lo), want.numpy().view(np.uint32))
+
+
+def test_a_nan_master_shows_as_nan_in_its_bf16_parameter() -> None:
+    """The quiet NaN CUDA arithmetic produces (0x7FFFFFFF) would round to the bf16 -0.0: the
+    model would see a zero where its master is NaN. Every NaN splits into the bf16 quiet NaN
+    and remainder 0, and joins back to a NaN."""
+    bits = torch.tensor([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0xFFFF8000],
+                        dtype=torch.int64).to(torch.int32)  # fmt: skip
+    master = bits.view(torch.float32)
+    hi, rem = remainders.split_master(master)
+    assert hi.isnan().all() and hi.view(torch.int16).eq(0x7FC0).all() and rem.eq(0).all()
+    assert remainders.join_master(hi, rem).isnan().all()
+    param = torch.full((5,), 1.0, dtype=torch.bfloat16)
+    rem2 = torch.full((5,), 3, dtype=torch.int16)
+    remainders.split_master_into(master, param, rem2, scratch=torch.empty(5, dtype=torch.int32))
+    assert torch.equal(param.view(torch.int16), hi.view(torch.int16)) and torch.equal(rem2, rem)
+    # finite neighbours are untouched: the largest finite and inf keep their exact split
+    edge = torch.tensor([3.4028234663852886e38, float("inf"), -float("inf")])
+    assert torch.equal(remainders.join_master(*remainders.split_master(edge)), edge)
 
 
 @given(st.lists(finite32, min_size=1, max_size=32))

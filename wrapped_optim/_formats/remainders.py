@@ -3,6 +3,10 @@
 With ``store_param_remainders`` a precision-aware optimizer keeps no FP32 master beside a
 bf16 parameter: the parameter holds the master's high 16 bits (rounded half away from zero by
 magnitude) and an int16 tensor the low 16 bits, so the master is rebuilt exactly from both.
+A NaN master is the exception: its bits would round to any bf16 (the quiet NaN 0x7FFFFFFF that
+CUDA arithmetic produces rounds to -0.0, so the model would compute on a zero while its master
+is NaN), so it is split into the bf16 quiet NaN 0x7FC0 and a zero remainder: the parameter
+shows the NaN, and the join gives a NaN back (the payload is not kept).
 This is integer bit arithmetic only, separate from the scaled moment formats of
 :mod:`wrapped_optim._formats.codecs` (which re-exports these functions; use them from there).
 
@@ -21,13 +25,17 @@ from torch import Tensor
 
 __all__ = ["join_master", "split_master", "split_master_into"]
 
+# The bf16 bits a NaN master's parameter takes (the quiet NaN), with remainder 0.
+_NAN_PARAM_BITS = 0x7FC0
+
 
 def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
     """Split FP32 values into TE's ``(bf16 parameter, int16 remainder)`` pair.
 
     The remainder is the low 16 bits; the bf16 bits are the high 16 bits, plus one when the
     remainder is negative (bit 15 set), i.e. rounded half away from zero in magnitude
-    (16-bit wrap-around, like TE's int16 arithmetic).
+    (16-bit wrap-around, like TE's int16 arithmetic). A NaN splits into the bf16 quiet NaN
+    0x7FC0 and remainder 0 (see the module's note).
 
     Example:
         >>> import torch
@@ -43,6 +51,9 @@ def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
     low = bits.to(torch.int16)  # the low 16 bits, sign-extended back below (wrap-around)
     # bits - sext(low) == (high + [low < 0]) << 16, so one subtraction does TE's rounding.
     high = torch.sub(bits, low).bitwise_right_shift_(16).to(torch.int16)
+    nan = master.isnan()
+    high.masked_fill_(nan, _NAN_PARAM_BITS)
+    low.masked_fill_(nan, 0)
     return high.view(torch.bfloat16), low
 
 
@@ -73,6 +84,9 @@ def split_master_into(
     torch.sub(bits, high, out=high)
     torch.bitwise_right_shift(high, 16, out=high)  # the out= form is the vectorized one
     param.view(torch.int16).copy_(high.view(param.shape))
+    nan = master.isnan()
+    param.view(torch.int16).masked_fill_(nan.view(param.shape), _NAN_PARAM_BITS)
+    remainder.masked_fill_(nan.view(remainder.shape), 0)
 
 
 def join_master(

@@ -338,8 +338,9 @@ def _write_back(row, t, offs, mask, mults, p, m, v, MASTER: tl.constexpr,
     _write(row, COL_V, offs, mask, v, V_KIND, MASKED, ALIGNED)
     if MASTER == 2:
         bits = p.to(tl.int32, bitcast=True)
-        remainder = bits.to(tl.int16)
-        high = ((bits - remainder.to(tl.int32)) >> 16).to(tl.int16)
+        nan = p != p  # the bf16 quiet NaN, remainder 0 (remainders' NaN rule)
+        remainder = tl.where(nan, 0, bits.to(tl.int16)).to(tl.int16)
+        high = tl.where(nan, 0x7FC0, ((bits - remainder.to(tl.int32)) >> 16)).to(tl.int16)
         _store(_address(row, COL_MASTER, tl.int16, ALIGNED), offs, mask, remainder, MASKED)
         _store(_address(row, COL_PARAM, tl.int16, ALIGNED), offs, mask, high, MASKED)
     else:
@@ -587,8 +588,11 @@ def _value_out(param, master, offs, mask, p, MASTER: tl.constexpr, P_BF16: tl.co
             tl.store(param + offs, p, mask=mask)
     else:
         bits = _bits(p)
-        rem = (bits & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True)
+        nan = p != p  # the bf16 quiet NaN, remainder 0 (remainders' NaN rule)
+        rem = tl.where(nan, 0, (bits & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True))
+        rem = rem.to(tl.int16)
         hi = ((bits - rem.to(tl.int32).to(tl.uint32, bitcast=True)) >> 16).to(tl.uint16)
+        hi = tl.where(nan, 0x7FC0, hi).to(tl.uint16)
         tl.store(master + offs, rem, mask=mask)
         tl.store(param + offs, hi.to(tl.bfloat16, bitcast=True), mask=mask)
 

@@ -379,6 +379,19 @@ static inline __attribute__((always_inline)) float *tile_param(const wo_tensor *
     return P;
 }
 
+/* TE's store_param_remainders split of an FP32 master x into the bf16 parameter *hi (its high
+ * bits rounded half away from zero) and the int16 remainder *lo (its low bits); a NaN into the
+ * bf16 quiet NaN and remainder 0 (its bits would round to any bf16, -0.0 for CUDA's
+ * 0x7FFFFFFF; wrapped_optim._formats.remainders says why). Selects only: the loops vectorize. */
+static inline __attribute__((always_inline)) void split_remainder(float x, uint16_t *hi,
+                                                                  int16_t *lo) {
+    const uint32_t bits = f2u(x);
+    const int nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+    const int16_t rem = nan ? (int16_t)0 : (int16_t)(bits & 0xFFFFu);
+    *lo = rem;
+    *hi = nan ? (uint16_t)0x7FC0u : (uint16_t)((bits - (uint32_t)(int32_t)rem) >> 16);
+}
+
 /* After the update of [s, s + k) in p (tile_param's pointer): the param (and remainder)
  * written from it, where the value updated is not the param itself. */
 static inline __attribute__((always_inline)) void tile_store_param(const wo_tensor *t, int64_t s,
@@ -393,12 +406,7 @@ static inline __attribute__((always_inline)) void tile_store_param(const wo_tens
     } else if (mk == MASTER_REMAINDER) {
         uint16_t *hi = (uint16_t *)t->param + s;
         int16_t *lo = (int16_t *)t->master + s;
-        for (int64_t i = 0; i < k; ++i) {
-            uint32_t bits = f2u(p[i]);
-            int16_t rem = (int16_t)(bits & 0xFFFFu);
-            lo[i] = rem;
-            hi[i] = (uint16_t)((bits - (uint32_t)(int32_t)rem) >> 16);
-        }
+        for (int64_t i = 0; i < k; ++i) split_remainder(p[i], hi + i, lo + i);
     }
 }
 
@@ -489,10 +497,7 @@ static inline __attribute__((always_inline)) void adamw_range(
             ((float *)master)[i] = p;
             ((float *)param)[i] = p;
         } else {
-            uint32_t bits = f2u(p);
-            int16_t rem = (int16_t)(bits & 0xFFFFu);
-            ((int16_t *)master)[i] = rem;
-            ((uint16_t *)param)[i] = (uint16_t)((bits - (uint32_t)(int32_t)rem) >> 16);
+            split_remainder(p, (uint16_t *)param + i, (int16_t *)master + i);
         }
     }
 }
