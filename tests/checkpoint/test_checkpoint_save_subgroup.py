@@ -27,21 +27,29 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=10)  # a collective on the wrong group fa
 START_TIMEOUT = timedelta(seconds=120)  # the helper importing torch on a busy machine
 
 
-def _helper(port: int) -> None:
+@contextlib.contextmanager
+def _as_rank_0(port: int) -> Iterator[dist.TCPStore]:
+    """A spawned helper's side: global rank 0 of the gloo group that ``_as_rank_1`` serves;
+    an exception inside is reported as the helper's result, and the group is torn down."""
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=START_TIMEOUT)
     try:
         store.set("up/0", "1")
         dist.init_process_group(
             "gloo", store=store, rank=0, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
         )
-        dist.new_group([1])  # every rank creates every group
-        store.wait(["done"], START_TIMEOUT)
-        store.set("result/0", "ok")
+        yield store
     except BaseException:
         store.set("result/0", traceback.format_exc())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _helper(port: int) -> None:
+    with _as_rank_0(port) as store:
+        dist.new_group([1])  # every rank creates every group
+        store.wait(["done"], START_TIMEOUT)
+        store.set("result/0", "ok")
 
 
 def _read_back(path: Path, shape: torch.Size) -> torch.Tensor:
@@ -112,12 +120,7 @@ def test_a_save_in_a_subgroup_waits_for_the_subgroup_only(tmp_path: Path) -> Non
 
 def _refusing_helper(port: int) -> None:
     """Global rank 0: its own state holds an inf; it saves with refuse_non_finite."""
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=START_TIMEOUT)
-    try:
-        store.set("up/0", "1")
-        dist.init_process_group(
-            "gloo", store=store, rank=0, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
-        )
+    with _as_rank_0(port) as store:
         opt = _stepped(torch.tensor([1.0, float("inf"), 3.0, 4.0]))
         try:
             save_optimizer(opt, store.get("path").decode(), refuse_non_finite=True)
@@ -125,11 +128,6 @@ def _refusing_helper(port: int) -> None:
         except ValueError as exc:
             store.set("result/0", str(exc))
         store.wait(["done"], START_TIMEOUT)
-    except BaseException:
-        store.set("result/0", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _stepped(grad: torch.Tensor) -> torch.optim.Optimizer:
