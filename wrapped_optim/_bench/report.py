@@ -518,7 +518,8 @@ def render_report(
             " (the every-step stale-master watch, the CPU kernel and the demo on a busy machine,"
             " the staged save on Megatron's precision-aware DistributedOptimizer, the checkpoint"
             " converter at 92M, 747M and 1.5B parameters, and the block-scaled"
-            " moments' loops step by step, by thread CPU time; the precision_adam and hybrid"
+            " moments' loops step by step, by thread CPU time, and the int4 and per-tensor FP8"
+            " loops against their cycle floors, in and out of cache; the precision_adam and hybrid"
             " sections above measure the block formats beside the peers in one run).",
             "",
         ]
